@@ -1,0 +1,3 @@
+from cachemgr.cli import main
+
+main()

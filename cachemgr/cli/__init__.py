@@ -1,0 +1,89 @@
+"""The cachemgr command line: a flat click group. Commands parse, call the library, print.
+
+Errors raised below this layer are CachemgrError subclasses; `main` turns each into one line on
+stderr and the exit code of its class. Nothing heavy is imported at module level: `stats` on the
+embedded default must answer in well under 0.2 s, and no inspection command may import torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from cachemgr import __version__
+from cachemgr.cli.common import App
+from cachemgr.errors import CachemgrError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--cache-dir", metavar="DIR",
+              help="Inductor cache to manage. Default: $CACHEMGR_CACHE_DIR, else $TORCHINDUCTOR_CACHE_DIR, "
+                   "else <tmpdir>/torchinductor_<user>.")
+@click.option("--db", metavar="URL",
+              help="Index database. Default: $CACHEMGR_DB, else sqlite under $STATE_DIRECTORY or "
+                   "$XDG_STATE_HOME/cachemgr/. PostgreSQL: postgresql+psycopg://user@host/db.")
+@click.option("--host", metavar="NAME", help="Host name recorded in the index (default: this host's name).")
+@click.option("--config", "config_file", metavar="FILE", type=click.Path(dir_okay=False),
+              help="TOML config file (default: /etc/cachemgr/config.toml if present).")
+@click.version_option(__version__, "-V", "--version")
+@click.pass_context
+def cli(ctx: click.Context, cache_dir: str | None, db: str | None, host: str | None, config_file: str | None) -> None:
+    """Keep TorchInductor's compile cache indexed, bounded and warm.
+
+    \b
+    Example:
+        cachemgr scan                      # index the cache
+        cachemgr stats                     # what is in it
+        cachemgr ls --kind fxgraph --sort cost --limit 10
+        cachemgr show fxyz...              # one entry in full
+    """
+    ctx.obj = App(config_file, {"cache_dir": cache_dir, "db": db, "host": host})
+
+
+def _register() -> None:
+    from cachemgr.cli import inspect
+
+    for module in (inspect,):
+        for command in module.COMMANDS:
+            cli.add_command(command)
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the group, funnel every error into one line and an exit code."""
+    app: App | None = None
+    try:
+        with cli.make_context("cachemgr", list(sys.argv[1:] if argv is None else argv)) as ctx:
+            app = ctx.obj
+            cli.invoke(ctx)
+        code = 0
+    except click.exceptions.Exit as e:
+        code = e.exit_code
+    except click.ClickException as e:
+        click.echo(f"cachemgr: error: {e.format_message()}", err=True)
+        code = e.exit_code
+    except click.exceptions.Abort:
+        click.echo("cachemgr: aborted", err=True)
+        code = 130
+    except KeyboardInterrupt:
+        click.echo("cachemgr: interrupted", err=True)
+        code = 130
+    except CachemgrError as e:
+        click.echo(f"cachemgr: error: {e}", err=True)
+        code = e.exit_code
+    except BrokenPipeError:
+        code = 0
+    except Exception as e:  # noqa: BLE001 - the one boundary where a bug becomes a message
+        if os.environ.get("CACHEMGR_DEBUG"):
+            raise
+        click.echo(f"cachemgr: internal error: {type(e).__name__}: {e} (set CACHEMGR_DEBUG=1 for a traceback)",
+                   err=True)
+        code = 70
+    finally:
+        if app is not None:
+            app.close()
+    sys.exit(code)

@@ -1,0 +1,136 @@
+"""Engine, pragmas and migrate-at-start for the index database (SQLite or PostgreSQL)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event, select, text
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from cachemgr.errors import DatabaseError
+from cachemgr.index.models import Cache
+from cachemgr.index.revision import HEAD_REVISION
+
+
+
+def migrations_dir() -> Path:
+    """migrations/ of a checkout, or cachemgr/migrations inside an installed wheel."""
+    here = Path(__file__).resolve().parent.parent
+    for cand in (here / "migrations", here.parent / "migrations"):
+        if (cand / "env.py").is_file():
+            return cand
+    raise DatabaseError("cannot find cachemgr's migrations (is the package installed completely?)")
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:  # noqa: ANN001 - DB-API connection
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")  # readers (CLI) never block the daemon's writes
+    cur.execute("PRAGMA synchronous=NORMAL")  # safe with WAL; a crash loses at most the last commit
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+class Database:
+    """One index database. `Database(url)` connects and brings the schema to head."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.is_sqlite = url.startswith("sqlite")
+        if self.is_sqlite:
+            path = url.split(":///", 1)[1] if ":///" in url else ""
+            if path and path != ":memory:":
+                try:
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise DatabaseError(f"cannot create the index directory {Path(path).parent}: {e.strerror}") from e
+        try:
+            self.engine: Engine = create_engine(url, pool_pre_ping=not self.is_sqlite)
+        except (SQLAlchemyError, ImportError, ValueError) as e:
+            raise DatabaseError(f"bad database URL {redact(url)}: {e}") from e
+        if self.is_sqlite:
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self.migrate()
+
+    # -- schema --------------------------------------------------------------------------------
+
+    def current_revision(self) -> str | None:
+        try:
+            with self.engine.connect() as conn:
+                return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        except OperationalError as e:
+            if "no such table" in str(e) or "does not exist" in str(e):
+                return None
+            raise DatabaseError(f"cannot open the index {redact(self.url)}: {_first_line(e)}") from e
+        except SQLAlchemyError as e:
+            if "UndefinedTable" in type(getattr(e, "orig", e)).__name__:
+                return None
+            raise DatabaseError(f"cannot open the index {redact(self.url)}: {_first_line(e)}") from e
+
+    def migrate(self) -> None:
+        if self.current_revision() == HEAD_REVISION:
+            return
+        from alembic import command
+        from alembic.config import Config
+
+        cfg = Config()
+        cfg.set_main_option("script_location", str(migrations_dir()))
+        try:
+            with self.engine.begin() as conn:
+                if not self.is_sqlite:  # two hosts starting at once migrate one after the other
+                    conn.execute(text("SELECT pg_advisory_xact_lock(4242)"))
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, "head")
+        except SQLAlchemyError as e:
+            raise DatabaseError(f"cannot migrate the index {redact(self.url)}: {_first_line(e)}") from e
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[Session]:
+        """A session in one transaction: committed on success, rolled back on error."""
+        with self.sessions() as s:
+            try:
+                with s.begin():
+                    yield s
+            except OperationalError as e:
+                raise DatabaseError(f"index database error: {_first_line(e)}") from e
+
+    def cache_id(self, host: str, root: str) -> int:
+        """The row of (host, root), created on first use."""
+        with self.session() as s:
+            cid = s.scalar(select(Cache.id).where(Cache.host == host, Cache.root == root))
+            if cid is None:
+                c = Cache(host=host, root=root)
+                s.add(c)
+                s.flush()
+                cid = c.id
+            return cid
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def default_host() -> str:
+    return os.environ.get("CACHEMGR_HOST") or socket.gethostname()
+
+
+def redact(url: str) -> str:
+    """A URL fit for messages: the password replaced."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        if ":" in creds:
+            return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
+    return url
+
+
+def _first_line(e: BaseException) -> str:
+    orig = getattr(e, "orig", None) or e
+    return str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__

@@ -1,0 +1,160 @@
+"""The index schema (SQLAlchemy 2.x typed ORM). Alembic's migrations in migrations/ build it.
+
+One database can hold many caches (host + root): the embedded default holds one, the fleet tier
+(PostgreSQL) holds every host's. Rows that point at other entries do so by (kind, ref) strings,
+not ids, because the target may not be on disk (an AOT entry whose forward graph was evicted).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Cache(Base):
+    """One cache directory on one host."""
+
+    __tablename__ = "caches"
+    __table_args__ = (UniqueConstraint("host", "root"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host: Mapped[str] = mapped_column(String(255))
+    root: Mapped[str] = mapped_column(String(1024))
+    last_scan: Mapped[float | None] = mapped_column(Float)
+    last_eviction: Mapped[float | None] = mapped_column(Float)
+
+
+class Entry(Base):
+    """One cache entry (see cachemgr.layout for what an entry is per kind)."""
+
+    __tablename__ = "entries"
+    __table_args__ = (
+        UniqueConstraint("cache_id", "key"),
+        Index("ix_entries_cache_kind", "cache_id", "kind"),
+        Index("ix_entries_cache_ref", "cache_id", "ref"),
+        Index("ix_entries_cache_alias", "cache_id", "alias"),
+        Index("ix_entries_cache_graph", "cache_id", "graph_key"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cache_id: Mapped[int] = mapped_column(ForeignKey("caches.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(1024))  # path relative to the root
+    kind: Mapped[str] = mapped_column(String(16))
+    ref: Mapped[str | None] = mapped_column(String(128))  # the name other entries use for it
+    alias: Mapped[str | None] = mapped_column(String(64))  # second name (C++ kernel source hash)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    files: Mapped[int] = mapped_column(Integer)
+    mtime: Mapped[float] = mapped_column(Float)
+    first_seen: Mapped[float] = mapped_column(Float)
+    last_access: Mapped[float] = mapped_column(Float)
+    hit_count: Mapped[int] = mapped_column(Integer, default=0)
+    graph_key: Mapped[str | None] = mapped_column(String(64))
+    signature: Mapped[str | None] = mapped_column(Text)
+    signature_hash: Mapped[str | None] = mapped_column(String(16))
+    options_hash: Mapped[str | None] = mapped_column(String(16))
+    guards: Mapped[str | None] = mapped_column(Text)
+    device_types: Mapped[str | None] = mapped_column(String(64))
+    compile_seconds: Mapped[float | None] = mapped_column(Float)
+    torch_version: Mapped[str | None] = mapped_column(String(64))
+    torch_version_hash: Mapped[str | None] = mapped_column(String(64))
+    system_hash: Mapped[str | None] = mapped_column(String(64))
+    corrupt: Mapped[str | None] = mapped_column(Text)
+
+    refs: Mapped[list[EntryRef]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
+    components: Mapped[list[EntryComponent]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
+
+
+class EntryRef(Base):
+    """Entry `entry_id` needs the entry of `kind` whose ref (or alias) is `ref`."""
+
+    __tablename__ = "entry_refs"
+    __table_args__ = (Index("ix_entry_refs_kind_ref", "kind", "ref"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    entry_id: Mapped[int] = mapped_column(ForeignKey("entries.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    ref: Mapped[str] = mapped_column(String(128))
+
+
+class EntryComponent(Base):
+    """One component an fxgraph key was hashed from (`_fx_graph_cache_debug_lines`)."""
+
+    __tablename__ = "entry_components"
+    __table_args__ = (Index("ix_entry_components_name_hash", "name", "hash"),)
+
+    entry_id: Mapped[int] = mapped_column(ForeignKey("entries.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    hash: Mapped[str] = mapped_column(String(64))
+    value: Mapped[str] = mapped_column(Text)
+
+
+class Pin(Base):
+    """A key (entry key, graph key or ref) eviction must keep. Outlives the entry's rows."""
+
+    __tablename__ = "pins"
+    __table_args__ = (UniqueConstraint("cache_id", "key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cache_id: Mapped[int] = mapped_column(ForeignKey("caches.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(1024))
+    reason: Mapped[str | None] = mapped_column(Text)
+    created: Mapped[float] = mapped_column(Float)
+
+
+class Event(Base):
+    """What happened to the cache: 'new' (a compile wrote an entry), 'hit', 'evict'."""
+
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_cache_ts", "cache_id", "ts"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cache_id: Mapped[int] = mapped_column(ForeignKey("caches.id", ondelete="CASCADE"))
+    ts: Mapped[float] = mapped_column(Float)
+    kind: Mapped[str] = mapped_column(String(16))
+    entry_kind: Mapped[str | None] = mapped_column(String(16))
+    entry_key: Mapped[str | None] = mapped_column(String(1024))
+    graph_key: Mapped[str | None] = mapped_column(String(64))
+    recompile: Mapped[bool] = mapped_column(Boolean, default=False)
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    seconds: Mapped[float | None] = mapped_column(Float)
+
+
+class Shape(Base):
+    """One input signature a model was seen with in production (cachemgr.record)."""
+
+    __tablename__ = "shapes"
+    __table_args__ = (UniqueConstraint("model", "signature_hash"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model: Mapped[str] = mapped_column(String(255))
+    signature_hash: Mapped[str] = mapped_column(String(16))
+    signature: Mapped[str] = mapped_column(Text)
+    spec: Mapped[str] = mapped_column(Text)  # JSON: the inputs, replayable by prewarm
+    options: Mapped[str] = mapped_column(Text)  # JSON: torch.compile kwargs
+    host: Mapped[str | None] = mapped_column(String(255))
+    count: Mapped[int] = mapped_column(BigInteger, default=1)
+    first_seen: Mapped[float] = mapped_column(Float)
+    last_seen: Mapped[float] = mapped_column(Float)

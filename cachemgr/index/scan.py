@@ -1,0 +1,225 @@
+"""Reconcile the index with the directory: new, changed and removed entries.
+
+The bulk path is SQLAlchemy Core over the ORM's tables (executemany), not ORM objects: a
+100,000-file cache must scan at the speed of `find`. A rescan of an unchanged tree stats every
+file and reads none.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from sqlalchemy import bindparam, delete, insert, select, update
+
+from cachemgr import layout, parse
+from cachemgr.errors import CacheDirError
+from cachemgr.index.db import Database
+from cachemgr.index.models import Cache, Entry, EntryComponent, EntryRef, Event
+
+ENTRIES, REFS, COMPONENTS, EVENTS = Entry.__table__, EntryRef.__table__, EntryComponent.__table__, Event.__table__
+CHUNK = 500  # rows per IN (...) list: well under SQLite's and PostgreSQL's parameter limits
+
+Progress = Callable[[int, int], None]  # (done, total) while parsing entries
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    root: str
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    corrupt: list[tuple[str, str]] = field(default_factory=list)  # (key, reason) of new/changed
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "root": self.root, "added": len(self.added), "changed": len(self.changed),
+            "removed": len(self.removed), "unchanged": self.unchanged,
+            "corrupt": [{"key": k, "reason": r} for k, r in self.corrupt], "seconds": round(self.seconds, 3),
+        }
+
+
+def check_root(root: str) -> None:
+    if not os.path.exists(root):
+        raise CacheDirError(f"cache directory {root} does not exist (set --cache-dir or TORCHINDUCTOR_CACHE_DIR)")
+    if not os.path.isdir(root):
+        raise CacheDirError(f"cache directory {root} is not a directory")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise CacheDirError(f"cache directory {root} is not readable by this user")
+
+
+def read_noatime(path: str) -> bytes:
+    """Read a file without moving its atime where the kernel allows: our reads are not hits."""
+    flags = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
+    try:
+        fd = os.open(path, flags)
+    except PermissionError:  # O_NOATIME needs ownership
+        fd = os.open(path, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def describe(root: str, d: layout.DiskEntry) -> tuple[dict, list[tuple[str, str]], list[parse.Component]]:
+    """Row values, references and hash components of one entry, read from its files."""
+    row: dict = {"alias": None}
+    p: parse.Parsed | None = None
+    refs: list[tuple[str, str]] = []
+    try:
+        if d.kind == "fxgraph":
+            p = parse.parse_fxgraph(read_noatime(os.path.join(root, d.key)), graph_key=d.ref)
+        elif d.kind == "aotautograd":
+            p = parse.parse_aotautograd(read_noatime(os.path.join(root, d.key)))
+        elif d.kind == "autotune":
+            refs = parse.autotune_refs(read_noatime(os.path.join(root, d.key)))
+        elif d.kind == "code":
+            main_cpp = next((x for x in d.paths if x.endswith(".main.cpp")), None)
+            if main_cpp:
+                row["alias"] = parse.cpp_source_ref(read_noatime(os.path.join(root, main_cpp)).decode("utf-8", "replace"))
+    except OSError as e:
+        row["corrupt"] = f"unreadable: {e.strerror}"
+    if p is not None:
+        refs = p.refs
+        row.update(
+            graph_key=p.graph_key if d.kind == "fxgraph" else None, signature=p.signature,
+            signature_hash=p.signature_hash, options_hash=p.options_hash, guards=p.guards,
+            device_types=p.device_types, compile_seconds=p.compile_seconds, torch_version=p.torch_version,
+            torch_version_hash=p.torch_version_hash, system_hash=p.system_hash, corrupt=p.corrupt,
+        )
+    return row, refs, (p.components if p else [])
+
+
+_PARSED_COLUMNS = (
+    "graph_key", "signature", "signature_hash", "options_hash", "guards", "device_types", "compile_seconds",
+    "torch_version", "torch_version_hash", "system_hash", "corrupt",
+)
+
+
+def reconcile(
+    db: Database, cache_id: int, root: str, subtree: str = "", progress: Progress | None = None
+) -> ScanResult:
+    """Bring the index rows of `root` (or of one subtree) in line with the disk, in one transaction."""
+    t0 = time.monotonic()
+    check_root(root)
+    now = time.time()
+    prefix = subtree.strip("/") + "/" if subtree else ""
+    disk = {d.key: d for d in layout.walk(root, subtree.strip("/"))}
+
+    with db.engine.connect() as conn:
+        q = select(ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.bytes, ENTRIES.c.files, ENTRIES.c.mtime,
+                   ENTRIES.c.last_access).where(ENTRIES.c.cache_id == cache_id)
+        if prefix:
+            q = q.where(ENTRIES.c.key.startswith(prefix, autoescape=True))
+        known = {r.key: r for r in conn.execute(q)}
+        known_graphs = set(conn.execute(
+            select(ENTRIES.c.graph_key).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.graph_key.is_not(None))
+        ).scalars())
+
+    added = [k for k in disk if k not in known]
+    removed = [k for k in known if k not in disk]
+    changed, touched = [], []
+    for k, d in disk.items():
+        r = known.get(k)
+        if r is None:
+            continue
+        if r.bytes != d.bytes or r.files != d.files or abs(r.mtime - d.mtime) > 1e-6:
+            changed.append(k)
+        elif max(d.atime, d.mtime) > r.last_access + 1:
+            touched.append({"b_id": r.id, "b_last_access": max(d.atime, d.mtime)})
+
+    # Parse outside the write transaction: readers and the daemon's writes are not held up.
+    todo = added + changed
+    described: dict[str, tuple[dict, list, list]] = {}
+    for i, k in enumerate(todo):
+        described[k] = describe(root, disk[k])
+        if progress:
+            progress(i + 1, len(todo))
+
+    corrupt: list[tuple[str, str]] = []
+    with db.engine.begin() as conn:
+        removed_ids = [known[k].id for k in removed]
+        for chunk in _chunks(removed_ids):
+            conn.execute(delete(ENTRIES).where(ENTRIES.c.id.in_(chunk)))
+        if touched:
+            conn.execute(
+                update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(last_access=bindparam("b_last_access")),
+                touched,
+            )
+        if changed:
+            changed_ids = [known[k].id for k in changed]
+            for chunk in _chunks(changed_ids):
+                conn.execute(delete(REFS).where(REFS.c.entry_id.in_(chunk)))
+                conn.execute(delete(COMPONENTS).where(COMPONENTS.c.entry_id.in_(chunk)))
+            conn.execute(
+                update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(
+                    {c: bindparam("b_" + c) for c in ("bytes", "files", "mtime", "alias", *_PARSED_COLUMNS)}
+                ),
+                [
+                    {"b_id": known[k].id, "b_bytes": disk[k].bytes, "b_files": disk[k].files, "b_mtime": disk[k].mtime,
+                     **{"b_" + c: described[k][0].get(c) for c in ("alias", *_PARSED_COLUMNS)}}
+                    for k in changed
+                ],
+            )
+        new_rows = []
+        for k in added:
+            d, (row, _, _) = disk[k], described[k]
+            new_rows.append({
+                "cache_id": cache_id, "key": k, "kind": d.kind, "ref": d.ref, "bytes": d.bytes, "files": d.files,
+                "mtime": d.mtime, "first_seen": now, "last_access": max(d.atime, d.mtime), "hit_count": 0,
+                **{c: row.get(c) for c in ("alias", *_PARSED_COLUMNS)},
+            })
+        ids = _insert_returning_ids(conn, new_rows)
+        ids.update({k: known[k].id for k in changed})
+        refs, comps, events = [], [], []
+        for k in todo:
+            row, entry_refs, entry_comps = described[k]
+            eid = ids[k]
+            refs.extend({"entry_id": eid, "kind": kind, "ref": ref} for kind, ref in entry_refs)
+            comps.extend({"entry_id": eid, "name": c.name, "hash": c.hash, "value": c.value}
+                         for c in {c.name: c for c in entry_comps}.values())
+            if row.get("corrupt"):
+                corrupt.append((k, row["corrupt"]))
+        for k in added:
+            d, row = disk[k], described[k][0]
+            if d.kind == "fxgraph" and not row.get("corrupt"):
+                gk = row.get("graph_key")
+                events.append({"cache_id": cache_id, "ts": d.mtime, "kind": "new", "entry_kind": d.kind,
+                               "entry_key": k, "graph_key": gk, "recompile": gk in known_graphs,
+                               "bytes": d.bytes, "seconds": row.get("compile_seconds")})
+                known_graphs.add(gk)
+        for table, rows in ((REFS, refs), (COMPONENTS, comps), (EVENTS, events)):
+            if rows:
+                conn.execute(insert(table), rows)
+        if not prefix:
+            conn.execute(update(Cache.__table__).where(Cache.__table__.c.id == cache_id).values(last_scan=now))
+
+    return ScanResult(root, added, changed, removed, len(disk) - len(added) - len(changed), corrupt,
+                      time.monotonic() - t0)
+
+
+def _insert_returning_ids(conn, rows: list[dict]) -> dict[str, int]:
+    """Insert entry rows; map key -> id. One executemany, then one select for the ids."""
+    if not rows:
+        return {}
+    conn.execute(insert(ENTRIES), rows)
+    cache_id = rows[0]["cache_id"]
+    keys = [r["key"] for r in rows]
+    out: dict[str, int] = {}
+    if len(keys) > CHUNK * 4:  # cheaper to read the cache's ids whole than to page through IN lists
+        wanted = set(keys)
+        for eid, key in conn.execute(select(ENTRIES.c.id, ENTRIES.c.key).where(ENTRIES.c.cache_id == cache_id)):
+            if key in wanted:
+                out[key] = eid
+        return out
+    for chunk in _chunks(keys):
+        out.update((k, i) for i, k in conn.execute(
+            select(ENTRIES.c.id, ENTRIES.c.key).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk))))
+    return out
+
+
+def _chunks(items: list, n: int = CHUNK) -> Iterable[list]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]

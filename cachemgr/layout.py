@@ -1,0 +1,177 @@
+"""TorchInductor's cache directory layout: the only module that knows its paths.
+
+An *entry* is the unit cachemgr indexes and evicts:
+
+| kind        | entry key (relative to the root)   | ref (what other entries name it by) |
+| ----------- | ---------------------------------- | ----------------------------------- |
+| fxgraph     | fxgraph/<2ch>/<graph key>/<file>   | graph key                           |
+| aotautograd | aotautograd/<aot key>/<file>       | aot key                             |
+| triton      | triton/<device>/<kernel hash>/     | kernel hash (a directory, whole)    |
+| code        | <2ch>/c<hash>  (.py .cpp .so ...)  | c<hash> (module / source stem)      |
+| autotune    | <2ch>/<sha256>.best_config         | sha256                              |
+| lock        | locks/<name>.lock                  | name                                |
+| other       | the file's own path                | -                                   |
+
+Names that start with '.' and names containing '.tmp' or starting with 'tmp.' are writes in
+progress (Inductor's write_atomic, Triton's tmp.pid_* directories) or cachemgr's own trash: never
+entries. Symlinks are never followed and never indexed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+KINDS = ("fxgraph", "aotautograd", "triton", "code", "autotune", "lock", "other")
+TRASH_DIR = ".cachemgr-trash"  # inside the root, same file system: rename there, then unlink
+LOCKS_DIR = "locks"
+
+_TWO_CHAR = re.compile(r"^[a-z0-9]{2}$")
+_CODE_NAME = re.compile(r"^(c[a-z0-9]{20,})(\..+)$")
+
+
+def is_transient(name: str) -> bool:
+    """A write in progress or cachemgr's own bookkeeping: never an entry, never deleted."""
+    return name.startswith(".") or name.startswith("tmp.") or ".tmp" in name
+
+
+@dataclass(frozen=True, slots=True)
+class Classified:
+    kind: str
+    key: str  # entry key, relative to the root, '/'-separated
+    ref: str | None
+
+
+def classify(relpath: str) -> Classified | None:
+    """The entry a file belongs to, or None for transient files. `relpath` is '/'-separated."""
+    parts = relpath.split("/")
+    if any(is_transient(p) for p in parts) or not parts[-1]:
+        return None
+    top, n = parts[0], len(parts)
+    if top == "fxgraph" and n == 4:
+        return Classified("fxgraph", relpath, parts[2])
+    if top == "aotautograd" and n == 3:
+        return Classified("aotautograd", relpath, parts[1])
+    if top == "triton" and n >= 4:
+        return Classified("triton", "/".join(parts[:3]), parts[2])
+    if top == LOCKS_DIR and n == 2:
+        return Classified("lock", relpath, parts[1].removesuffix(".lock"))
+    if n == 2 and _TWO_CHAR.match(top):
+        name = parts[1]
+        if name.endswith(".best_config"):
+            return Classified("autotune", relpath, name.removesuffix(".best_config"))
+        code = _CODE_NAME.match(name)
+        if code:
+            return Classified("code", f"{top}/{code.group(1)}", code.group(1))
+    return Classified("other", relpath, None)
+
+
+@dataclass(slots=True)
+class DiskEntry:
+    """One entry as found on disk: its files and their summed sizes."""
+
+    kind: str
+    key: str
+    ref: str | None
+    bytes: int = 0
+    files: int = 0
+    mtime: float = 0.0
+    atime: float = 0.0
+    paths: list[str] = field(default_factory=list)  # relative paths of its regular files
+
+    def add(self, relpath: str, st: os.stat_result) -> None:
+        self.bytes += st.st_size
+        self.files += 1
+        self.mtime = max(self.mtime, st.st_mtime)
+        self.atime = max(self.atime, st.st_atime)
+        self.paths.append(relpath)
+
+
+def walk(root: str, subtree: str = "") -> Iterator[DiskEntry]:
+    """Every entry under `root` (or under `root/subtree`), grouped as `classify` groups files.
+
+    One os.scandir pass; each file is stat'ed once (lstat: symlinks are skipped, not followed).
+    Unreadable directories are skipped, so a scan never fails on one bad corner.
+    """
+    entries: dict[str, DiskEntry] = {}
+    start = os.path.join(root, subtree) if subtree else root
+    prefix = subtree.strip("/") + "/" if subtree else ""
+    stack = [(start, prefix)]
+    while stack:
+        path, rel = stack.pop()
+        try:
+            it = os.scandir(path)
+        except OSError:
+            continue
+        with it:
+            for d in it:
+                if is_transient(d.name):
+                    continue
+                try:
+                    if d.is_dir(follow_symlinks=False):
+                        stack.append((d.path, rel + d.name + "/"))
+                        continue
+                    if not d.is_file(follow_symlinks=False):
+                        continue
+                    st = d.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # vanished between listing and stat: an eviction or a rename
+                relpath = rel + d.name
+                c = classify(relpath)
+                if c is None:
+                    continue
+                e = entries.get(c.key)
+                if e is None:
+                    e = entries[c.key] = DiskEntry(c.kind, c.key, c.ref)
+                e.add(relpath, st)
+    yield from entries.values()
+
+
+def entry_paths(root: str, key: str, kind: str) -> list[str]:
+    """The files of one entry as they are on disk now (relative paths)."""
+    if kind == "triton":
+        return [p for e in walk(root, key) for p in e.paths]
+    if kind == "code":
+        folder, stem = key.split("/", 1)
+        try:
+            names = os.listdir(os.path.join(root, folder))
+        except OSError:
+            return []
+        return sorted(
+            f"{folder}/{n}" for n in names
+            if n.startswith(stem + ".") and not is_transient(n)
+            and os.path.isfile(os.path.join(root, folder, n)) and not os.path.islink(os.path.join(root, folder, n))
+        )
+    full = os.path.join(root, key)
+    return [key] if os.path.isfile(full) and not os.path.islink(full) else []
+
+
+def stat_entry(root: str, c: Classified) -> DiskEntry | None:
+    """Re-read one entry from disk (for the watcher and for eviction checks); None if gone."""
+    e = DiskEntry(c.kind, c.key, c.ref)
+    for p in entry_paths(root, c.key, c.kind):
+        try:
+            e.add(p, os.lstat(os.path.join(root, p)))
+        except OSError:
+            pass
+    return e if e.files else None
+
+
+def fxgraph_dir(graph_key: str) -> str:
+    """Where Inductor keeps the entries of one graph key."""
+    return f"fxgraph/{graph_key[1:3]}/{graph_key}"
+
+
+def default_cache_dir() -> str:
+    """Inductor's own default: <tmpdir>/torchinductor_<user> (torch/_inductor/runtime/cache_dir_utils.py)."""
+    import getpass
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    user = re.sub(r'[\\/:*?"<>|]', "_", user)
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + user)

@@ -1,0 +1,116 @@
+"""Shared fixtures: real caches (one compiled here on CPU, the shared H200 fixture), a fresh
+index per test, and ways to run the CLI in-process (CliRunner) and as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+REPO = Path(__file__).resolve().parent.parent
+PROGRAMS = REPO / "tests" / "programs"
+GPU_FIXTURE = REPO.parent / "shared" / "fixtures" / "inductor-cache-h200-torch2.11.tgz"
+
+
+def subprocess_env(cache_dir: Path | str | None = None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEMGR_", "TORCHINDUCTOR_"))}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if cache_dir is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    env.update(extra)
+    return env
+
+
+def run_program(cache_dir: Path, *args: str, timeout: float = 600, **env: str) -> dict:
+    """Run the test workload in a fresh process; return its counters line."""
+    out = subprocess.run([sys.executable, str(PROGRAMS / "compile_models.py"), *args],
+                         env=subprocess_env(cache_dir, **env), capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def cpu_cache_master(tmp_path_factory) -> Path:
+    """A real cache written by torch.compile on CPU (training step with dynamic batch,
+    inference, custom options). Built once per session; tests get copies."""
+    root = tmp_path_factory.mktemp("cpu-cache") / "inductor"
+    counters = run_program(root)
+    assert counters["fxgraph_cache_miss"] > 0
+    return root
+
+
+@pytest.fixture
+def cpu_cache(cpu_cache_master, tmp_path) -> Path:
+    dst = tmp_path / "inductor"
+    shutil.copytree(cpu_cache_master, dst, symlinks=True)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def gpu_cache_master(tmp_path_factory) -> Path:
+    if not GPU_FIXTURE.exists():
+        pytest.fail(f"shared GPU fixture missing: {GPU_FIXTURE}")
+    dst = tmp_path_factory.mktemp("gpu-cache")
+    with tarfile.open(GPU_FIXTURE) as t:
+        t.extractall(dst, filter="data")
+    (root,) = [p for p in dst.iterdir() if p.is_dir()]
+    return root
+
+
+@pytest.fixture
+def gpu_cache(gpu_cache_master, tmp_path) -> Path:
+    dst = tmp_path / "gpu-cache"
+    shutil.copytree(gpu_cache_master, dst, symlinks=True)
+    return dst
+
+
+@pytest.fixture
+def db_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'state' / 'index.db'}"
+
+
+class Cli:
+    """`cachemgr` bound to one cache dir and index: in-process by default, `.proc()` as a subprocess."""
+
+    def __init__(self, cache_dir: Path, db_url: str, host: str = "testhost") -> None:
+        self.cache_dir, self.db_url, self.host = cache_dir, db_url, host
+
+    def base(self) -> list[str]:
+        return ["--cache-dir", str(self.cache_dir), "--db", self.db_url, "--host", self.host]
+
+    def __call__(self, *args: str, code: int = 0, input: str | None = None):
+        from cachemgr.cli import main
+
+        with CliRunner().isolation(input=input) as (out, err, _):
+            try:
+                main([*self.base(), *args])
+                exit_code = 0
+            except SystemExit as e:
+                exit_code = int(e.code or 0)
+            stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+        assert exit_code == code, f"exit {exit_code} != {code}\nstdout: {stdout}\nstderr: {stderr}"
+        return Result(stdout, stderr, exit_code)
+
+    def json(self, *args: str, code: int = 0):
+        return json.loads(self(*args, "--json", code=code).stdout)
+
+    def proc(self, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cachemgr", *self.base(), *args], capture_output=True,
+                              text=True, timeout=timeout, env={**subprocess_env(), **(env or {})})
+
+
+class Result:
+    def __init__(self, stdout: str, stderr: str, exit_code: int) -> None:
+        self.stdout, self.stderr, self.exit_code = stdout, stderr, exit_code
+
+
+@pytest.fixture
+def cli_for(db_url):
+    return lambda cache_dir, **kw: Cli(cache_dir, kw.pop("db", db_url), **kw)

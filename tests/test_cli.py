@@ -1,0 +1,79 @@
+"""The CLI from the outside: bad input is one line and an exit code, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["ls", "--larger-than", "12XB"], 2, "invalid size '12XB'"),
+    (["ls", "--older-than", "soon"], 2, "invalid duration 'soon'"),
+    (["ls", "--kind", "bogus"], 2, "'bogus' is not one of"),
+    (["stats", "--window", "1y"], 2, "invalid duration"),
+    (["show", "nosuchkey"], 3, "no entry 'nosuchkey'"),
+    (["frobnicate"], 2, "No such command"),
+])
+def test_bad_input_is_one_line(cpu_cache, cli_for, args, code, message):
+    cli = cli_for(cpu_cache)
+    cli("scan")
+    r = cli.proc(*args)
+    assert r.returncode == code, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("cachemgr: error:") and message in lines[0], r.stderr
+
+
+def test_missing_cache_dir(tmp_path, cli_for):
+    r = cli_for(tmp_path / "nope").proc("scan")
+    assert r.returncode == 4 and r.stderr.strip() == f"cachemgr: error: cache directory {tmp_path / 'nope'} does not exist (set --cache-dir or TORCHINDUCTOR_CACHE_DIR)"
+
+
+def test_bad_db_url(cpu_cache, cli_for):
+    r = cli_for(cpu_cache, db="postgresql+psycopg://nobody@127.0.0.1:1/none").proc("scan")
+    assert r.returncode == 5 and "Traceback" not in r.stderr and r.stderr.startswith("cachemgr: error: cannot open the index")
+
+
+def test_stats_scans_a_never_scanned_cache(cpu_cache, cli_for):
+    cli = cli_for(cpu_cache)
+    r = cli("stats", "--json")
+    assert "never scanned" in r.stderr
+    import json
+
+    assert json.loads(r.stdout)["entries"] > 0
+
+
+def test_human_output(gpu_cache, cli_for):
+    cli = cli_for(gpu_cache)
+    assert "262 added" in cli("scan").stdout
+    out = cli("stats").stdout
+    assert "triton" in out and "total" in out and "hit ratio" in out
+    out = cli("ls", "--kind", "fxgraph", "--sort", "cost").stdout
+    assert "fxgraph/" in out and "cuda:0" in out
+    assert "needs triton" in cli("show", cli.json("ls", "--kind", "fxgraph")[0]["key"]).stdout
+    assert "no entries match" in cli("ls", "--larger-than", "1TiB").stdout
+
+
+def test_cache_dir_precedence(tmp_path, monkeypatch):
+    from cachemgr import config
+
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind")}
+    assert config.load(environ=env).cache_dir == str(tmp_path / "ind")
+    env["CACHEMGR_CACHE_DIR"] = str(tmp_path / "mine")
+    s = config.load(environ=env)
+    assert s.cache_dir == str(tmp_path / "mine") and s.sources["cache_dir"] == "env CACHEMGR_CACHE_DIR"
+    assert config.load(environ=env, flags={"cache_dir": str(tmp_path / "flag")}).cache_dir == str(tmp_path / "flag")
+    assert config.load(environ={}).cache_dir.endswith("torchinductor_" + __import__("getpass").getuser())
+    assert config.load(environ={"STATE_DIRECTORY": "/var/lib/cachemgr"}).db == "sqlite:////var/lib/cachemgr/index.db"
+    assert config.load(environ={"XDG_STATE_HOME": "/x"}).db == "sqlite:////x/cachemgr/index.db"
+    assert config.load(environ={"CACHEMGR_DB": "postgresql+psycopg:///test"}).db == "postgresql+psycopg:///test"
+
+
+def test_units():
+    from cachemgr.errors import UsageError
+    from cachemgr.units import parse_duration, parse_size
+
+    assert parse_size("20GiB") == 20 * 1024**3 and parse_size("500MB") == 500 * 1000**2 and parse_size("0") == 0
+    assert parse_duration("14d") == 14 * 86400 and parse_duration("6h") == 21600 and parse_duration("30m") == 1800
+    for bad in ("", "GiB", "-1GB", "1 parsec"):
+        with pytest.raises(UsageError):
+            parse_size(bad)

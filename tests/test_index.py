@@ -1,0 +1,248 @@
+"""The index on real caches: a CPU cache compiled in this session and the shared H200 fixture."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from cachemgr import layout
+from conftest import REPO, subprocess_env
+
+
+def disk_counts(root: Path) -> tuple[int, int]:
+    files = [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def find_bytes(root: Path) -> int:
+    out = subprocess.run(["find", str(root), "-type", "f", "-printf", "%s\\n"], capture_output=True, text=True, check=True)
+    return sum(int(x) for x in out.stdout.split())
+
+
+@pytest.mark.parametrize("which", ["cpu_cache", "gpu_cache"])
+def test_scan_counts_match_disk(which, request, cli_for):
+    root = request.getfixturevalue(which)
+    cli = cli_for(root)
+    res = cli.json("scan")
+    assert res["added"] > 0 and res["removed"] == 0 and res["corrupt"] == []
+    stats = cli.json("stats")
+    n_files, n_bytes = disk_counts(root)
+    assert stats["files"] == n_files
+    assert stats["bytes"] == n_bytes == find_bytes(root)
+    assert stats["corrupt"] == 0
+
+    # per kind: the files the layout assigns to each kind, counted independently on disk
+    per_kind: Counter = Counter()
+    per_kind_bytes: Counter = Counter()
+    for p in root.rglob("*"):
+        if p.is_file():
+            c = layout.classify(p.relative_to(root).as_posix())
+            assert c is not None
+            per_kind[c.kind] += 1
+            per_kind_bytes[c.kind] += p.stat().st_size
+    for kind, row in stats["by_kind"].items():
+        assert row["files"] == per_kind[kind], kind
+        assert row["bytes"] == per_kind_bytes[kind], kind
+    fx_files = list(root.glob("fxgraph/*/*/*"))
+    assert stats["by_kind"]["fxgraph"]["entries"] == len(fx_files) > 0
+    assert stats["by_kind"]["aotautograd"]["entries"] == len(list(root.glob("aotautograd/*/*"))) > 0
+    if which == "gpu_cache":
+        kernels = list(root.glob("triton/*/*"))
+        assert stats["by_kind"]["triton"]["entries"] == len(kernels) > 100
+        assert stats["by_kind"]["autotune"]["entries"] == len(list(root.glob("*/*.best_config"))) > 0
+    else:
+        assert stats["by_kind"]["code"]["files"] == len(list(root.glob("??/c*.*")))
+        assert stats["by_kind"]["lock"]["entries"] == len(list(root.glob("locks/*.lock"))) > 0
+
+    for e in cli.json("ls", "--kind", "fxgraph"):
+        assert e["graph_key"] and e["graph_key"].startswith("f") and len(e["graph_key"]) == 52
+        assert e["signature"] and e["signature_hash"] and e["options_hash"]
+        assert e["compile_seconds"] > 0
+        assert e["torch_version"] == ("2.11.0+cu130" if which == "gpu_cache" else __import__("torch").__version__)
+        assert e["path"] == e["key"] and (root / e["key"]).is_file()
+        assert e["key"].split("/")[2] == e["graph_key"]
+
+
+def test_cpu_cache_content(cpu_cache, cli_for):
+    cli = cli_for(cpu_cache)
+    cli("scan")
+    fx = cli.json("ls", "--kind", "fxgraph")
+    sigs = {e["signature"] for e in fx}
+    # the dynamic-batch training graphs carry a symbolic batch dim, renumbered from s0
+    assert any("f32[s0, 32](32, 1)cpu" in s for s in sigs), sigs
+    assert any(s == "f32[10](1)cpu" for s in sigs), sigs  # the inference function
+    assert {e["device_types"] for e in fx} == {"cpu"}
+    assert any(e["guards"] and "L['t0']" in e["guards"] for e in fx)
+    # custom options= give another options hash than the default-option graphs
+    assert len({e["options_hash"] for e in fx}) >= 2
+    for e in fx:
+        shown = cli.json("show", e["key"])
+        needs = {(r["kind"], r["ref"]): r["present"] for r in shown["references"]}
+        assert ("code", next(iter(x for k, x in needs if k == "code"))) in needs
+        assert all(needs.values()), needs
+        assert any(ref.startswith("src-") for kind, ref in needs), "C++ kernel builds are tied to their graph"
+        assert shown["files_on_disk"] == [{"path": e["key"], "bytes": e["bytes"]}]
+        assert shown["referenced_by"], "every fxgraph entry here is named by an aotautograd entry"
+
+
+def test_gpu_fixture_links(gpu_cache, cli_for):
+    cli = cli_for(gpu_cache)
+    cli("scan")
+    for e in cli.json("ls", "--kind", "fxgraph"):
+        shown = cli.json("show", e["key"])
+        kernels = [r for r in shown["references"] if r["kind"] == "triton"]
+        assert kernels and all(r["present"] for r in kernels)
+        assert e["device_types"] == "cuda" and "cuda:0" in e["signature"]
+    tuned = cli.json("ls", "--kind", "autotune")
+    shown = cli.json("show", tuned[0]["key"])
+    assert [r["kind"] for r in shown["references"]] == ["triton"] and shown["references"][0]["present"]
+
+
+def test_rescan_reconciles_changes(cpu_cache, cli_for):
+    cli = cli_for(cpu_cache)
+    first = cli.json("scan")
+    again = cli.json("scan")
+    assert again["added"] == again["changed"] == again["removed"] == 0
+    assert again["unchanged"] == first["added"]
+    victim = next(cpu_cache.glob("fxgraph/*/*/*"))
+    victim.unlink()
+    grown = next(cpu_cache.glob("??/c*.py"))
+    grown.write_text(grown.read_text() + "\n# edited\n")
+    (cpu_cache / "other.bin").write_bytes(b"x" * 100)
+    r = cli.json("scan")
+    assert (r["added"], r["changed"], r["removed"]) == (1, 1, 1)
+    assert cli.json("stats")["bytes"] == find_bytes(cpu_cache)
+
+
+def test_transient_files_are_not_entries(cpu_cache, cli_for):
+    d = next(cpu_cache.glob("fxgraph/*/*"))
+    (d / f".{os.getpid()}.1234.tmp").write_bytes(b"partial write")
+    tmpdir = cpu_cache / "triton" / "0" / "tmp.pid_1_abc"
+    tmpdir.mkdir(parents=True)
+    (tmpdir / "k.cubin").write_bytes(b"\0" * 10)
+    cli = cli_for(cpu_cache)
+    cli("scan")
+    keys = [e["key"] for e in cli.json("ls")]
+    assert not any(".tmp" in k or "tmp.pid" in k for k in keys)
+
+
+def test_hostile_pickle_executes_nothing(cpu_cache, cli_for, tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    class EvilOpen:
+        def __reduce__(self):
+            return (open, (str(marker) + "2", "w"))
+
+    key = "f" + "a" * 51
+    for i, payload in enumerate((Evil(), EvilOpen(), [EvilOpen()])):
+        d = cpu_cache / "fxgraph" / key[1:3] / key
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"evil{i}").write_bytes(pickle.dumps(payload))
+    junk = cpu_cache / "fxgraph" / "bb" / ("f" + "b" * 51)
+    junk.mkdir(parents=True)
+    (junk / "truncated").write_bytes(next(cpu_cache.glob("fxgraph/*/*/*")).read_bytes()[:500])
+    (junk / "empty").write_bytes(b"")
+    (junk / "random").write_bytes(os.urandom(4096))
+    cli = cli_for(cpu_cache)
+    res = cli.json("scan")
+    assert not marker.exists() and not Path(str(marker) + "2").exists()
+    reasons = {k.rsplit("/", 1)[1]: r for k, r in ((c["key"], c["reason"]) for c in res["corrupt"])}
+    assert set(reasons) == {"evil0", "evil1", "evil2", "truncated", "empty", "random"}
+    assert reasons["empty"] == "empty file"
+    bad = cli.json("ls", "--corrupt")
+    assert len(bad) == 6 and all(e["corrupt"] for e in bad)
+    assert cli.json("stats")["corrupt"] == 6
+
+
+INSPECT_WITHOUT_TORCH = """
+import sys
+from cachemgr.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    assert e.code == 0, e.code
+assert "torch" not in sys.modules, "torch was imported"
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("args", [["scan"], ["stats"], ["stats", "--json"], ["ls", "--json"], ["show", "fxgraph"]])
+def test_inspection_never_imports_torch(cpu_cache, db_url, args):
+    base = ["--cache-dir", str(cpu_cache), "--db", db_url]
+    env = subprocess_env()
+    subprocess.run([sys.executable, "-m", "cachemgr", *base, "scan"], env=env, check=True, capture_output=True)
+    out = subprocess.run([sys.executable, "-c", INSPECT_WITHOUT_TORCH, *base, *args], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
+
+
+def test_stats_fast_path_skips_sqlalchemy(cpu_cache, db_url):
+    base = ["--cache-dir", str(cpu_cache), "--db", db_url]
+    env = subprocess_env()
+    subprocess.run([sys.executable, "-m", "cachemgr", *base, "scan"], env=env, check=True, capture_output=True)
+    code = INSPECT_WITHOUT_TORCH.replace('"torch" not in', '"sqlalchemy" not in')
+    out = subprocess.run([sys.executable, "-c", code, *base, "stats", "--json"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_alembic_head_matches_models(tmp_path):
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+    from alembic.config import Config
+
+    from cachemgr.index.db import Database, migrations_dir
+    from cachemgr.index.models import Base
+    from cachemgr.index.revision import HEAD_REVISION
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    assert ScriptDirectory.from_config(cfg).get_current_head() == HEAD_REVISION
+    db = Database(f"sqlite:///{tmp_path / 'x.db'}")
+    with db.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+    assert diff == []
+    assert db.current_revision() == HEAD_REVISION
+
+
+def test_index_is_wal(cpu_cache, cli_for, db_url):
+    import sqlite3
+
+    cli_for(cpu_cache)("scan")
+    conn = sqlite3.connect(db_url.split(":///", 1)[1])
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_migrations_ship_in_the_wheel(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
+                          str(tmp_path), str(REPO)], capture_output=True, text=True)
+    if out.returncode != 0 and "hatchling" in out.stderr:
+        out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path), str(REPO)],
+                             capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import zipfile
+
+    (whl,) = tmp_path.glob("cachemgr-*.whl")
+    names = zipfile.ZipFile(whl).namelist()
+    assert "cachemgr/migrations/env.py" in names
+    assert any(n.startswith("cachemgr/migrations/versions/0001") for n in names)
+    # installed from the wheel alone (no checkout on the path), the index still migrates
+    site = tmp_path / "site"
+    zipfile.ZipFile(whl).extractall(site)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(site)
+    code = ("import cachemgr, sys; from cachemgr.index.db import Database, migrations_dir; "
+            f"assert str(migrations_dir()).startswith({str(site)!r}), migrations_dir(); "
+            f"Database('sqlite:///{tmp_path}/w.db'); print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.stdout.strip() == "ok", r.stderr
