@@ -16,7 +16,9 @@ from click.testing import CliRunner
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAMS = REPO / "tests" / "programs"
-GPU_FIXTURE = REPO.parent / "shared" / "fixtures" / "inductor-cache-h200-torch2.11.tgz"
+FIXTURE_NAME = "shared/fixtures/inductor-cache-h200-torch2.11.tgz"
+# ../shared beside the checkout (CI, the main checkout), or further up for a git worktree
+GPU_FIXTURE = next((p / FIXTURE_NAME for p in REPO.parents if (p / FIXTURE_NAME).exists()), REPO.parent / FIXTURE_NAME)
 
 
 def subprocess_env(cache_dir: Path | str | None = None, **extra: str) -> dict[str, str]:
