@@ -30,6 +30,9 @@ from cachemgr.errors import NotFound, UsageError
 GROUPS = ("code", "inputs", "options", "environment", "other")
 ENVIRONMENT = {"torch_version", "cuda_matmul_settings", "deterministic_algorithms_settings", "default_dtype",
                "cache_key_tag", "cpp_runtime_thread_count"}
+# A forward and its backward, or an inference graph and a training forward, are other graphs.
+GRAPH_ROLES = {"fx_kwargs[is_backward]": ("a backward", "a forward"),
+               "fx_kwargs[is_inference]": ("an inference", "a training")}
 NEW_GRAPH_RATIO = 0.5  # below this line similarity the nearest code is another graph, not an edit
 CODE_DIFF_LINES = 12
 NEAREST = 3
@@ -199,12 +202,17 @@ class Diff:
         """How much differs: one per component, one per changed field of an input."""
         return sum(max(1, len(c.fields)) for c in self.changes if not c.derived)
 
-    def other_graph(self) -> bool:
-        """A and B are different graphs, not one graph edited: a forward and a backward, or
-        code with little in common (and not just made dynamic)."""
-        if any(c.name == "fx_kwargs[is_backward]" for c in self.changes):
-            return True
-        return not self.dynamic and self.code_similarity is not None and self.code_similarity < NEW_GRAPH_RATIO
+    def other_graph(self) -> str | None:
+        """Why A and B are different graphs, not one graph edited (None when they are one): a
+        forward and a backward, or code with little in common (and not just made dynamic)."""
+        for c in self.changes:
+            if c.name in GRAPH_ROLES:
+                yes, no = GRAPH_ROLES[c.name]
+                this, other = (yes, no) if c.b == "True" else (no, yes)
+                return f"{this} graph; the nearest earlier entry is {other}"
+        if not self.dynamic and self.code_similarity is not None and self.code_similarity < NEW_GRAPH_RATIO:
+            return f"no earlier entry has similar code ({self.code_similarity:.0%} of lines alike)"
+        return None
 
     @property
     def same(self) -> bool:
@@ -239,6 +247,14 @@ class Candidate:
         return {**self.entry.as_dict(), "same_code": self.same_code, "shared": self.shared, "differ": self.differ}
 
 
+# Causes that are no component change, as the summary words them after "N graphs".
+VERDICT_CAUSES = {
+    "first": "compiled for the first time in this cache",
+    "new-graph": "compiled as new graphs, unlike any earlier one",
+    "guards": "compiled again under the same key for another guard set",
+}
+
+
 @dataclass(frozen=True)
 class Miss:
     """One new fxgraph entry (a compile) and why no earlier entry served it."""
@@ -250,14 +266,11 @@ class Miss:
     nearest: tuple[Candidate, ...] = ()
     diff: Diff | None = None
     guards: tuple[str | None, str | None] = (None, None)  # (nearest's, this one's) for 'guards'
+    note: str | None = None  # new-graph: why it counts as another graph
 
     def causes(self) -> list[str]:
-        if self.verdict == "first":
-            return ["compiled for the first time (nothing earlier in the cache)"]
-        if self.verdict == "new-graph":
-            return ["a new graph (no earlier graph with similar code)"]
-        if self.verdict == "guards":
-            return ["same key, compiled for another guard set"]
+        if self.verdict in VERDICT_CAUSES:
+            return [VERDICT_CAUSES[self.verdict]]
         return self.diff.causes() if self.diff else []
 
     def as_dict(self) -> dict[str, Any]:
@@ -266,6 +279,7 @@ class Miss:
             "causes": self.causes(), "nearest": [c.as_dict() for c in self.nearest],
             "diff": self.diff.as_dict() if self.diff else None,
             "guards": {"nearest": self.guards[0], "this": self.guards[1]} if self.verdict == "guards" else None,
+            "note": self.note,
         }
 
 
@@ -278,8 +292,8 @@ class SummaryLine:
     def text(self) -> str:
         s = "" if self.graphs == 1 else "s"
         secs = f" ({self.seconds:.1f} s compiling)" if self.seconds else ""
-        if self.cause.startswith(("compiled", "a new graph", "same key")):
-            return f"{self.graphs} graph{s}: {self.cause}{secs}"
+        if self.cause in VERDICT_CAUSES.values():
+            return f"{self.graphs} graph{s} {self.cause}{secs}"
         return f"{self.graphs} graph{s} recompiled because {self.cause}{secs}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -332,7 +346,12 @@ GROUP BY e.id, e.key, e.graph_key, e.mtime
 ORDER BY differ, e.mtime DESC
 LIMIT :k
 """
-COUNT_SQL = "SELECT COUNT(*) FROM entry_components WHERE entry_id = :n"
+DIFFER_SQL = """
+SELECT (SELECT COUNT(*) FROM entry_components a LEFT JOIN entry_components b ON b.entry_id = :b AND b.name = a.name
+        WHERE a.entry_id = :a AND (b.hash IS NULL OR b.hash <> a.hash))
+     + (SELECT COUNT(*) FROM entry_components b WHERE b.entry_id = :b
+        AND NOT EXISTS (SELECT 1 FROM entry_components a WHERE a.entry_id = :a AND a.name = b.name))
+"""
 HAS_EARLIER_SQL = f"SELECT 1 FROM entries e WHERE {EARLIER} LIMIT 1"
 GM_SQL = "SELECT value FROM entry_components WHERE entry_id = :n AND name = 'gm'"
 
@@ -476,12 +495,11 @@ def nearest(conn, cache_id: int, e: EntryRef, k: int = NEAREST) -> list[Candidat
     same = {r[0]: _ref(r) for r in conn.execute(text(SAME_CODE_SQL), p)}
     close = {r[0]: _ref(r) for r in conn.execute(text(DIFFERING_SQL), p)}
     pool = list(same.values())[: k * 8] if same else list(close.values())
-    n_count = int(conn.execute(text(COUNT_SQL), {"n": e.id}).scalar() or 0)
     out = []
     for o in pool:
-        shared = int(conn.execute(text(SHARED_SQL), {"a": e.id, "b": o.id}).scalar() or 0)
-        o_count = int(conn.execute(text(COUNT_SQL), {"n": o.id}).scalar() or 0)
-        out.append(Candidate(o, o.id in same, shared, n_count + o_count - 2 * shared))
+        ab = {"a": o.id, "b": e.id}
+        shared = int(conn.execute(text(SHARED_SQL), ab).scalar() or 0)
+        out.append(Candidate(o, o.id in same, shared, int(conn.execute(text(DIFFER_SQL), ab).scalar() or 0)))
     out.sort(key=lambda c: (not c.same_code, -c.shared, c.differ, -c.entry.mtime))
     return out[:k]
 
@@ -510,7 +528,7 @@ def explain_entry(conn, cache_id: int, e: EntryRef, ts: float, seconds: float | 
         other = conn.execute(text("SELECT guards FROM entries WHERE id = :n"), {"n": best.entry.id}).scalar()
         return Miss(e, ts, seconds, "guards", tuple(cands), d, (other, guards))
     if not best.same_code and d.other_graph():
-        return Miss(e, ts, seconds, "new-graph", tuple(cands), d)
+        return Miss(e, ts, seconds, "new-graph", tuple(cands), d, note=d.other_graph())
     return Miss(e, ts, seconds, "recompile", tuple(cands), d)
 
 
