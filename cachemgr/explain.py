@@ -335,16 +335,21 @@ JOIN entry_components oc ON oc.name = 'gm' AND oc.hash = nc.hash
 JOIN entries e ON e.id = oc.entry_id
 WHERE nc.entry_id = :n AND nc.name = 'gm' AND {EARLIER}
 """
-# Components of :n that an earlier entry holds with another hash. Written as two ranges so the
-# (name, hash) index skips the rows equal to :n's, which are most rows (configs rarely change).
+# The components of :n that some entry holds with another hash: the few that vary (the graph
+# code, inputs, a changed option). Two range probes per name on the (name, hash) index, so the
+# hundreds of config values every entry shares cost a seek each, not a scan.
+VARYING_SQL = """
+SELECT a.name, a.hash FROM entry_components a WHERE a.entry_id = :n AND (
+    EXISTS (SELECT 1 FROM entry_components b WHERE b.name = a.name AND b.hash < a.hash)
+    OR EXISTS (SELECT 1 FROM entry_components b WHERE b.name = a.name AND b.hash > a.hash))
+"""
+# How many of those each earlier entry holds with another hash (an entry absent differs in none).
 DIFFERING_SQL = f"""
-SELECT {ENTRY_COLS}, COUNT(*) AS differ FROM entry_components nc
-JOIN entry_components oc ON oc.name = nc.name AND (oc.hash < nc.hash OR oc.hash > nc.hash)
-JOIN entries e ON e.id = oc.entry_id
-WHERE nc.entry_id = :n AND {EARLIER}
-GROUP BY e.id, e.key, e.graph_key, e.mtime
-ORDER BY differ, e.mtime DESC
-LIMIT :k
+SELECT {ENTRY_COLS}, d.differ FROM (
+    SELECT oc.entry_id, COUNT(*) AS differ FROM entry_components oc WHERE {{varying}} GROUP BY oc.entry_id
+) d JOIN entries e ON e.id = d.entry_id
+WHERE {EARLIER}
+ORDER BY d.differ, e.mtime DESC
 """
 DIFFER_SQL = """
 SELECT (SELECT COUNT(*) FROM entry_components a LEFT JOIN entry_components b ON b.entry_id = :b AND b.name = a.name
@@ -491,12 +496,23 @@ def _show(value: str | None, h: str | None) -> str | None:
 
 def nearest(conn, cache_id: int, e: EntryRef, k: int = NEAREST) -> list[Candidate]:
     """The earlier entries closest to E: same graph code first, then the most components shared."""
-    p = {"n": e.id, "t": e.mtime, "cid": cache_id, "k": k * 4}
+    p: dict[str, Any] = {"n": e.id, "t": e.mtime, "cid": cache_id}
     same = {r[0]: _ref(r) for r in conn.execute(text(SAME_CODE_SQL), p)}
-    close = {r[0]: _ref(r) for r in conn.execute(text(DIFFERING_SQL), p)}
-    pool = list(same.values())[: k * 8] if same else list(close.values())
+    varying = conn.execute(text(VARYING_SQL), p).fetchall()
+    close: dict[int, tuple[EntryRef, int]] = {}
+    if varying:
+        conds = []
+        for i, (name, h) in enumerate(varying):
+            conds.append(f"(oc.name = :vn{i} AND oc.hash <> :vh{i})")
+            p.update({f"vn{i}": name, f"vh{i}": h})
+        sql = DIFFERING_SQL.format(varying=" OR ".join(conds))
+        close = {r[0]: (_ref(r), int(r[4])) for r in conn.execute(text(sql), p)}
+    if same:  # rank the same-code entries by how little else differs (absent: nothing does)
+        pool = sorted(same.values(), key=lambda o: (close[o.id][1] if o.id in close else 0, -o.mtime))[: k * 3]
+    else:
+        pool = [o for o, _ in list(close.values())[: k * 3]]
     out = []
-    for o in pool:
+    for o in pool:  # exact counts for the few left
         ab = {"a": o.id, "b": e.id}
         shared = int(conn.execute(text(SHARED_SQL), ab).scalar() or 0)
         out.append(Candidate(o, o.id in same, shared, int(conn.execute(text(DIFFER_SQL), ab).scalar() or 0)))
@@ -532,15 +548,12 @@ def explain_entry(conn, cache_id: int, e: EntryRef, ts: float, seconds: float | 
     return Miss(e, ts, seconds, "recompile", tuple(cands), d)
 
 
-def recent_misses(conn, cache_id: int, since: float, graphs: set[str] | None = None,
-                  keys: set[str] | None = None) -> list[Miss]:
+def recent_misses(conn, cache_id: int, since: float, graphs: set[str] | None = None) -> list[Miss]:
     """Explain every new fxgraph entry whose compile event is at or after `since` (epoch seconds)."""
     out = []
     for r in conn.execute(text(NEW_SQL), {"cid": cache_id, "since": since}).fetchall():
         e = _ref(r)
         if graphs is not None and e.graph_key not in graphs:
-            continue
-        if keys is not None and e.key not in keys:
             continue
         out.append(explain_entry(conn, cache_id, e, float(r[4]), r[5], r[6]))
     return out

@@ -155,13 +155,13 @@ def explain(app, since: float, graph: str | None, model: str | None, summary: bo
         raise UsageError("give --graph or --model, not both")
     _ensure_scanned(app)
     with app.db.engine.connect() as conn:
-        graphs = keys = None
+        graphs = None
         if graph:
             e, _ = X.resolve(conn, app.cache_id, graph)
             graphs = {e.graph_key}
         elif model:
             graphs = X.model_graphs(conn, model)
-        misses = X.recent_misses(conn, app.cache_id, X.since_epoch(since), graphs=graphs, keys=keys)
+        misses = X.recent_misses(conn, app.cache_id, X.since_epoch(since), graphs=graphs)
     lines = X.summarize(misses)
     shown = misses[-limit:]
     if as_json:
