@@ -250,7 +250,7 @@ class Candidate:
 # Causes that are no component change, as the summary words them after "N graphs".
 VERDICT_CAUSES = {
     "first": "compiled for the first time in this cache",
-    "new-graph": "compiled as new graphs, unlike any earlier one",
+    "new-graph": "compiled, unlike any earlier graph",
     "guards": "compiled again under the same key for another guard set",
 }
 

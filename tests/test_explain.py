@@ -123,7 +123,7 @@ def test_summary_one_line_per_cause(variants, cli_for):
         "an input's dtype changed": 1,
         "an input's stride changed": 1,
         "the graph code changed": 1,
-        "compiled as new graphs, unlike any earlier one": 2,
+        "compiled, unlike any earlier graph": 2,
         "compiled for the first time in this cache": 1,
     }
     text = cli("explain", "--summary", "--since", "1d").stdout
@@ -211,3 +211,7 @@ def test_gpu_fixture_readable_in_80_columns(gpu_cache, cli_for):
     r = cli.proc("diff", a, b, env={"COLUMNS": "80"})
     assert r.returncode == 0 and all(len(line) <= 80 for line in r.stdout.splitlines()), r.stdout
     assert "shape became dynamic" in r.stdout
+    for command in ("diff", "explain"):
+        r = cli.proc(command, "--help", env={"COLUMNS": "80"})
+        assert r.returncode == 0 and "Example:" in r.stdout
+        assert all(len(line) <= 80 for line in r.stdout.splitlines()), r.stdout

@@ -98,7 +98,7 @@ def diff_cmd(app, key_a: str, key_b: str, as_json: bool) -> None:
     \b
     Example:
         cachemgr diff fz5q6oebaq3sx/r5b6tx fswx4xl7jl56x/va5lrg
-        cachemgr diff fxgraph/z5/fz5q6o... fxgraph/sw/fswx4x... --json | jq .causes
+        cachemgr diff fz5q6oebaq3sx fswx4xl7jl56x --json | jq .causes
     """
     from cachemgr import explain as X
 
@@ -147,7 +147,7 @@ def explain(app, since: float, graph: str | None, model: str | None, summary: bo
     Example:
         cachemgr explain --since 6h
         cachemgr explain --summary --since 7d
-        cachemgr explain --graph fz5q6oebaq3sxs3iw7bor3foplmviktssmegq6vjxzo6lawvi4ew --json
+        cachemgr explain --graph fz5q6oebaq3sx/r5b6tx --json   # one graph
     """
     from cachemgr import explain as X
 
