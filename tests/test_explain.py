@@ -215,3 +215,20 @@ def test_gpu_fixture_readable_in_80_columns(gpu_cache, cli_for):
         r = cli.proc(command, "--help", env={"COLUMNS": "80"})
         assert r.returncode == 0 and "Example:" in r.stdout
         assert all(len(line) <= 80 for line in r.stdout.splitlines()), r.stdout
+
+
+def test_parse_input_and_groups():
+    from cachemgr.explain import changed_fields, group_of, parse_input
+
+    cut = ("TensorMetadata(dtype=torch.float32, shape=torch.Size([s33, 256]), stride=(256, 1), device=device("
+           "type='cuda', index=0), layout=torch.strided, memory_format=None, storage_offset=0, storage_bytes=None, ")
+    f = parse_input(cut[:200])  # stored values are cut at 200 characters
+    assert (f["dtype"], f["shape"], f["stride"], f["device"]) == ("float32", "[s33, 256]", "(256, 1)", "cuda:0")
+    assert "storage_bytes" not in f  # the cut-off last field is dropped, not misread
+    static = dict(f, shape="[8, 256]", memory_format="torch.contiguous_format")
+    assert changed_fields(static, f) == ["shape (dynamic)"]
+    assert changed_fields(dict(f, device="cuda:1"), f) == ["device"]
+    assert parse_input("('s33',)") == {"scalar": "s33"}
+    assert [group_of(n) for n in ("gm", "example_inputs[3]", "fx_kwargs[is_backward]", "inductor_config[debug]",
+                                  "torch_version", "system_info[device]", "cuda_matmul_settings", "post_grad_custom_pre_pass")] == \
+        ["code", "inputs", "options", "options", "environment", "environment", "environment", "options"]

@@ -198,6 +198,9 @@ def render_miss(m, width: int) -> list[str]:
     how = "same graph code" if best.same_code else "nearest"
     out.append(short(f"  {how}: {best.entry.short} ({best.shared} components shared, {best.differ} differ)",
                      width))
+    if len(m.nearest) > 1:
+        others = ", ".join(f"{c.entry.short} ({c.differ})" for c in m.nearest[1:])
+        out.append(short(f"  next nearest (differ): {others}", width))
     if m.verdict == "guards":
         out.extend(_wrap("same hash components: one key compiled again for another guard set", width - 2, "  "))
         for label, g in zip(("earlier", "this"), m.guards):
