@@ -600,5 +600,21 @@ def since_epoch(window: float | None) -> float:
     return 0.0 if window is None else time.time() - window
 
 
-__all__ = ["Change", "Candidate", "Diff", "EntryRef", "Miss", "SummaryLine", "diff", "explain_entry", "group_of",
-           "model_graphs", "nearest", "parse_input", "recent_misses", "resolve", "short_key", "summarize"]
+__all__ = [
+    "Candidate",
+    "Change",
+    "Diff",
+    "EntryRef",
+    "Miss",
+    "SummaryLine",
+    "diff",
+    "explain_entry",
+    "group_of",
+    "model_graphs",
+    "nearest",
+    "parse_input",
+    "recent_misses",
+    "resolve",
+    "short_key",
+    "summarize",
+]
