@@ -129,8 +129,8 @@ def changed_fields(a: dict[str, str], b: dict[str, str]) -> list[str]:
     for k in sorted(set(a) & set(b)):  # a field missing on one side was cut off, not changed
         if k in MAIN_FIELDS or a[k] == b[k]:
             continue
-        if k == "memory_format" and out:
-            continue  # the memory format is read off the shape and strides
+        if k in ("memory_format", "storage_bytes") and out:
+            continue  # read off the shape and strides: not a cause of their own
         out.append(k)
     return out
 
