@@ -401,25 +401,41 @@ def plan_eviction(keys: list[RemoteKey], aot_refs: Mapping[str, list[str]], max_
     low_water * max_size; an AOT entry whose fxgraph is evicted goes with it (it could only miss)."""
     total = sum(k.bytes for k in keys)
     chosen: dict[str, Victim] = {}
+    needed_by: dict[str, list[RemoteKey]] = {}  # fxgraph key -> the AOT entries that need it
+    for k in keys:
+        if k.kind == "aotautograd":
+            for fx in aot_refs.get(k.rkey, ()):
+                needed_by.setdefault(fx, []).append(k)
+
+    def take(k: RemoteKey, reason: str) -> int:
+        """Choose k and the AOT entries it leaves useless; the bytes that frees."""
+        freed = 0
+        if k.rkey not in chosen:
+            chosen[k.rkey] = Victim(k.rkey, k.kind, k.bytes, k.idle, reason)
+            freed += k.bytes
+        if k.kind == "fxgraph":
+            for a in needed_by.get(k.key, ()):
+                if a.rkey not in chosen:
+                    chosen[a.rkey] = Victim(a.rkey, a.kind, a.bytes, a.idle, "needs-evicted-graph")
+                    freed += a.bytes
+        return freed
+
+    remaining = total
     for k in keys:
         if max_age is not None and k.idle > max_age and k.idle >= grace:
-            chosen[k.rkey] = Victim(k.rkey, k.kind, k.bytes, k.idle, "age")
-    remaining = total - sum(v.bytes for v in chosen.values())
+            remaining -= take(k, "age")
     young = 0
     if max_size is not None and remaining > max_size:
         target = int(max_size * low_water)
-        for k in sorted((k for k in keys if k.rkey not in chosen), key=lambda k: (-k.idle, -k.bytes)):
+        for k in sorted(keys, key=lambda k: (-k.idle, -k.bytes)):
             if remaining <= target:
                 break
+            if k.rkey in chosen:
+                continue
             if k.idle < grace:
                 young += 1
                 continue
-            chosen[k.rkey] = Victim(k.rkey, k.kind, k.bytes, k.idle, "size")
-            remaining -= k.bytes
-    gone_graphs = {k.key for k in keys if k.rkey in chosen and k.kind == "fxgraph"}
-    for k in keys:
-        if k.kind == "aotautograd" and k.rkey not in chosen and gone_graphs.intersection(aot_refs.get(k.rkey, ())):
-            chosen[k.rkey] = Victim(k.rkey, k.kind, k.bytes, k.idle, "needs-evicted-graph")
+            remaining -= take(k, "size")
     victims = tuple(chosen.values())
     return EvictPlan(victims, total, sum(v.bytes for v in victims), young)
 
