@@ -143,14 +143,15 @@ def push(app, model: str | None, graph: str | None, force: bool, no_scan: bool, 
 
     if model and graph:
         raise UsageError("give --model or --graph, not both")
-    if not no_scan:
-        from cachemgr.cli.inspect import run_scan
-
-        run_scan(app, quiet_progress=as_json)
-    with app.db.engine.connect() as conn:
-        items, extra = push_items(conn, app.cache_id, model=model, graph=graph)
     rem = _remote(app)
     try:
+        rem.ping()  # a Redis that is down fails before the scan, not after
+        if not no_scan:
+            from cachemgr.cli.inspect import run_scan
+
+            run_scan(app, quiet_progress=as_json)
+        with app.db.engine.connect() as conn:
+            items, extra = push_items(conn, app.cache_id, model=model, graph=graph)
         r = rem.push(items, app.settings.cache_dir, app.settings.host, force=force)
     finally:
         rem.close()
