@@ -122,8 +122,15 @@ def test_push_one_graph(cpu_cache, cli_for, redis_url, rconn, tmp_path):
     # other way round a graph's AOT entry is what a fresh host looks up first)
     aot = [k.split("/")[1] for k in a.json("show", infer[0]["key"])["referenced_by"]]
     assert len(aot) == 1
+    # a second guard set under the same key: Redis holds one value per key, the newest goes
+    entry = cpu_cache / infer[0]["key"]
+    newer = entry.with_name("z" + entry.name[1:])
+    newer.write_bytes(entry.read_bytes())
+    os.utime(newer, (entry.stat().st_atime, entry.stat().st_mtime + 10))
     out = a("remote", "--redis", redis_url, "push", "--graph", key).stdout
-    assert out.startswith("pushed 2 entries (") and "0 already there" in out
+    assert out.startswith("pushed 2 entries (") and "0 already there" in out and "1 extra guard sets not pushed" in out
+    meta = json.loads(rconn.hget("cachemgr:meta", f"pt2:fx-graph-v1::{key}:c1"))
+    assert meta["source"] == str(newer.relative_to(cpu_cache))
     assert torch_keys(rconn) == sorted([f"pt2:fx-graph-v1::{key}:c1", f"pt2:autograd-experimental::{aot[0]}:c1"])
     counters = run_program(tmp_path / "b", "--only", "infer", TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
                            TORCHINDUCTOR_REDIS_URL=redis_url)

@@ -132,6 +132,9 @@ def push(app, model: str | None, graph: str | None, force: bool, no_scan: bool, 
 
     Without --model/--graph every entry goes. A key already in Redis is left alone. Redis
     holds one value per key, so of a graph compiled for several guard sets the newest goes.
+    AOTAutograd keys hash torch._functorch.config, TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE
+    included: AOT entries serve the hosts that compile with the same setting as this one did.
+    FX graph keys do not depend on the remote settings.
 
     \b
     Example:
