@@ -101,11 +101,19 @@ def index_into(url: str, root: str) -> dict:
         rescan = time.perf_counter() - t0
         from sqlalchemy import text
 
+        from cachemgr.fleet.report import fleet_report, fleet_stats
+
         with db.engine.connect() as conn:
+            t0 = time.perf_counter()
+            fleet_report(conn)
+            report = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            fleet_stats(conn, 86400)
+            fstats = time.perf_counter() - t0
             n, size = conn.execute(text("SELECT COUNT(*), SUM(bytes) FROM entries WHERE cache_id = :c"), {"c": cid}).one()
             rows = sum(conn.execute(text(f"SELECT COUNT(*) FROM {t}")).scalar() for t in ("entry_refs", "entry_components"))
         assert len(first.added) == n and again.unchanged == n and not again.added, (len(first.added), n)
-        return {"scan": scan, "rescan": rescan, "entries": int(n), "bytes": int(size), "side_rows": int(rows)}
+        return {"scan": scan, "rescan": rescan, "report": report, "fstats": fstats, "entries": int(n), "bytes": int(size), "side_rows": int(rows)}
     finally:
         db.close()
 
@@ -143,7 +151,8 @@ def main() -> None:
         pg = index_into(f"postgresql+psycopg://{args.pg}/{dbname}", str(root))
         assert (pg["entries"], pg["bytes"], pg["side_rows"]) == (sqlite["entries"], sqlite["bytes"], sqlite["side_rows"])
         print(f"\n{'':24}{'SQLite':>10}{'PostgreSQL':>12}{'ratio':>8}")
-        for what, key in (("first scan (s)", "scan"), ("rescan, unchanged (s)", "rescan")):
+        for what, key in (("first scan (s)", "scan"), ("rescan, unchanged (s)", "rescan"),
+                          ("fleet report (s)", "report"), ("stats --fleet (s)", "fstats")):
             print(f"{what:24}{sqlite[key]:10.2f}{pg[key]:12.2f}{pg[key] / sqlite[key]:8.2f}")
         db_sqlite, db_pg = max(sqlite["scan"] - base, 1e-9), max(pg["scan"] - base, 1e-9)
         print(f"{'database share (s)':24}{db_sqlite:10.2f}{db_pg:12.2f}{db_pg / db_sqlite:8.2f}")

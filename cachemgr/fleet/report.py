@@ -41,21 +41,23 @@ FROM entries e JOIN caches c ON c.id = e.cache_id
 WHERE e.torch_version IS NOT NULL GROUP BY e.torch_version
 """
 # Entries that carry no version of their own (kernels, modules, AOT entries) belong to the
-# versions of the fxgraph entries that name them, or that they name.
+# versions of the fxgraph entries that name them, or that they name. `kind || ''` keeps SQLite's
+# planner (no ANALYZE statistics) off the (cache_id, kind) index and on (cache_id, ref|alias):
+# without it this query takes minutes on 40,000 entries instead of a second.
 DEPENDENTS_SQL = """
 SELECT v.torch_version, d.id, d.bytes FROM entries v
   JOIN entry_refs r ON r.entry_id = v.id
-  JOIN entries d ON d.cache_id = v.cache_id AND d.kind = r.kind AND d.ref = r.ref
+  JOIN entries d ON d.cache_id = v.cache_id AND d.ref = r.ref AND d.kind || '' = r.kind
   WHERE v.torch_version IS NOT NULL
 UNION
 SELECT v.torch_version, d.id, d.bytes FROM entries v
   JOIN entry_refs r ON r.entry_id = v.id
-  JOIN entries d ON d.cache_id = v.cache_id AND d.kind = r.kind AND d.alias = r.ref
+  JOIN entries d ON d.cache_id = v.cache_id AND d.alias = r.ref AND d.kind || '' = r.kind
   WHERE v.torch_version IS NOT NULL
 UNION
 SELECT v.torch_version, a.id, a.bytes FROM entries a
   JOIN entry_refs r ON r.entry_id = a.id AND r.kind = 'fxgraph'
-  JOIN entries v ON v.cache_id = a.cache_id AND v.kind = 'fxgraph' AND v.ref = r.ref
+  JOIN entries v ON v.cache_id = a.cache_id AND v.ref = r.ref AND v.kind || '' = 'fxgraph'
   WHERE a.kind = 'aotautograd' AND v.torch_version IS NOT NULL
 """
 CACHES_SQL = "SELECT id, last_scan, last_eviction, host, root FROM caches ORDER BY host, root"
