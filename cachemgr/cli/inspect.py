@@ -51,19 +51,26 @@ def scan(app, as_json: bool) -> None:
 @click.command()
 @click.option("--window", type=DURATION, default="1d", show_default=True,
               help="Window for the activity figures (hit ratio, recompilations, compile time).")
+@click.option("--fleet", "fleet", is_flag=True,
+              help="Every host and cache in the index (a shared PostgreSQL index), summed, without scanning.")
 @json_option
 @pass_app
-def stats(app, window: float, as_json: bool) -> None:
+def stats(app, window: float, fleet: bool, as_json: bool) -> None:
     """Totals of the index: entries, files and bytes by kind, and recent activity.
 
     `bytes` is the sum of st_size of every regular file in the index, so after a scan it agrees
     with `find ROOT -type f -printf '%s\\n'` summed. A cache never scanned is scanned first.
+    With --fleet: the totals of every cache of every host, and each one's own line.
 
     \b
     Example:
         cachemgr stats
         cachemgr stats --json --window 6h | jq .activity.hit_ratio
+        cachemgr --db postgresql+psycopg://root@127.0.0.1/test stats --fleet
     """
+    if fleet:
+        _fleet_stats(app, window, as_json)
+        return
     doc = _stats(app, window)
     if as_json:
         emit_json(doc)
@@ -79,6 +86,24 @@ def stats(app, window: float, as_json: bool) -> None:
     click.echo(f"last {window / 3600:g}h: hit ratio {ratio} ({a['hits']} hits, {a['compiles']} compiles), "
                f"{a['recompilations']} recompilations, {a['compile_seconds']:.1f} s compiling, "
                f"{a['evictions']} evictions")
+
+
+def _fleet_stats(app, window: float, as_json: bool) -> None:
+    from cachemgr.fleet.report import fleet_stats
+
+    with app.db.engine.connect() as conn:
+        doc = fleet_stats(conn, window)
+    if as_json:
+        emit_json(doc)
+        return
+    rows = [(c["host"], c["cache_dir"], c["entries"], c["files"], human_size(c["bytes"]), c["last_scan"] or "-")
+            for c in doc["caches"]]
+    rows.append((f"total ({len(doc['hosts'])} hosts)", "", doc["entries"], doc["files"], human_size(doc["bytes"]), ""))
+    table(("host", "cache dir", "entries", "files", "bytes", "last scan"), rows, title="fleet")
+    a = doc["activity"]
+    ratio = "-" if a["hit_ratio"] is None else f"{a['hit_ratio']:.1%}"
+    click.echo(f"last {window / 3600:g}h: hit ratio {ratio} ({a['hits']} hits, {a['compiles']} compiles), "
+               f"{a['evictions']} evictions; corrupt {doc['corrupt']}, pinned {doc['pinned']}")
 
 
 def _stats(app, window: float) -> dict:
@@ -114,22 +139,27 @@ def _stats(app, window: float) -> dict:
 @click.option("--sort", type=click.Choice(["size", "age", "cost"]), default="size", show_default=True,
               help="size: largest first; age: least recently used first; cost: longest compile first.")
 @click.option("--limit", type=click.IntRange(min=1), help="At most this many entries.")
+@click.option("--host", "on_host", metavar="H", help="Entries of host H (every cache it has in a shared index).")
 @json_option
 @pass_app
-def ls(app, kind, older_than, larger_than, graph, pinned, corrupt, sort, limit, as_json) -> None:
+def ls(app, kind, older_than, larger_than, graph, pinned, corrupt, sort, limit, on_host, as_json) -> None:
     """List index entries, filtered and sorted.
 
     \b
     Example:
         cachemgr ls --kind fxgraph --sort cost --limit 10
         cachemgr ls --older-than 14d --larger-than 100MB --json
+        cachemgr --db postgresql+psycopg://root@127.0.0.1/test ls --host gpu-07 --limit 20
     """
     from cachemgr.index.queries import Filters, list_entries
 
     f = Filters(kind=kind, older_than=older_than, larger_than=larger_than, graph=graph, pinned=pinned,
                 corrupt=corrupt, sort=sort, limit=limit)
     with app.db.engine.connect() as conn:
-        rows = list_entries(conn, app.cache_id, f)
+        if on_host is None:
+            rows = list_entries(conn, app.cache_id, f)
+        else:
+            rows = _host_entries(conn, on_host, f)
     if as_json:
         emit_json(rows)
         return
@@ -143,6 +173,24 @@ def ls(app, kind, older_than, larger_than, graph, pinned, corrupt, sort, limit, 
          "" if r["compile_seconds"] is None else f"{r['compile_seconds']:.2f}s", short(r["signature"], 40))
         for r in rows
     ])
+
+
+def _host_entries(conn, host: str, f) -> list[dict]:
+    """ls over every cache of one host, in the order list_entries sorts by."""
+    from sqlalchemy import select
+
+    from cachemgr.index.models import Cache
+    from cachemgr.index.queries import list_entries
+
+    caches = conn.execute(select(Cache.id, Cache.root).where(Cache.host == host).order_by(Cache.root)).fetchall()
+    if not caches:
+        raise NotFound(f"no host {host!r} in the index (see: cachemgr stats --fleet)")
+    rows = [{**r, "host": host, "cache_dir": root} for cid, root in caches for r in list_entries(conn, cid, f)]
+    if len(caches) > 1:
+        order = {"size": lambda r: -r["bytes"], "age": lambda r: r["last_access"],
+                 "cost": lambda r: -(r["compile_seconds"] if r["compile_seconds"] is not None else float("-inf"))}
+        rows.sort(key=order[f.sort])
+    return rows[: f.limit] if f.limit else rows
 
 
 @click.command()

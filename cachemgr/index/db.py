@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event, select, text
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from cachemgr.errors import DatabaseError
@@ -65,8 +65,8 @@ class Database:
             with self.engine.connect() as conn:
                 return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
         except OperationalError as e:
-            if "no such table" in str(e) or "does not exist" in str(e):
-                return None
+            if "no such table" in str(e):  # SQLite; PostgreSQL's missing table is a ProgrammingError
+                return None  # ("role/database ... does not exist" is a connection failure: not here)
             raise DatabaseError(f"cannot open the index {redact(self.url)}: {_first_line(e)}") from e
         except SQLAlchemyError as e:
             if "UndefinedTable" in type(getattr(e, "orig", e)).__name__:
@@ -104,14 +104,19 @@ class Database:
 
     def cache_id(self, host: str, root: str) -> int:
         """The row of (host, root), created on first use."""
-        with self.session() as s:
-            cid = s.scalar(select(Cache.id).where(Cache.host == host, Cache.root == root))
-            if cid is None:
-                c = Cache(host=host, root=root)
-                s.add(c)
-                s.flush()
-                cid = c.id
-            return cid
+        query = select(Cache.id).where(Cache.host == host, Cache.root == root)
+        try:
+            with self.session() as s:
+                cid = s.scalar(query)
+                if cid is None:
+                    c = Cache(host=host, root=root)
+                    s.add(c)
+                    s.flush()
+                    cid = c.id
+                return cid
+        except IntegrityError:  # another process of this host created it first (shared PostgreSQL)
+            with self.session() as s:
+                return s.scalar(query)
 
     def close(self) -> None:
         self.engine.dispose()

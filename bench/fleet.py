@@ -1,0 +1,172 @@
+"""Index a 100,000-entry cache into PostgreSQL and into SQLite in the same run; print the ratio.
+
+The tree is the shared H200 fixture (real fxgraph/AOT pickles, Triton kernel dirs, modules,
+autotune results) replicated under new keys with hard links, so it costs directory entries,
+not disk. Both backends index the same tree with the same code (cachemgr.index.scan.reconcile);
+the walk and the entry parsing are timed on their own too, so the database's share is visible.
+Target: PostgreSQL within 2x of SQLite.
+
+    python bench/fleet.py                 # 100,000 entries
+    python bench/fleet.py --quick         # 5,000 entries, a smoke run
+    python bench/fleet.py --entries 20000 --pg root@127.0.0.1:5432
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from cachemgr import layout  # noqa: E402
+from cachemgr.index.db import Database  # noqa: E402
+from cachemgr.index.scan import describe, reconcile  # noqa: E402
+
+FIXTURE = next((p / "shared/fixtures/inductor-cache-h200-torch2.11.tgz" for p in REPO.parents
+                if (p / "shared/fixtures/inductor-cache-h200-torch2.11.tgz").exists()), None)
+
+
+def new_hash(*parts: str, n: int = 51) -> str:
+    digest = hashlib.sha256("/".join(parts).encode()).digest() * 2
+    return base64.b32encode(digest).decode().lower()[:n]
+
+
+def renamed(e: layout.DiskEntry, copy: int) -> list[tuple[str, str]]:
+    """(source relpath, target relpath) of every file of entry `e` under a new key."""
+    out = []
+    for p in e.paths:
+        parts = p.split("/")
+        if e.kind == "fxgraph":
+            k = "f" + new_hash(str(copy), parts[2])
+            out.append((p, f"fxgraph/{k[1:3]}/{k}/{parts[3]}"))
+        elif e.kind == "aotautograd":
+            out.append((p, f"aotautograd/a{new_hash(str(copy), parts[1])}/{parts[2]}"))
+        elif e.kind == "triton":
+            out.append((p, "/".join(["triton", parts[1], new_hash(str(copy), parts[2], n=52).upper(), *parts[3:]])))
+        elif e.kind == "code":
+            stem, ext = parts[1].split(".", 1)
+            s = "c" + new_hash(str(copy), stem)
+            out.append((p, f"{s[1:3]}/{s}.{ext}"))
+        elif e.kind == "autotune":
+            h = hashlib.sha256(f"{copy}/{parts[1]}".encode()).hexdigest()
+            out.append((p, f"{h[:2]}/{h}.best_config"))
+    return out
+
+
+def build_tree(src: Path, dst: Path, entries: int) -> int:
+    fixture = [e for e in layout.walk(str(src)) if e.kind in ("fxgraph", "aotautograd", "triton", "code", "autotune")]
+    made, files, copy = 0, 0, 0
+    while made < entries:
+        for e in fixture:
+            if made >= entries:
+                break
+            for s, t in renamed(e, copy):
+                target = dst / t
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.link(src / s, target)
+                files += 1
+            made += 1
+        copy += 1
+    return files
+
+
+def parse_only(root: str) -> tuple[float, int]:
+    """What both backends pay before any SQL: the walk and reading every new entry."""
+    t0 = time.perf_counter()
+    disk = list(layout.walk(root))
+    for d in disk:
+        describe(root, d)
+    return time.perf_counter() - t0, len(disk)
+
+
+def index_into(url: str, root: str) -> dict:
+    db = Database(url)
+    try:
+        cid = db.cache_id("bench", root)
+        t0 = time.perf_counter()
+        first = reconcile(db, cid, root)
+        scan = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        again = reconcile(db, cid, root)
+        rescan = time.perf_counter() - t0
+        from sqlalchemy import text
+
+        from cachemgr.fleet.report import fleet_report, fleet_stats
+
+        with db.engine.connect() as conn:
+            t0 = time.perf_counter()
+            fleet_report(conn)
+            report = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            fleet_stats(conn, 86400)
+            fstats = time.perf_counter() - t0
+            n, size = conn.execute(text("SELECT COUNT(*), SUM(bytes) FROM entries WHERE cache_id = :c"), {"c": cid}).one()
+            rows = sum(conn.execute(text(f"SELECT COUNT(*) FROM {t}")).scalar() for t in ("entry_refs", "entry_components"))
+        assert len(first.added) == n and again.unchanged == n and not again.added, (len(first.added), n)
+        return {"scan": scan, "rescan": rescan, "report": report, "fstats": fstats, "entries": int(n), "bytes": int(size), "side_rows": int(rows)}
+    finally:
+        db.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--entries", type=int, default=100_000)
+    ap.add_argument("--quick", action="store_true", help="5,000 entries: a smoke run")
+    ap.add_argument("--pg", default=os.environ.get("CACHEMGR_BENCH_PG", "root@127.0.0.1:5432"),
+                    help="PostgreSQL server (user@host:port); a throwaway database is created there")
+    ap.add_argument("--workdir", default=None, help="where to build the tree (default: a temp dir)")
+    args = ap.parse_args()
+    n = 5000 if args.quick else args.entries
+    if FIXTURE is None:
+        sys.exit("bench/fleet.py: the shared fixture inductor-cache-h200-torch2.11.tgz is missing")
+    import psycopg
+
+    work = Path(tempfile.mkdtemp(prefix="cachemgr-bench-fleet-", dir=args.workdir))
+    dbname = f"cachemgr_bench_{uuid.uuid4().hex[:8]}"
+    admin = f"postgresql://{args.pg}/test"
+    try:
+        with tarfile.open(FIXTURE) as t:
+            t.extractall(work / "src", filter="data")
+        (src,) = [p for p in (work / "src").iterdir() if p.is_dir()]
+        root = work / "cache"
+        t0 = time.perf_counter()
+        files = build_tree(src, root, n)
+        print(f"tree: {n} entries, {files} files (hard links to the fixture), built in {time.perf_counter() - t0:.1f} s")
+        base, walked = parse_only(str(root))
+        assert walked == n, walked
+        print(f"walk + parse alone: {base:.2f} s")
+        sqlite = index_into(f"sqlite:///{work / 'index.db'}", str(root))
+        with psycopg.connect(admin, autocommit=True) as c:
+            c.execute(f'CREATE DATABASE "{dbname}"')
+        pg = index_into(f"postgresql+psycopg://{args.pg}/{dbname}", str(root))
+        assert (pg["entries"], pg["bytes"], pg["side_rows"]) == (sqlite["entries"], sqlite["bytes"], sqlite["side_rows"])
+        print(f"\n{'':24}{'SQLite':>10}{'PostgreSQL':>12}{'ratio':>8}")
+        for what, key in (("first scan (s)", "scan"), ("rescan, unchanged (s)", "rescan"),
+                          ("fleet report (s)", "report"), ("stats --fleet (s)", "fstats")):
+            print(f"{what:24}{sqlite[key]:10.2f}{pg[key]:12.2f}{pg[key] / sqlite[key]:8.2f}")
+        db_sqlite, db_pg = max(sqlite["scan"] - base, 1e-9), max(pg["scan"] - base, 1e-9)
+        print(f"{'database share (s)':24}{db_sqlite:10.2f}{db_pg:12.2f}{db_pg / db_sqlite:8.2f}")
+        print(f"\n{n} entries, {sqlite['side_rows']} ref/component rows, {sqlite['bytes'] / 2**20:.0f} MiB indexed in each")
+        ratio = pg["scan"] / sqlite["scan"]
+        print(f"PostgreSQL / SQLite, first scan: {ratio:.2f}x (target <= 2x: {'met' if ratio <= 2 else 'NOT met'})")
+    finally:
+        try:
+            with psycopg.connect(admin, autocommit=True) as c:
+                c.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+        except psycopg.Error as e:
+            print(f"could not drop {dbname}: {e}", file=sys.stderr)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""The fleet index on the real PostgreSQL: migrations, every command, several hosts at once, and
+the fleet report. Each test gets a throwaway database of its own, dropped at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import Cli, subprocess_env
+from test_index import find_bytes
+
+PG_SERVER = os.environ.get("CACHEMGR_TEST_PG", "root@127.0.0.1:5432")
+
+
+def _admin():
+    import psycopg
+
+    return psycopg.connect(f"postgresql://{PG_SERVER}/test", autocommit=True, connect_timeout=5)
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh PostgreSQL database for one test (the shared server has other users)."""
+    name = f"cachemgr_t_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with _admin() as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql+psycopg://{PG_SERVER}/{name}"
+    finally:
+        with _admin() as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def pg_query(url: str, sql: str, *params) -> list[tuple]:
+    import psycopg
+
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as c:
+        cur = c.execute(sql, params)
+        return cur.fetchall() if cur.description else []
+
+
+def test_migrations_run_on_postgres(pg_url):
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from cachemgr.index.db import Database
+    from cachemgr.index.models import Base
+    from cachemgr.index.revision import HEAD_REVISION
+
+    assert pg_query(pg_url, "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]
+    db = Database(pg_url)
+    assert db.current_revision() == HEAD_REVISION
+    with db.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata) == []
+    db.close()
+    tables = {t for (t,) in pg_query(pg_url, "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+    assert {"alembic_version", "caches", "entries", "entry_refs", "entry_components", "pins", "events", "shapes"} <= tables
+    Database(pg_url).close()  # at head: a no-op
+    assert pg_query(pg_url, "SELECT version_num FROM alembic_version") == [(HEAD_REVISION,)]
+
+
+def test_every_command_on_postgres(cpu_cache, pg_url):
+    cli = Cli(cpu_cache, pg_url, host="pg-host")
+    r = cli.proc("scan")  # a real process: a fresh database is migrated at start
+    assert r.returncode == 0 and "added" in r.stdout, r.stderr
+    doc = cli.json("stats")
+    assert doc["bytes"] == find_bytes(cpu_cache) and doc["entries"] > 0
+    assert doc["activity"]["compiles"] > 0  # the events' boolean `recompile` sums on PostgreSQL too
+    assert "total" in cli("stats").stdout
+    fx = cli.json("ls", "--kind", "fxgraph", "--sort", "cost")
+    assert fx and all(e["kind"] == "fxgraph" for e in fx)
+    assert cli.json("ls", "--sort", "age", "--limit", "3") and cli.json("ls", "--older-than", "1d") == []
+    shown = cli.json("show", fx[0]["key"])
+    assert shown["key"] == fx[0]["key"] and all(r["present"] for r in shown["references"])
+    assert cli.json("show", fx[0]["graph_key"])  # by graph key
+    again = cli.json("scan")
+    assert again["added"] == again["changed"] == again["removed"] == 0
+    fleet = cli.json("stats", "--fleet")
+    assert fleet["hosts"] == ["pg-host"] and fleet["bytes"] == doc["bytes"]
+    assert [e["key"] for e in cli.json("ls", "--host", "pg-host")] == [e["key"] for e in cli.json("ls")]
+    rep = cli.json("fleet", "report")
+    assert rep["hosts"][0]["host"] == "pg-host" and rep["hosts"][0]["bytes"] == doc["bytes"]
+    assert rep["versions_in_use"] == [fx[0]["torch_version"]]
+    for args in (["stats", "--fleet"], ["fleet", "report"], ["ls", "--host", "pg-host"]):
+        assert cli(*args).stdout.strip()
+
+
+CONCURRENT = """
+import sys, time
+start = float(sys.argv[1])
+from cachemgr.cli import main
+time.sleep(max(0.0, start - time.time()))  # imports done: every process starts its command at once
+main(sys.argv[2:])
+"""
+
+
+def run_at_once(clis: list[Cli], *args: str) -> list[subprocess.CompletedProcess]:
+    start = time.time() + 3
+    procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT, str(start), *c.base(), *args],
+                              env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in clis]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def grow(root: Path, n: int, tag: str) -> None:
+    """n more real-looking entries: autotune results and generated modules under new keys."""
+    for i in range(n):
+        h = uuid.uuid5(uuid.NAMESPACE_OID, f"{tag}-{i}").hex
+        d = root / h[:2]
+        d.mkdir(exist_ok=True)
+        (d / f"{h}{h[:32]}.best_config").write_text(json.dumps({"XBLOCK": 64, "num_warps": 4, "i": i}))
+        (d / f"c{h}{h[:8]}.py").write_text(f"# generated module {tag} {i}\n" * (i % 7 + 1))
+
+
+def test_two_hosts_index_concurrently(gpu_cache, cpu_cache, pg_url):
+    grow(gpu_cache, 1500, "a")
+    grow(cpu_cache, 1500, "b")
+    a, b = Cli(gpu_cache, pg_url, host="host-a"), Cli(cpu_cache, pg_url, host="host-b")
+    # a fresh database: both processes migrate it and create their cache rows at the same moment
+    for r in run_at_once([a, b], "scan", "--json"):
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["added"] > 3000
+    # then both trees change and both hosts reconcile at once again
+    for root in (gpu_cache, cpu_cache):
+        for p in list(root.glob("??/*.best_config"))[:200]:
+            p.unlink()
+    grow(gpu_cache, 300, "a2")
+    grow(cpu_cache, 300, "b2")
+    for r in run_at_once([a, b], "scan", "--json"):
+        doc = json.loads(r.stdout)
+        assert r.returncode == 0 and doc["removed"] == 200 and doc["added"] == 600, r.stderr
+    fleet = a.json("stats", "--fleet")
+    assert fleet["hosts"] == ["host-a", "host-b"]
+    per_host = {c["host"]: c for c in fleet["caches"]}
+    for cli, root in ((a, gpu_cache), (b, cpu_cache)):
+        files = [p for p in root.rglob("*") if p.is_file()]
+        assert per_host[cli.host]["bytes"] == find_bytes(root)
+        assert per_host[cli.host]["files"] == len(files)
+    assert fleet["bytes"] == find_bytes(gpu_cache) + find_bytes(cpu_cache)
+    assert fleet["files"] == sum(c["files"] for c in fleet["caches"])
+    # no lost or doubled rows: the database holds exactly each host's entries once
+    rows = dict(pg_query(pg_url, "SELECT c.host, count(*) FROM entries e JOIN caches c ON c.id = e.cache_id GROUP BY c.host"))
+    assert rows == {"host-a": per_host["host-a"]["entries"], "host-b": per_host["host-b"]["entries"]}
+    assert pg_query(pg_url, "SELECT count(*) FROM caches") == [(2,)]
+    # ls --host shows one host's entries, from any host
+    on_b = b.json("ls", "--host", "host-a", "--kind", "fxgraph")
+    assert on_b and all(e["host"] == "host-a" and e["device_types"] == "cuda" for e in on_b)
+    assert {e["key"] for e in a.json("ls", "--host", "host-b")} == {e["key"] for e in b.json("ls")}
+
+
+def test_one_host_many_connections_share_its_cache_row(pg_url):
+    """The daemon and CLIs of one host starting at once: one cache row each, no unique-key error.
+    (Without the retry in Database.cache_id this fails in most rounds.)"""
+    import threading
+
+    from cachemgr.index.db import Database
+
+    Database(pg_url).close()
+    errors, ids = [], {}
+    for rnd in range(10):
+        dbs = [Database(pg_url) for _ in range(6)]
+        barrier = threading.Barrier(len(dbs))
+
+        def claim(db, rnd=rnd, barrier=barrier):
+            barrier.wait()
+            try:
+                ids.setdefault(rnd, set()).add(db.cache_id("same", f"/cache/{rnd}"))
+            except Exception as e:  # noqa: BLE001 - collected, asserted below
+                errors.append(repr(e)[:200])
+
+        threads = [threading.Thread(target=claim, args=(db,)) for db in dbs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for db in dbs:
+            db.close()
+    assert errors == []
+    assert all(len(v) == 1 for v in ids.values()) and len(ids) == 10
+    assert pg_query(pg_url, "SELECT count(*) FROM caches") == [(10,)]
+
+
+def test_ls_host_unknown(cpu_cache, pg_url):
+    r = Cli(cpu_cache, pg_url).proc("ls", "--host", "nope")
+    assert r.returncode == 3 and r.stderr.strip() == "cachemgr: error: no host 'nope' in the index (see: cachemgr stats --fleet)"
+
+
+def test_fleet_report(gpu_cache, cpu_cache, pg_url, tmp_path):
+    # host-old upgraded torch: the 2.11 GPU entries it still holds, and newer 2.13 entries
+    upgraded = tmp_path / "upgraded"
+    shutil.copytree(gpu_cache, upgraded, symlinks=True)
+    shutil.copytree(cpu_cache, upgraded, symlinks=True, dirs_exist_ok=True)
+    twin = tmp_path / "twin"
+    shutil.copytree(cpu_cache, twin, symlinks=True)
+    hosts = {"host-up": upgraded, "host-cpu": cpu_cache, "host-twin": twin}
+    for host, root in hosts.items():
+        Cli(root, pg_url, host=host)("scan")
+    pg_query(pg_url, "UPDATE entries SET hit_count = 3 WHERE kind = 'fxgraph' AND cache_id = "
+                     "(SELECT id FROM caches WHERE host = 'host-cpu')")
+    cli = Cli(cpu_cache, pg_url, host="host-cpu")
+    rep = cli.json("fleet", "report")
+    by_host = {h["host"]: h for h in rep["hosts"]}
+    assert set(by_host) == set(hosts)
+    for host, root in hosts.items():
+        assert by_host[host]["bytes"] == find_bytes(root)
+    n_fx = len(cli.json("ls", "--kind", "fxgraph"))
+    assert by_host["host-cpu"]["hit_count"] == 3 * n_fx and by_host["host-twin"]["hit_count"] == 0
+    cpu_version = cli.json("ls", "--kind", "fxgraph")[0]["torch_version"]
+    assert {h["torch_version"] for h in rep["hosts"]} == {cpu_version}
+    assert rep["versions_in_use"] == [cpu_version]
+    # every CPU graph is on three hosts; the GPU graphs are on one host only
+    shared = {g["graph_key"]: g for g in rep["shared_graphs"]}
+    cpu_graphs = {e["graph_key"] for e in cli.json("ls", "--kind", "fxgraph")}
+    assert set(shared) == cpu_graphs and all(g["hosts"] == 3 for g in shared.values())
+    assert all(g["redundant_bytes"] * 3 == g["bytes"] * 2 for g in shared.values())
+    # what the 2.11 entries hold is stale: their graphs, AOT entries, and the kernels and modules
+    # those graphs name (checked here through `show` on a GPU-only index, not the report's SQL)
+    gpu_only = Cli(gpu_cache, f"sqlite:///{tmp_path / 'gpu.db'}")
+    gpu_only("scan")
+    expected = 0
+    for e in gpu_only.json("ls"):
+        if e["kind"] in ("fxgraph", "aotautograd"):
+            expected += e["bytes"]
+        elif e["kind"] in ("triton", "code") and any(
+                k.startswith("fxgraph/") for k in gpu_only.json("show", e["key"])["referenced_by"]):
+            expected += e["bytes"]
+    old = next(v for v in rep["torch_versions"] if v["torch_version"] != cpu_version)
+    assert old["torch_version"].startswith("2.11") and not old["in_use"] and old["hosts"] == 1
+    assert old["fxgraph_bytes"] == gpu_only.json("stats")["by_kind"]["fxgraph"]["bytes"]
+    assert rep["stale_bytes"] == old["bytes"] == expected
+    # a version named in keep_torch is not stale
+    kept = Cli(cpu_cache, pg_url, host="host-cpu").proc("fleet", "report", "--json",
+                                                          env={"CACHEMGR_KEEP_TORCH": old["torch_version"]})
+    assert kept.returncode == 0 and json.loads(kept.stdout)["stale_bytes"] == 0, kept.stderr
+    out = cli("fleet", "report").stdout
+    assert "host-up" in out and "graphs on 2+ hosts" in out and "held by versions no host runs" in out
+
+
+@pytest.mark.parametrize("url,message", [
+    ("postgresql+psycopg://root@127.0.0.1:1/test", "cannot open the index postgresql+psycopg://root@127.0.0.1:1/test"),
+    ("postgresql+psycopg://nobody:secret@127.0.0.1:5432/test", "cannot open the index postgresql+psycopg://nobody:***@"),
+])
+@pytest.mark.parametrize("args", [["stats", "--fleet"], ["fleet", "report"], ["ls", "--host", "x"]])
+def test_postgres_unreachable_is_one_line(cpu_cache, url, message, args):
+    r = Cli(cpu_cache, url).proc(*args)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 5 and len(lines) == 1 and lines[0].startswith(f"cachemgr: error: {message}"), r.stderr
+    assert "secret" not in r.stderr

@@ -1,0 +1,349 @@
+"""The Redis tier against the real Redis and real torch.compile processes: what cachemgr pushes,
+Inductor reads as a remote hit; eviction; failures as one line and an exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import Cli, run_program, subprocess_env
+from test_fleet import pg_url  # noqa: F401 - fixture: a throwaway PostgreSQL database
+from test_index import INSPECT_WITHOUT_TORCH
+
+REDIS_HOST = os.environ.get("CACHEMGR_TEST_REDIS", "127.0.0.1:6379")
+CLAIM = "cachemgr-test:claim"  # not under cachemgr: (that prefix is the tool's own)
+
+
+@pytest.fixture(scope="session")
+def redis_db():
+    """A Redis db number of our own for the session: Inductor has no key prefix, only the /N of
+    its URL, so tests (and other users of this server) are kept apart by db number."""
+    import redis
+
+    for n in range(15, 0, -1):
+        r = redis.Redis.from_url(f"redis://{REDIS_HOST}/{n}")
+        if r.dbsize() == 0 and r.set(CLAIM, os.getpid(), nx=True, ex=7200):
+            yield n
+            r.flushdb()
+            return
+    pytest.fail(f"no empty Redis db on {REDIS_HOST} to claim")
+
+
+@pytest.fixture
+def redis_url(redis_db):
+    import redis
+
+    url = f"redis://{REDIS_HOST}/{redis_db}"
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    r.set(CLAIM, os.getpid(), ex=7200)
+    return url
+
+
+@pytest.fixture
+def rconn(redis_url):
+    import redis
+
+    return redis.Redis.from_url(redis_url)
+
+
+def remote_cli(cli: Cli, url: str):
+    """`cachemgr remote --redis URL ...` through the Cli helper, in process."""
+    return lambda *args, code=0: cli("remote", "--redis", url, *args, code=code)
+
+
+def remote_json(cli: Cli, url: str, *args):
+    return json.loads(cli("remote", "--redis", url, *args, "--json").stdout)
+
+
+def torch_keys(r) -> list[str]:
+    return sorted(k.decode() for k in r.scan_iter(match="pt2:*"))
+
+
+def test_key_and_value_are_torchs_own(tmp_path):
+    """The format comes from the installed torch: its RedisRemoteCache key and JSON serde."""
+    from torch._inductor.remote_cache import RemoteAOTAutogradCache, RemoteCacheJsonSerde, RemoteFxGraphCache
+
+    from cachemgr.fleet.remote import AOT_CACHE_ID, FX_CACHE_ID, decode_value, encode_value, parse_key, redis_key
+
+    fx, aot = "fabcdefghijklmnopqrstuvwxyz234567abcdefghijklmnopqrs", "a" + "b" * 51
+    assert redis_key(FX_CACHE_ID, fx) == RemoteFxGraphCache(FX_CACHE_ID)._get_key(fx)
+    assert redis_key(AOT_CACHE_ID, aot) == RemoteAOTAutogradCache(AOT_CACHE_ID)._get_key(aot)
+    assert parse_key(redis_key(FX_CACHE_ID, fx)) == ("fxgraph", FX_CACHE_ID, fx)
+    assert parse_key(redis_key("0123abcd", "k"))[0] == "autotune" and parse_key("other:key") is None
+    content = bytes(range(256)) * 3
+    import base64
+
+    torch_value = RemoteCacheJsonSerde().encode({"data": base64.b64encode(content).decode("ascii"), "time_taken_ms": 42})
+    assert encode_value(content, 42) == torch_value and decode_value(torch_value) == content
+
+
+def test_push_gives_a_fresh_host_remote_hits(cpu_cache, cli_for, redis_url, rconn, tmp_path):
+    """Process A compiled into cache A (the session's cache); `cachemgr remote push` publishes it;
+    process B with an empty cache B and the remote FX graph cache on hits every graph."""
+    a = cli_for(cpu_cache, host="host-a")
+    r = a.proc("remote", "--redis", redis_url, "push", "--json")
+    assert r.returncode == 0, r.stderr
+    pushed = json.loads(r.stdout)
+    fx_keys = {e["graph_key"] for e in a.json("ls", "--kind", "fxgraph")}
+    assert pushed["pushed"] == len(fx_keys) + len(a.json("ls", "--kind", "aotautograd")) and pushed["present"] == 0
+    assert {k for k in torch_keys(rconn) if k.startswith("pt2:fx-graph-v1::")} == {
+        f"pt2:fx-graph-v1::{k}:c1" for k in fx_keys}
+    # exactly what Inductor reads: the local entry file's bytes, base64 in JSON
+    entry = a.json("ls", "--kind", "fxgraph")[0]
+    doc = json.loads(rconn.get(f"pt2:fx-graph-v1::{entry['graph_key']}:c1"))
+    import base64
+
+    assert base64.b64decode(doc["data"]) == (cpu_cache / entry["key"]).read_bytes()
+    assert doc["time_taken_ms"] == int(entry["compile_seconds"] * 1000)
+
+    cache_b = tmp_path / "cache-b"
+    counters = run_program(cache_b, TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1", TORCHINDUCTOR_REDIS_URL=redis_url)
+    assert counters["fxgraph_cache_hit"] == len(fx_keys) and counters["fxgraph_cache_miss"] == 0, counters
+    # the hits came from Redis: a remote hit writes no local fxgraph entry, and B had none
+    assert not list(cache_b.glob("fxgraph/*/*/*"))
+    # pushing again changes nothing
+    again = json.loads(a("remote", "--redis", redis_url, "push", "--json").stdout)
+    assert again["pushed"] == 0 and again["present"] == pushed["pushed"]
+
+
+def test_push_one_graph(cpu_cache, cli_for, redis_url, rconn, tmp_path):
+    """--graph KEY publishes that graph alone; a fresh host running only that function hits it."""
+    a = cli_for(cpu_cache)
+    a("scan")
+    infer = [e for e in a.json("ls", "--kind", "fxgraph") if e["signature"].startswith("f32[10]")]
+    assert len(infer) == 1, [e["signature"] for e in a.json("ls", "--kind", "fxgraph")]
+    key = infer[0]["graph_key"]
+    # the AOT entry that names this graph travels with it (an AOT hit needs its graphs, and the
+    # other way round a graph's AOT entry is what a fresh host looks up first)
+    aot = [k.split("/")[1] for k in a.json("show", infer[0]["key"])["referenced_by"]]
+    assert len(aot) == 1
+    # a second guard set under the same key: Redis holds one value per key, the newest goes
+    entry = cpu_cache / infer[0]["key"]
+    newer = entry.with_name("z" + entry.name[1:])
+    newer.write_bytes(entry.read_bytes())
+    os.utime(newer, (entry.stat().st_atime, entry.stat().st_mtime + 10))
+    out = a("remote", "--redis", redis_url, "push", "--graph", key).stdout
+    assert out.startswith("pushed 2 entries (") and "0 already there" in out and "1 extra guard sets not pushed" in out
+    meta = json.loads(rconn.hget("cachemgr:meta", f"pt2:fx-graph-v1::{key}:c1"))
+    assert meta["source"] == str(newer.relative_to(cpu_cache))
+    assert torch_keys(rconn) == sorted([f"pt2:fx-graph-v1::{key}:c1", f"pt2:autograd-experimental::{aot[0]}:c1"])
+    counters = run_program(tmp_path / "b", "--only", "infer", TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
+                           TORCHINDUCTOR_REDIS_URL=redis_url)
+    assert counters["fxgraph_cache_hit"] == 1 and counters["fxgraph_cache_miss"] == 0, counters
+    r = a.proc("remote", "--redis", redis_url, "push", "--graph", "fnosuchgraph")
+    assert r.returncode == 3 and r.stderr.startswith("cachemgr: error: no fxgraph or aotautograd entry for graph 'fnosuchgraph'")
+
+
+def test_push_aot_entries_with_their_graphs(tmp_path, cli_for, redis_url, rconn):
+    """AOTAutograd keys hash torch._functorch.config, which holds enable_remote_autograd_cache:
+    the entries a fresh host with TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE=1 looks up are those a
+    compile with that same setting wrote. Here A compiles so (its Redis unreachable: torch
+    itself writes nothing), cachemgr pushes, B hits in both tiers."""
+    cache_a = tmp_path / "a"
+    counters = run_program(cache_a, "--only", "mlp", TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
+                           TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1", TORCHINDUCTOR_REDIS_URL="redis://127.0.0.1:1/0")
+    assert counters["autograd_cache_miss"] > 0 and torch_keys(rconn) == []
+    a = cli_for(cache_a)
+    a("scan")
+    aot = a.json("ls", "--kind", "aotautograd")
+    # --graph with one AOT key takes the graphs it needs along
+    needs = {r["ref"] for r in a.json("show", aot[0]["key"])["references"] if r["kind"] == "fxgraph"}
+    one = json.loads(a("remote", "--redis", redis_url, "push", "--graph", aot[0]["key"].split("/")[1], "--json").stdout)
+    assert one["pushed"] >= 1 + len(needs)
+    assert {f"pt2:fx-graph-v1::{k}:c1" for k in needs} <= set(torch_keys(rconn))
+    a("remote", "--redis", redis_url, "push")
+    counters = run_program(tmp_path / "b", "--only", "mlp", TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
+                           TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1", TORCHINDUCTOR_REDIS_URL=redis_url)
+    assert counters["autograd_cache_hit"] == len(aot) and counters["autograd_cache_miss"] == 0, counters
+    assert counters["fxgraph_cache_miss"] == 0, counters
+    stats = remote_json(a, redis_url, "stats")
+    assert stats["by_kind"]["aotautograd"]["entries"] == len(aot)
+
+
+def test_remote_stats_by_kind(cpu_cache, cli_for, redis_url, rconn):
+    a = cli_for(cpu_cache, host="host-a")
+    empty = remote_json(a, redis_url, "stats")
+    assert empty["entries"] == 0 and empty["bytes"] == 0
+    rconn.set("unrelated", "x")
+    a("remote", "--redis", redis_url, "push")
+    s = remote_json(a, redis_url, "stats")
+    assert s["by_kind"]["fxgraph"]["entries"] == len({e["graph_key"] for e in a.json("ls", "--kind", "fxgraph")})
+    assert s["by_kind"]["aotautograd"]["entries"] == len(a.json("ls", "--kind", "aotautograd"))
+    assert s["entries"] == len(torch_keys(rconn)) == s["pushed_by_cachemgr"]
+    assert s["bytes"] == sum(rconn.memory_usage(k, samples=0) for k in torch_keys(rconn))
+    assert s["other_keys"] == 2  # 'unrelated' and the test's claim key; cachemgr:meta is ours
+    out = a("remote", "--redis", redis_url, "stats").stdout
+    assert "fxgraph" in out and "aotautograd" in out and "total" in out
+
+
+def _age(r, key: str, seconds: int) -> None:
+    """Make a key look unread for `seconds` (RESTORE ... IDLETIME sets Redis's own LRU clock)."""
+    dump = r.dump(key)
+    r.restore(key, 0, dump, replace=True, idletime=seconds)
+
+
+def test_remote_evict_age_and_size(cpu_cache, cli_for, redis_url, rconn):
+    a = cli_for(cpu_cache)
+    a("remote", "--redis", redis_url, "push")
+    keys = torch_keys(rconn)
+    fx = [k for k in keys if k.startswith("pt2:fx-graph-v1::")]
+    aot = [k for k in keys if k.startswith("pt2:autograd-experimental::")]
+    for k in keys:
+        _age(rconn, k, 3600)  # everything read an hour ago...
+    old_fx = fx[0]
+    _age(rconn, old_fx, 40 * 86400)  # ...but one graph not for 40 days
+    meta = {k.decode(): json.loads(v) for k, v in rconn.hgetall("cachemgr:meta").items()}
+    needs_old = [k for k in aot if old_fx.split("::")[1][:-3] in meta[k]["refs"]]
+
+    dry = remote_json(a, redis_url, "evict", "--max-age", "30d", "--dry-run")
+    assert {v["rkey"] for v in dry["plan"]["victims"]} == {old_fx, *needs_old} and dry["result"] is None
+    assert torch_keys(rconn) == keys  # a dry run deletes nothing
+    done = remote_json(a, redis_url, "evict", "--max-age", "30d")
+    assert done["result"]["deleted"] == 1 + len(needs_old)
+    assert set(torch_keys(rconn)) == set(keys) - {old_fx, *needs_old}
+    assert old_fx.encode() not in rconn.hkeys("cachemgr:meta")
+
+    # size: least recently read first, down to low_water x max-size; AOT entries read longest ago
+    left = torch_keys(rconn)
+    order = [k for k in left if "fx-graph" in k] + [k for k in left if "autograd" in k]
+    idle = {k: 7200 + 60 * i for i, k in enumerate(order)}
+    for k, seconds in idle.items():
+        _age(rconn, k, seconds)
+    sizes = {k: rconn.memory_usage(k, samples=0) for k in left}
+    cap = int(sum(sizes.values()) * 0.7)
+    done = remote_json(a, redis_url, "evict", "--max-size", str(cap))
+    remaining = torch_keys(rconn)
+    assert remaining and sum(sizes[k] for k in remaining) <= cap * 0.9
+    gone = [k for k in left if k not in remaining]
+    assert done["result"]["freed_bytes"] == sum(sizes[k] for k in gone)
+    size_victims = [v["rkey"] for v in done["plan"]["victims"] if v["reason"] == "size"]
+    assert size_victims and min(idle[k] for k in size_victims) > max(idle[k] for k in remaining)
+    assert "freed" in a("remote", "--redis", redis_url, "evict", "--max-age", "90d").stdout
+
+
+def test_remote_evict_keeps_a_key_read_meanwhile(cpu_cache, cli_for, redis_url, rconn):
+    from cachemgr.fleet.remote import Remote, plan_eviction
+
+    cli_for(cpu_cache)("remote", "--redis", redis_url, "push")
+    for k in torch_keys(rconn):
+        _age(rconn, k, 10 * 86400)
+    rem = Remote(redis_url)
+    keys = rem.inspect()
+    plan = plan_eviction(keys, rem.aot_refs(keys), max_size=None, max_age=86400)
+    assert len(plan.victims) == len(keys)
+    read = plan.victims[0].rkey
+    rconn.get(read)  # an Inductor lookup between plan and delete
+    result = rem.execute(plan)
+    assert result.skipped_in_use == [read] and torch_keys(rconn) == [read]
+
+
+def test_remote_evict_keeps_young_keys(cpu_cache, cli_for, redis_url, rconn):
+    a = cli_for(cpu_cache)
+    a("remote", "--redis", redis_url, "push")
+    n = len(torch_keys(rconn))
+    plan = remote_json(a, redis_url, "evict", "--max-size", "1", "--dry-run")["plan"]
+    assert plan["victims"] == [] and plan["kept_young"] == n  # just written: inside the grace period
+
+
+@pytest.mark.parametrize("url,message", [
+    ("redis://127.0.0.1:1/0", "cannot reach Redis at redis://127.0.0.1:1/0: Error 111 connecting to 127.0.0.1:1. Connection refused."),
+    ("redis://nobody:hunter2@127.0.0.1:6379/0", "Redis at redis://nobody:***@127.0.0.1:6379/0 refused our credentials: "
+                                                "invalid username-password pair or user is disabled."),
+    ("http://127.0.0.1:6379", "bad Redis URL http://127.0.0.1:6379: "),
+])
+@pytest.mark.parametrize("args", [["stats"], ["push"], ["evict", "--max-age", "1d"]])
+def test_remote_failures_are_one_line(cpu_cache, cli_for, url, message, args):
+    r = cli_for(cpu_cache).proc("remote", "--redis", url, *args)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 6 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"cachemgr: error: {message}") and "hunter2" not in r.stderr, r.stderr
+
+
+def test_redis_url_from_inductors_env(cpu_cache, cli_for, redis_url):
+    """With no --redis, cachemgr finds the Redis Inductor would use."""
+    host, port_db = redis_url.removeprefix("redis://").split(":")
+    port, db = port_db.split("/")
+    cli = cli_for(cpu_cache)
+    r = cli.proc("remote", "stats", "--json", env={"TORCHINDUCTOR_REDIS_URL": redis_url})
+    assert r.returncode == 0 and json.loads(r.stdout)["url"] == redis_url, r.stderr
+    r = cli.proc("remote", "stats", "--json", env={"TORCHINDUCTOR_REDIS_HOST": host, "TORCHINDUCTOR_REDIS_PORT": "1"})
+    assert r.returncode == 6 and f"redis://{host}:1/0" in r.stderr
+    r = cli.proc("remote", "stats", "--json", env={"CACHEMGR_REDIS_URL": redis_url, "TORCHINDUCTOR_REDIS_URL": "redis://x:1"})
+    assert r.returncode == 0 and json.loads(r.stdout)["url"] == redis_url, r.stderr
+
+
+def test_remote_commands_on_postgres_index(cpu_cache, pg_url, redis_url, rconn):  # noqa: F811
+    cli = Cli(cpu_cache, pg_url, host="pg-host")
+    r = cli.proc("remote", "--redis", redis_url, "push", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["pushed"] == len(torch_keys(rconn)) > 0, r.stderr
+    assert remote_json(cli, redis_url, "stats")["entries"] == len(torch_keys(rconn))
+    assert remote_json(cli, redis_url, "evict", "--max-age", "1d")["result"]["deleted"] == 0
+
+
+def test_push_by_model(cpu_cache, cli_for, redis_url, rconn, db_url):
+    """--model NAME: the graphs whose input signature was recorded for that model."""
+    import time
+
+    from sqlalchemy import insert
+
+    from cachemgr.index.db import Database
+    from cachemgr.index.models import Shape
+
+    a = cli_for(cpu_cache)
+    a("scan")
+    r = a.proc("remote", "--redis", redis_url, "push", "--model", "ranker")
+    assert r.returncode == 3 and "no recorded shapes for model 'ranker'" in r.stderr
+    scaled = [e for e in a.json("ls", "--kind", "fxgraph") if e["signature"].startswith("f32[6, 5]")]
+    assert len(scaled) == 1
+    db = Database(db_url)
+    with db.engine.begin() as conn:
+        conn.execute(insert(Shape), [{"model": "ranker", "signature_hash": scaled[0]["signature_hash"],
+                                      "signature": scaled[0]["signature"], "spec": "{}", "options": "{}",
+                                      "first_seen": time.time(), "last_seen": time.time()}])
+    db.close()
+    doc = json.loads(a("remote", "--redis", redis_url, "push", "--model", "ranker", "--json").stdout)
+    aot = [k.split("/")[1] for k in a.json("show", scaled[0]["key"])["referenced_by"]]
+    assert doc["pushed"] == 2 and torch_keys(rconn) == sorted(
+        [f"pt2:fx-graph-v1::{scaled[0]['graph_key']}:c1", f"pt2:autograd-experimental::{aot[0]}:c1"])
+
+
+def test_retry_with_backoff(redis_url):
+    from cachemgr.errors import RemoteError
+    from cachemgr.fleet.remote import Backoff, Remote, retry
+
+    slept: list[float] = []
+    down = Remote("redis://127.0.0.1:1/0")
+    with pytest.raises(RemoteError, match="cannot reach Redis"):
+        retry(down.ping, attempts=4, base=0.5, cap=1.5, sleep=slept.append)
+    assert len(slept) == 3 and 0.45 <= slept[0] <= 0.55 and 0.9 <= slept[1] <= 1.1 and 1.35 <= slept[2] <= 1.65
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        return (down if len(calls) < 3 else Remote(redis_url)).ping()
+
+    assert retry(flaky, attempts=5, sleep=slept.append) is None and len(calls) == 3
+    b = Backoff(base=1, cap=8, jitter=0)
+    assert b.ready(now=0)
+    assert [b.failed("down", now=0) for _ in range(5)] == [1, 2, 4, 8, 8]
+    assert not b.ready(now=7.9) and b.ready(now=8) and b.last_error == "down"
+    b.succeeded()
+    assert b.ready(now=0) and b.failures == 0
+
+
+@pytest.mark.parametrize("args", [["remote", "stats"], ["remote", "evict", "--max-age", "1d"], ["fleet", "report"],
+                                  ["stats", "--fleet"]])
+def test_fleet_commands_never_import_torch(cpu_cache, db_url, redis_url, args):
+    base = ["--cache-dir", str(cpu_cache), "--db", db_url]
+    env = subprocess_env()
+    subprocess.run([sys.executable, "-m", "cachemgr", *base, "scan"], env=env, check=True, capture_output=True)
+    if args[0] == "remote":
+        args = ["remote", "--redis", redis_url, *args[1:]]
+    out = subprocess.run([sys.executable, "-c", INSPECT_WITHOUT_TORCH, *base, *args], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
