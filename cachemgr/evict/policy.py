@@ -348,15 +348,20 @@ def plan(rows: Sequence[Row], limits: Limits, policy: str = "lru", now: float = 
 
     if not satisfied():
         ordered = sorted(orphans, key=lambda c: c.last_access) + sorted(cheap, key=lambda c: c.last_access)
+        def frees_something(c: _Candidate) -> bool:  # a lock file frees no bytes, only an inode
+            return b.freed_files < over_files or any(rows[m].bytes for m in c.members if m not in b.taken)
+
         for c in ordered:
             if satisfied():
                 break
-            b.take(c, c.reason)
+            if frees_something(c):
+                b.take(c, c.reason)
         if policy == "lru":
             for c in sorted(groups, key=lambda c: c.last_access):
                 if satisfied():
                     break
-                b.take(c, reason())
+                if frees_something(c):
+                    b.take(c, reason())
         else:
             # GreedyDual-Size: H = clock + cost / bytes; evict the lowest H, raise the clock to it.
             heap = []
@@ -365,7 +370,7 @@ def plan(rows: Sequence[Row], limits: Limits, policy: str = "lru", now: float = 
                 heapq.heappush(heap, (clock + c.cost / size, c.last_access, n))
             while heap and not satisfied():
                 h, _, n = heapq.heappop(heap)
-                if b.take(groups[n], reason()):
+                if frees_something(groups[n]) and b.take(groups[n], reason()):
                     clock = max(clock, h)
     b.sweep_dependents()
 
