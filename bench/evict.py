@@ -132,7 +132,10 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=100_000)
     ap.add_argument("--quick", action="store_true", help="10,000 files")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    ap.add_argument("--fixture", default=None, help="the fixture .tgz (default: ../shared/fixtures/...)")
     args = ap.parse_args()
+    global FIXTURE
+    FIXTURE = Path(args.fixture) if args.fixture else FIXTURE
     files = 10_000 if args.quick else args.files
     if FIXTURE is None:
         sys.exit("shared fixture inductor-cache-h200-torch2.11.tgz not found")
