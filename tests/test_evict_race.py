@@ -33,11 +33,9 @@ def test_compile_loop_survives_evict_max_size_0(tmp_path, cli_for):
     passes = evicted = 0
     try:
         assert loop.stdout.readline().strip() == "ready"
-        first = cli.json("evict", "--max-size", "0")  # the seeded 'other' graph nobody reads: certain to go
-        assert first["evicted"] > 0 and any("aotautograd" == e["kind"] for e in first["entries"])
-        evicted += first["evicted"]
         loop.stdin.write("go\n")
         loop.stdin.flush()
+        # the loop's first steps read seeded entries the evictor is deleting at the same time
         while loop.poll() is None:
             r = cli.json("evict", "--max-size", "0")  # default grace, as the daemon runs it
             passes += 1
@@ -49,7 +47,10 @@ def test_compile_loop_survives_evict_max_size_0(tmp_path, cli_for):
     assert loop.returncode == 0, err[-4000:]
     assert "Traceback" not in err and "Error" not in err, err[-4000:]
     counters = json.loads(out.strip().splitlines()[-1])
+    print(f"race: {passes} evict passes during the loop, {evicted} entries evicted, loop counters {counters}")
     assert counters["iterations"] == len(STEPS.split(","))  # every iteration, each checked against eager
-    assert passes > 0 and evicted > 0
+    last = cli.json("evict", "--max-size", "0")  # the seeded 'other' graph nobody read: gone by now
+    evicted += last["evicted"]
+    assert evicted > 0 and [e for e in cli.json("ls", "--older-than", "30m") if e["kind"] != "lock"] == []
     cli("scan")
     assert_index_matches_disk(cli, root)
