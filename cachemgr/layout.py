@@ -93,40 +93,64 @@ def walk(root: str, subtree: str = "") -> Iterator[DiskEntry]:
     """Every entry under `root` (or under `root/subtree`), grouped as `classify` groups files.
 
     One os.scandir pass; each file is stat'ed once (lstat: symlinks are skipped, not followed).
-    Unreadable directories are skipped, so a scan never fails on one bad corner.
+    Inside a Triton kernel directory (most of the files of a GPU cache) every file belongs to
+    the directory's entry, so those files skip classification. Unreadable directories are
+    skipped, so a scan never fails on one bad corner.
     """
     entries: dict[str, DiskEntry] = {}
-    start = os.path.join(root, subtree) if subtree else root
-    prefix = subtree.strip("/") + "/" if subtree else ""
-    stack = [(start, prefix)]
+    sub = subtree.strip("/")
+    stack: list[tuple[str, str, DiskEntry | None]] = [
+        (os.path.join(root, sub) if sub else root, sub + "/" if sub else "", _kernel_entry(entries, sub))
+    ]
     while stack:
-        path, rel = stack.pop()
+        path, rel, kernel = stack.pop()
         try:
             it = os.scandir(path)
         except OSError:
             continue
         with it:
             for d in it:
-                if is_transient(d.name):
-                    continue
+                name = d.name
+                if name[0] == "." or name.startswith("tmp.") or ".tmp" in name:
+                    continue  # is_transient, inlined: this loop runs once per file
                 try:
                     if d.is_dir(follow_symlinks=False):
-                        stack.append((d.path, rel + d.name + "/"))
+                        child = rel + name
+                        stack.append((d.path, child + "/", kernel or _kernel_entry(entries, child)))
                         continue
                     if not d.is_file(follow_symlinks=False):
                         continue
                     st = d.stat(follow_symlinks=False)
                 except OSError:
                     continue  # vanished between listing and stat: an eviction or a rename
-                relpath = rel + d.name
-                c = classify(relpath)
-                if c is None:
-                    continue
-                e = entries.get(c.key)
+                e = kernel
                 if e is None:
-                    e = entries[c.key] = DiskEntry(c.kind, c.key, c.ref)
-                e.add(relpath, st)
+                    c = classify(rel + name)
+                    if c is None:
+                        continue
+                    e = entries.get(c.key)
+                    if e is None:
+                        e = entries[c.key] = DiskEntry(c.kind, c.key, c.ref)
+                e.bytes += st.st_size
+                e.files += 1
+                if st.st_mtime > e.mtime:
+                    e.mtime = st.st_mtime
+                if st.st_atime > e.atime:
+                    e.atime = st.st_atime
+                e.paths.append(rel + name)
     yield from entries.values()
+
+
+def _kernel_entry(entries: dict[str, DiskEntry], rel: str) -> DiskEntry | None:
+    """The entry of a Triton kernel directory triton/<device>/<hash> (or of a path inside one)."""
+    parts = rel.split("/")
+    if len(parts) < 3 or parts[0] != "triton" or any(is_transient(p) for p in parts):
+        return None
+    key = "/".join(parts[:3])
+    e = entries.get(key)
+    if e is None:
+        e = entries[key] = DiskEntry("triton", key, parts[2])
+    return e
 
 
 def entry_paths(root: str, key: str, kind: str) -> list[str]:

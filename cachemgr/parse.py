@@ -79,8 +79,8 @@ def class_name(obj: Any) -> str:
 
 # -- hash components ----------------------------------------------------------------------------
 
-_DEBUG_LINE = re.compile(r"^\[([a-z0-9]+)\] ([^:\n]+?): ?(.*)$", re.S)
-VALUE_CHARS = 200  # short value kept per component; the graph code ('gm') is kept whole
+VALUE_CHARS = 200  # short value kept per component (inputs 4x); the graph code ('gm') is kept whole
+PARTS = ("code", "inputs", "options", "environment")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,20 +88,64 @@ class Component:
     name: str  # e.g. 'gm', 'example_inputs[0]', 'inductor_config[max_autotune]', 'torch_version'
     hash: str
     value: str
+    part: str  # code | inputs | options | environment: what `explain` groups differences by
+
+
+def component_part(name: str) -> str:
+    if name == "gm":
+        return "code"
+    if name.startswith(("example_inputs[", "inputs_to_check[")):
+        return "inputs"
+    if name.startswith(("fx_kwargs[", "inductor_config[")):
+        return "options"
+    return "environment"
+
+
+# Most debug lines (hundreds of inductor_config values) repeat verbatim across every entry of a
+# cache: parse each distinct line once.
+_LINE_CACHE: dict[str, Component | None] = {}
+
+
+def _component(line: str) -> Component | None:
+    end = line.find("] ", 1)
+    colon = line.find(":", end + 2)
+    if not line.startswith("[") or end < 0 or colon < 0:
+        return None
+    h, name, value = line[1:end], line[end + 2 : colon], line[colon + 1 :].lstrip(" ")
+    if name != "gm":
+        value = value[: 4 * VALUE_CHARS if name.startswith("example_inputs[") else VALUE_CHARS]
+        if name == "torch_version" or not value.isprintable():
+            value = ""  # torch hashes its version as raw bytes: the hash says all there is
+    return Component(name, h, value, component_part(name))
 
 
 def components_of(debug_lines: Any) -> list[Component]:
-    out: list[Component] = []
+    """Parse '[<hash>] <name>: <value>' lines; the last line of a name wins."""
     if not isinstance(debug_lines, (list, tuple)):
-        return out
+        return []
+    if len(_LINE_CACHE) > 200_000:
+        _LINE_CACHE.clear()
+    out: dict[str, Component] = {}
     for line in debug_lines:
-        m = _DEBUG_LINE.match(line) if isinstance(line, str) else None
-        if not m:
+        if not isinstance(line, str):
             continue
-        h, name, value = m.groups()
-        if name == "torch_version" or not value.isprintable() and name != "gm":
-            value = ""  # torch hashes its version as raw bytes: the hash says all there is
-        out.append(Component(name, h, value if name == "gm" else value[:VALUE_CHARS]))
+        c = _LINE_CACHE.get(line, False)
+        if c is False:
+            c = _LINE_CACHE[line] = _component(line)
+        if c is not None:
+            out[c.name] = c
+    return list(out.values())
+
+
+def part_digests(components: list[Component]) -> dict[str, tuple[str, list[Component]]]:
+    """Split components by part; each part gets a digest of its (name, hash) pairs."""
+    by_part: dict[str, list[Component]] = {}
+    for c in components:
+        by_part.setdefault(c.part, []).append(c)
+    out = {}
+    for part, items in by_part.items():
+        joined = "\n".join(sorted([c.name + "=" + c.hash for c in items]))
+        out[part] = (part[0] + hashlib.sha256(joined.encode()).hexdigest()[:31], items)
     return out
 
 

@@ -77,3 +77,21 @@ def test_units():
     for bad in ("", "GiB", "-1GB", "1 parsec"):
         with pytest.raises(UsageError):
             parse_size(bad)
+
+
+def test_default_cache_dir_not_created_yet_is_empty(tmp_path):
+    """On a fresh host Inductor's default dir does not exist until the first compile."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    env = subprocess_env(TMPDIR=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
+    r = subprocess.run([sys.executable, "-m", "cachemgr", "scan", "--json"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "does not exist yet" in r.stderr, r.stderr
+    assert __import__("json").loads(r.stdout)["added"] == 0
+    assert not (tmp_path / f"torchinductor_{__import__('getpass').getuser()}").exists()  # nothing created
+    # a directory the user named and mistyped is still an error
+    r = subprocess.run([sys.executable, "-m", "cachemgr", "--cache-dir", str(tmp_path / "typo"), "scan"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 4

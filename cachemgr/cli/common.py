@@ -87,13 +87,13 @@ def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=False, default=str))
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """A table for people (rich), sized to the terminal; plain columns when piped."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    t = Table(title=title, box=None, header_style="bold", pad_edge=False)
+    t = Table(box=None, header_style="bold", pad_edge=False)
     for h in headers:
         t.add_column(h, no_wrap=True, overflow="ellipsis")
     for r in rows:

@@ -10,10 +10,18 @@ from cachemgr.layout import KINDS
 
 
 def run_scan(app, quiet_progress: bool = False):
-    from cachemgr.index.scan import reconcile
+    import os
 
+    from cachemgr.index.scan import ScanResult, reconcile
+
+    root = app.settings.cache_dir
+    if app.settings.sources["cache_dir"] == "default" and not os.path.exists(root):
+        # Inductor's default directory appears with the first compile: nothing to index yet.
+        # A directory the user named (flag, env, config) that is missing stays an error.
+        click.echo(f"cachemgr: {root} does not exist yet (nothing compiled on this host); index is empty", err=True)
+        return ScanResult(root)
     with progress_bar("parsing entries", enabled=None if not quiet_progress else False) as progress:
-        return reconcile(app.db, app.cache_id, app.settings.cache_dir, progress=progress)
+        return reconcile(app.db, app.cache_id, root, progress=progress)
 
 
 @click.command()
@@ -62,7 +70,8 @@ def stats(app, window: float, as_json: bool) -> None:
         return
     rows = [(k, v["entries"], v["files"], human_size(v["bytes"])) for k, v in doc["by_kind"].items() if v["entries"]]
     rows.append(("total", doc["entries"], doc["files"], human_size(doc["bytes"])))
-    table(("kind", "entries", "files", "bytes"), rows, title=doc["cache_dir"])
+    click.echo(f"cache {doc['cache_dir']}")
+    table(("kind", "entries", "files", "bytes"), rows)
     a = doc["activity"]
     ratio = "-" if a["hit_ratio"] is None else f"{a['hit_ratio']:.1%}"
     click.echo(f"corrupt {doc['corrupt']}, pinned {doc['pinned']}, oldest {doc['oldest'] or '-'}, "

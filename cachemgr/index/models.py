@@ -10,12 +10,14 @@ from __future__ import annotations
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    Column,
     Float,
     ForeignKey,
     Index,
     Integer,
     MetaData,
     String,
+    Table,
     Text,
     UniqueConstraint,
 )
@@ -84,7 +86,6 @@ class Entry(Base):
     corrupt: Mapped[str | None] = mapped_column(Text)
 
     refs: Mapped[list[EntryRef]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
-    components: Mapped[list[EntryComponent]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
 
 
 class EntryRef(Base):
@@ -99,16 +100,47 @@ class EntryRef(Base):
     ref: Mapped[str] = mapped_column(String(128))
 
 
-class EntryComponent(Base):
-    """One component an fxgraph key was hashed from (`_fx_graph_cache_debug_lines`)."""
+class ComponentSet(Base):
+    """A deduplicated set of hash components: one part (code, inputs, options, environment)
+    of an fxgraph key. Hundreds of graphs share one options set, so a scan stores it once."""
 
-    __tablename__ = "entry_components"
-    __table_args__ = (Index("ix_entry_components_name_hash", "name", "hash"),)
+    __tablename__ = "component_sets"
 
-    entry_id: Mapped[int] = mapped_column(ForeignKey("entries.id", ondelete="CASCADE"), primary_key=True)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(32), unique=True)
+    part: Mapped[str] = mapped_column(String(16))
+
+
+class ComponentSetItem(Base):
+    __tablename__ = "component_set_items"
+
+    set_id: Mapped[int] = mapped_column(ForeignKey("component_sets.id", ondelete="CASCADE"), primary_key=True)
     name: Mapped[str] = mapped_column(String(255), primary_key=True)
     hash: Mapped[str] = mapped_column(String(64))
     value: Mapped[str] = mapped_column(Text)
+
+
+class EntryComponentSet(Base):
+    __tablename__ = "entry_component_sets"
+
+    entry_id: Mapped[int] = mapped_column(ForeignKey("entries.id", ondelete="CASCADE"), primary_key=True)
+    part: Mapped[str] = mapped_column(String(16), primary_key=True)
+    set_id: Mapped[int] = mapped_column(ForeignKey("component_sets.id", ondelete="CASCADE"), index=True)
+
+
+# entry_components is a read-only view (created by migration 0001): one row per component an
+# entry's key was hashed from. It lives in its own MetaData so Alembic never takes it for a table.
+VIEWS = MetaData()
+
+
+class EntryComponent(Base):
+    """One component an fxgraph key was hashed from (`_fx_graph_cache_debug_lines`)."""
+
+    __table__ = Table(
+        "entry_components", VIEWS,
+        Column("entry_id", Integer, primary_key=True), Column("part", String(16)),
+        Column("name", String(255), primary_key=True), Column("hash", String(64)), Column("value", Text),
+    )
 
 
 class Pin(Base):

@@ -17,9 +17,11 @@ from sqlalchemy import bindparam, delete, insert, select, update
 from cachemgr import layout, parse
 from cachemgr.errors import CacheDirError
 from cachemgr.index.db import Database
-from cachemgr.index.models import Cache, Entry, EntryComponent, EntryRef, Event
+from cachemgr.index.describe import Parts, describe_all
+from cachemgr.index.models import Cache, ComponentSet, ComponentSetItem, Entry, EntryComponentSet, EntryRef, Event
 
-ENTRIES, REFS, COMPONENTS, EVENTS = Entry.__table__, EntryRef.__table__, EntryComponent.__table__, Event.__table__
+ENTRIES, REFS, EVENTS = Entry.__table__, EntryRef.__table__, Event.__table__
+SETS, SET_ITEMS, ENTRY_SETS = ComponentSet.__table__, ComponentSetItem.__table__, EntryComponentSet.__table__
 CHUNK = 500  # rows per IN (...) list: well under SQLite's and PostgreSQL's parameter limits
 
 Progress = Callable[[int, int], None]  # (done, total) while parsing entries
@@ -50,46 +52,6 @@ def check_root(root: str) -> None:
         raise CacheDirError(f"cache directory {root} is not a directory")
     if not os.access(root, os.R_OK | os.X_OK):
         raise CacheDirError(f"cache directory {root} is not readable by this user")
-
-
-def read_noatime(path: str) -> bytes:
-    """Read a file without moving its atime where the kernel allows: our reads are not hits."""
-    flags = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
-    try:
-        fd = os.open(path, flags)
-    except PermissionError:  # O_NOATIME needs ownership
-        fd = os.open(path, os.O_RDONLY)
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
-
-
-def describe(root: str, d: layout.DiskEntry) -> tuple[dict, list[tuple[str, str]], list[parse.Component]]:
-    """Row values, references and hash components of one entry, read from its files."""
-    row: dict = {"alias": None}
-    p: parse.Parsed | None = None
-    refs: list[tuple[str, str]] = []
-    try:
-        if d.kind == "fxgraph":
-            p = parse.parse_fxgraph(read_noatime(os.path.join(root, d.key)), graph_key=d.ref)
-        elif d.kind == "aotautograd":
-            p = parse.parse_aotautograd(read_noatime(os.path.join(root, d.key)))
-        elif d.kind == "autotune":
-            refs = parse.autotune_refs(read_noatime(os.path.join(root, d.key)))
-        elif d.kind == "code":
-            main_cpp = next((x for x in d.paths if x.endswith(".main.cpp")), None)
-            if main_cpp:
-                row["alias"] = parse.cpp_source_ref(read_noatime(os.path.join(root, main_cpp)).decode("utf-8", "replace"))
-    except OSError as e:
-        row["corrupt"] = f"unreadable: {e.strerror}"
-    if p is not None:
-        refs = p.refs
-        row.update(
-            graph_key=p.graph_key if d.kind == "fxgraph" else None, signature=p.signature,
-            signature_hash=p.signature_hash, options_hash=p.options_hash, guards=p.guards,
-            device_types=p.device_types, compile_seconds=p.compile_seconds, torch_version=p.torch_version,
-            torch_version_hash=p.torch_version_hash, system_hash=p.system_hash, corrupt=p.corrupt,
-        )
-    return row, refs, (p.components if p else [])
 
 
 _PARSED_COLUMNS = (
@@ -132,11 +94,7 @@ def reconcile(
 
     # Parse outside the write transaction: readers and the daemon's writes are not held up.
     todo = added + changed
-    described: dict[str, tuple[dict, list, list]] = {}
-    for i, k in enumerate(todo):
-        described[k] = describe(root, disk[k])
-        if progress:
-            progress(i + 1, len(todo))
+    described = describe_all(root, [disk[k] for k in todo], progress)
 
     corrupt: list[tuple[str, str]] = []
     with db.engine.begin() as conn:
@@ -152,20 +110,20 @@ def reconcile(
             changed_ids = [known[k].id for k in changed]
             for chunk in _chunks(changed_ids):
                 conn.execute(delete(REFS).where(REFS.c.entry_id.in_(chunk)))
-                conn.execute(delete(COMPONENTS).where(COMPONENTS.c.entry_id.in_(chunk)))
+                conn.execute(delete(ENTRY_SETS).where(ENTRY_SETS.c.entry_id.in_(chunk)))
             conn.execute(
                 update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(
                     {c: bindparam("b_" + c) for c in ("bytes", "files", "mtime", "alias", *_PARSED_COLUMNS)}
                 ),
                 [
                     {"b_id": known[k].id, "b_bytes": disk[k].bytes, "b_files": disk[k].files, "b_mtime": disk[k].mtime,
-                     **{"b_" + c: described[k][0].get(c) for c in ("alias", *_PARSED_COLUMNS)}}
+                     **{"b_" + c: described[k].row.get(c) for c in ("alias", *_PARSED_COLUMNS)}}
                     for k in changed
                 ],
             )
         new_rows = []
         for k in added:
-            d, (row, _, _) = disk[k], described[k]
+            d, row = disk[k], described[k].row
             new_rows.append({
                 "cache_id": cache_id, "key": k, "kind": d.kind, "ref": d.ref, "bytes": d.bytes, "files": d.files,
                 "mtime": d.mtime, "first_seen": now, "last_access": max(d.atime, d.mtime), "hit_count": 0,
@@ -173,31 +131,62 @@ def reconcile(
             })
         ids = _insert_returning_ids(conn, new_rows)
         ids.update({k: known[k].id for k in changed})
-        refs, comps, events = [], [], []
+        refs, entry_sets, events = [], [], []
+        sets = ComponentSets(conn)
         for k in todo:
-            row, entry_refs, entry_comps = described[k]
-            eid = ids[k]
-            refs.extend({"entry_id": eid, "kind": kind, "ref": ref} for kind, ref in entry_refs)
-            comps.extend({"entry_id": eid, "name": c.name, "hash": c.hash, "value": c.value}
-                         for c in {c.name: c for c in entry_comps}.values())
-            if row.get("corrupt"):
-                corrupt.append((k, row["corrupt"]))
+            desc, eid = described[k], ids[k]
+            refs.extend({"entry_id": eid, "kind": kind, "ref": ref} for kind, ref in desc.refs)
+            entry_sets.extend({"entry_id": eid, "part": part, "set_id": set_id}
+                              for part, set_id in sets.ids_for(desc.parts).items())
+            if desc.row.get("corrupt"):
+                corrupt.append((k, desc.row["corrupt"]))
         for k in added:
-            d, row = disk[k], described[k][0]
+            d, row = disk[k], described[k].row
             if d.kind == "fxgraph" and not row.get("corrupt"):
                 gk = row.get("graph_key")
                 events.append({"cache_id": cache_id, "ts": d.mtime, "kind": "new", "entry_kind": d.kind,
                                "entry_key": k, "graph_key": gk, "recompile": gk in known_graphs,
                                "bytes": d.bytes, "seconds": row.get("compile_seconds")})
                 known_graphs.add(gk)
-        for table, rows in ((REFS, refs), (COMPONENTS, comps), (EVENTS, events)):
+        sets.flush()
+        for table, rows in ((REFS, refs), (ENTRY_SETS, entry_sets), (EVENTS, events)):
             if rows:
                 conn.execute(insert(table), rows)
+        if removed or changed:
+            conn.execute(delete(SETS).where(SETS.c.id.not_in(select(ENTRY_SETS.c.set_id))))
         if not prefix:
             conn.execute(update(Cache.__table__).where(Cache.__table__.c.id == cache_id).values(last_scan=now))
 
     return ScanResult(root, added, changed, removed, len(disk) - len(added) - len(changed), corrupt,
                       time.monotonic() - t0)
+
+
+class ComponentSets:
+    """Deduplicated component sets: an entry's components split by part, each part stored once
+    per distinct content (digest) and shared by every entry that has the same one."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.known = {d: i for d, i in conn.execute(select(SETS.c.digest, SETS.c.id))}
+        self.pending: list[tuple[str, list[parse.Component]]] = []
+
+    def ids_for(self, parts: Parts) -> dict[str, int]:
+        out = {}
+        for part, (digest, items) in parts.items():
+            if digest not in self.known:
+                # a describer sends a part's items with the first entry that has it: it is here
+                assert items is not None, f"component set {digest} arrived without its items"
+                self.known[digest] = self.conn.execute(insert(SETS).values(digest=digest, part=part)).inserted_primary_key[0]
+                self.pending.append((digest, items))
+            out[part] = self.known[digest]
+        return out
+
+    def flush(self) -> None:
+        rows = [{"set_id": self.known[d], "name": c.name, "hash": c.hash, "value": c.value}
+                for d, items in self.pending for c in items]
+        if rows:
+            self.conn.execute(insert(SET_ITEMS), rows)
+        self.pending.clear()
 
 
 def _insert_returning_ids(conn, rows: list[dict]) -> dict[str, int]:

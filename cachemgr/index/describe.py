@@ -1,0 +1,113 @@
+"""Read new and changed entries into index row values: the CPU-heavy half of a scan.
+
+Kept free of SQLAlchemy so that, for a large first scan, worker processes can parse pickles in
+parallel and start in milliseconds. Hash components come back already split into parts with
+their digests; each worker sends the items of a part only the first time it meets its digest,
+since hundreds of graphs share one options part.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from cachemgr import layout, parse
+
+PARALLEL_MIN_BYTES = 64 << 20  # below this much pickle to read, worker start-up costs more than it saves
+
+Parts = dict[str, tuple[str, list[parse.Component] | None]]  # part -> (digest, items or None if sent before)
+
+
+@dataclass(slots=True)
+class Described:
+    row: dict
+    refs: list[tuple[str, str]]
+    parts: Parts
+
+
+def read_noatime(path: str) -> bytes:
+    """Read a file without moving its atime where the kernel allows: our reads are not hits."""
+    flags = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
+    try:
+        fd = os.open(path, flags)
+    except PermissionError:  # O_NOATIME needs ownership
+        fd = os.open(path, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def describe(root: str, d: layout.DiskEntry, sent: set[str]) -> Described:
+    """Row values, references and hash components of one entry, read from its files."""
+    row: dict = {"alias": None}
+    p: parse.Parsed | None = None
+    refs: list[tuple[str, str]] = []
+    try:
+        if d.kind == "fxgraph":
+            p = parse.parse_fxgraph(read_noatime(os.path.join(root, d.key)), graph_key=d.ref)
+        elif d.kind == "aotautograd":
+            p = parse.parse_aotautograd(read_noatime(os.path.join(root, d.key)))
+        elif d.kind == "autotune":
+            refs = parse.autotune_refs(read_noatime(os.path.join(root, d.key)))
+        elif d.kind == "code":
+            main_cpp = next((x for x in d.paths if x.endswith(".main.cpp")), None)
+            if main_cpp:
+                source = read_noatime(os.path.join(root, main_cpp)).decode("utf-8", "replace")
+                row["alias"] = parse.cpp_source_ref(source)
+    except OSError as e:
+        row["corrupt"] = f"unreadable: {e.strerror}"
+    parts: Parts = {}
+    if p is not None:
+        refs = p.refs
+        row.update(
+            graph_key=p.graph_key if d.kind == "fxgraph" else None, signature=p.signature,
+            signature_hash=p.signature_hash, options_hash=p.options_hash, guards=p.guards,
+            device_types=p.device_types, compile_seconds=p.compile_seconds, torch_version=p.torch_version,
+            torch_version_hash=p.torch_version_hash, system_hash=p.system_hash, corrupt=p.corrupt,
+        )
+        for part, (digest, items) in parse.part_digests(p.components).items():
+            parts[part] = (digest, None if digest in sent else items)
+            sent.add(digest)
+    return Described(row, refs, parts)
+
+
+_worker_sent: set[str] = set()
+
+
+def _worker(args: tuple[str, layout.DiskEntry]) -> tuple[str, Described]:
+    root, d = args
+    return d.key, describe(root, d, _worker_sent)
+
+
+def describe_all(root: str, entries: list[layout.DiskEntry],
+                 progress: Callable[[int, int], None] | None = None) -> dict[str, Described]:
+    """Describe every entry; parse pickles in one worker process per core when there is a lot."""
+    heavy = sum(d.bytes for d in entries if d.kind in ("fxgraph", "aotautograd"))
+    workers = min(os.cpu_count() or 1, 8)
+    out: dict[str, Described] = {}
+    done = 0
+
+    def results() -> Iterable[tuple[str, Described]]:
+        if heavy < PARALLEL_MIN_BYTES or workers < 2:
+            sent: set[str] = set()
+            return ((d.key, describe(root, d, sent)) for d in entries)
+        # spawn, not fork: the daemon has threads (observer, scheduler) a fork would copy mid-lock
+        pool = multiprocessing.get_context("spawn").Pool(workers)
+        pool_results = pool.imap(_worker, ((root, d) for d in entries), chunksize=16)
+        return _closing(pool, pool_results)
+
+    for key, described in results():
+        out[key] = described
+        done += 1
+        if progress:
+            progress(done, len(entries))
+    return out
+
+
+def _closing(pool, it: Iterable) -> Iterable:
+    try:
+        yield from it
+    finally:
+        pool.terminate()
+        pool.join()

@@ -1,0 +1,233 @@
+"""explain / diff on real caches: each variant compiled by torch.compile in a fresh process.
+
+One cache dir gets `base` and then variants that each change one thing (tests/programs/
+explain_variants.py); `explain` must name exactly that component, and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import PROGRAMS, subprocess_env
+
+# (variant, program args) in compile order; train-* compile a forward and a backward graph
+RUNS = [("base", ["base"]), ("option", ["option"]), ("dtype", ["dtype"]), ("stride", ["stride"]),
+        ("code", ["code"]), ("train-base", ["base", "--train"]), ("train-option", ["option", "--train"])]
+
+
+def compile_variant(cache_dir, *args: str) -> dict:
+    out = subprocess.run([sys.executable, str(PROGRAMS / "explain_variants.py"), *args],
+                         env=subprocess_env(cache_dir), capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def variants_master(tmp_path_factory):
+    root = tmp_path_factory.mktemp("explain-cache") / "inductor"
+    for name, args in RUNS:
+        counters = compile_variant(root, *args)
+        # every variant is a real miss: nothing it compiled was in the cache already
+        assert counters["fxgraph_cache_hit"] == 0, (name, counters)
+        assert counters["fxgraph_cache_miss"] == (2 if name.startswith("train") else 1), (name, counters)
+        time.sleep(0.05)  # distinct mtimes: the compile order is the events' order
+    return root
+
+
+@pytest.fixture
+def variants(variants_master, tmp_path):
+    dst = tmp_path / "inductor"
+    shutil.copytree(variants_master, dst, symlinks=True)
+    return dst
+
+
+def explained(cli) -> dict:
+    cli("scan")
+    doc = cli.json("explain", "--since", "1d", "--limit", "100")
+    assert doc["compiles"] == 9 and len(doc["misses"]) == 9
+    return doc
+
+
+def by_run(doc) -> dict[str, list[dict]]:
+    """Misses in compile order, grouped by the run that made them (train runs made two)."""
+    out, it = {}, iter(doc["misses"])
+    for name, _ in RUNS:
+        out[name] = [next(it) for _ in range(2 if name.startswith("train") else 1)]
+    return out
+
+
+def changes(miss) -> list[dict]:
+    return [c for cs in miss["diff"]["groups"].values() for c in cs]
+
+
+def test_each_variant_names_exactly_its_component(variants, cli_for):
+    cli = cli_for(variants)
+    runs = by_run(explained(cli))
+    base = runs["base"][0]
+    assert base["verdict"] == "first" and base["diff"] is None
+
+    expected = {
+        "option": ("options", "inductor_config[epilogue_fusion]", [], "True", "False"),
+        "dtype": ("inputs", "example_inputs[0]", ["dtype"], "float32[8, 16]", "float64[8, 16]"),
+        "stride": ("inputs", "example_inputs[0]", ["stride"], "stride (16, 1)", "stride (1, 8)"),
+        "code": ("code", "gm", [], "(graph code)", "(graph code)"),
+    }
+    for name, (group, component, fields, a, b) in expected.items():
+        (m,) = runs[name]
+        assert m["verdict"] == "recompile", (name, m)
+        assert m["nearest"][0]["key"] == base["key"], name  # compared with base, not a sibling variant
+        assert m["nearest"][0]["same_code"] is (name != "code")
+        (c,) = changes(m)  # exactly one component differs, nothing derived
+        assert (c["group"], c["name"], c["fields"], c["derived"]) == (group, component, fields, None), (name, c)
+        assert a in c["a"] and b in c["b"], (name, c)
+        assert m["nearest"][0]["differ"] == 1 and list(m["diff"]["groups"]) == [group]
+        assert len(m["causes"]) == 1
+
+    assert runs["option"][0]["causes"] == ["inductor_config[epilogue_fusion] changed"]
+    assert runs["dtype"][0]["causes"] == ["an input's dtype changed"]
+    assert runs["stride"][0]["causes"] == ["an input's stride changed"]
+    code = runs["code"][0]
+    assert code["causes"] == ["the graph code changed"]
+    lines = code["diff"]["code_diff"]
+    assert "-    cos = torch.ops.aten.cos.default(add);  add = None" in lines
+    assert "+    tanh = torch.ops.aten.tanh.default(add);  add = None" in lines
+
+
+def test_training_graphs_compare_forward_with_forward(variants, cli_for):
+    runs = by_run(explained(cli_for(variants)))
+    fwd, bwd = runs["train-base"]
+    # a training forward is another graph than the inference one; its backward another again
+    assert fwd["verdict"] == bwd["verdict"] == "new-graph"
+    assert "a training graph" in fwd["note"] and "a backward graph" in bwd["note"]
+    for m, twin in zip(runs["train-option"], runs["train-base"]):
+        assert m["verdict"] == "recompile" and m["nearest"][0]["key"] == twin["key"]
+        assert m["nearest"][0]["same_code"] is True
+        assert [c["name"] for c in changes(m)] == ["inductor_config[epilogue_fusion]"]
+
+
+def test_summary_one_line_per_cause(variants, cli_for):
+    cli = cli_for(variants)
+    cli("scan")
+    doc = cli.json("explain", "--summary", "--since", "1d")
+    assert "misses" not in doc
+    counts = {s["cause"]: s["graphs"] for s in doc["summary"]}
+    assert counts == {
+        "inductor_config[epilogue_fusion] changed": 3,  # the inference graph and the training pair
+        "an input's dtype changed": 1,
+        "an input's stride changed": 1,
+        "the graph code changed": 1,
+        "compiled, unlike any earlier graph": 2,
+        "compiled for the first time in this cache": 1,
+    }
+    text = cli("explain", "--summary", "--since", "1d").stdout
+    assert "3 graphs recompiled because inductor_config[epilogue_fusion] changed" in text
+    assert "1 graph recompiled because an input's stride changed" in text
+
+
+def test_diff_command(variants, cli_for):
+    cli = cli_for(variants)
+    runs = by_run(explained(cli))
+    base, dtype, code = runs["base"][0], runs["dtype"][0], runs["code"][0]
+    d = cli.json("diff", base["key"], dtype["key"])
+    assert d["differ"] == 1 and d["causes"] == ["an input's dtype changed"] and d["shared"] > 100
+    # short forms and graph keys name the same entries
+    assert cli.json("diff", base["short"], dtype["graph_key"])["groups"] == d["groups"]
+    assert cli.json("diff", base["key"], base["key"])["same"] is True
+    out = cli("diff", base["short"], code["short"]).stdout
+    assert "1 differs" in out and "the graph code (gm) changed" in out and "+    tanh" in out
+    r = cli.proc("diff", base["key"], "fnosuchgraph")
+    assert r.returncode == 3 and r.stderr.count("\n") == 1 and "no fxgraph entry 'fnosuchgraph'" in r.stderr
+
+
+def test_explain_one_graph(variants, cli_for):
+    cli = cli_for(variants)
+    runs = by_run(explained(cli))
+    dtype = runs["dtype"][0]
+    doc = cli.json("explain", "--since", "1d", "--graph", dtype["graph_key"])
+    assert [m["key"] for m in doc["misses"]] == [dtype["key"]]
+    out = cli("explain", "--since", "1d", "--graph", dtype["short"]).stdout
+    assert "example_inputs[0]: dtype changed" in out and "float64[8, 16]" in out
+    assert "no fxgraph entry 'fnosuchgraph'" in cli("explain", "--graph", "fnosuchgraph", code=3).stderr
+    assert "no compiles in the last 1s" in cli("explain", "--since", "1s", "--graph", dtype["short"]).stdout
+
+
+def test_explain_model_through_recorded_shapes(variants, cli_for, db_url):
+    cli = cli_for(variants)
+    runs = by_run(explained(cli))
+    r = cli.proc("explain", "--model", "ranker")
+    assert r.returncode == 3 and "no recorded shapes for model 'ranker'" in r.stderr and "Traceback" not in r.stderr
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(db_url)
+    with engine.begin() as conn:  # what the recorder writes: one row per input signature seen
+        conn.execute(text("INSERT INTO shapes (model, signature_hash, signature, spec, options, count, first_seen, "
+                          "last_seen) VALUES ('ranker', 'x', 'f64[8, 16](16, 1)cpu', '[]', '{}', 1, 0, 0)"))
+    engine.dispose()
+    doc = cli.json("explain", "--since", "1d", "--model", "ranker")
+    assert [m["key"] for m in doc["misses"]] == [runs["dtype"][0]["key"]]
+
+
+def test_same_key_new_guard_set(variants, cli_for):
+    """A second entry under one graph key (another guard set) has the same components."""
+    cli = cli_for(variants)
+    runs = by_run(explained(cli))
+    key = runs["option"][0]["key"]
+    src = variants / key
+    twin = src.with_name("zz" + src.name[2:])
+    shutil.copy2(src, twin)
+    os.utime(twin, (time.time(), time.time()))
+    cli("scan")
+    (m,) = cli.json("explain", "--since", "1d", "--graph", runs["option"][0]["graph_key"])["misses"][-1:]
+    assert m["verdict"] == "guards" and m["nearest"][0]["key"] == key
+    assert "another guard set" in cli("explain", "--since", "1d", "--summary").stdout
+
+
+def test_gpu_fixture_readable_in_80_columns(gpu_cache, cli_for):
+    cli = cli_for(gpu_cache)
+    cli("scan")
+    r = cli.proc("explain", "--since", "3650d", env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) > 20
+    too_wide = [line for line in lines if len(line) > 80]
+    assert not too_wide, too_wide
+    # the fixture: an MLP training step (static, then dynamic batch) and a resnet18 (static, dynamic)
+    assert "3 graphs recompiled because input shapes became dynamic" in r.stdout
+    assert "shape became dynamic" in r.stdout and "cuda:0" in r.stdout
+    doc = cli.json("explain", "--since", "3650d")
+    assert doc["compiles"] == 6
+    dyn = [m for m in doc["misses"] if m["verdict"] == "recompile"]
+    for m in dyn:
+        causes = [c for cs in m["diff"]["groups"].values() for c in cs if not c["derived"]]
+        assert causes and all(c["fields"] == ["shape (dynamic)"] for c in causes), causes
+    a, b = dyn[0]["nearest"][0]["short"], dyn[0]["short"]
+    r = cli.proc("diff", a, b, env={"COLUMNS": "80"})
+    assert r.returncode == 0 and all(len(line) <= 80 for line in r.stdout.splitlines()), r.stdout
+    assert "shape became dynamic" in r.stdout
+    for command in ("diff", "explain"):
+        r = cli.proc(command, "--help", env={"COLUMNS": "80"})
+        assert r.returncode == 0 and "Example:" in r.stdout
+        assert all(len(line) <= 80 for line in r.stdout.splitlines()), r.stdout
+
+
+def test_parse_input_and_groups():
+    from cachemgr.explain import changed_fields, group_of, parse_input
+
+    cut = ("TensorMetadata(dtype=torch.float32, shape=torch.Size([s33, 256]), stride=(256, 1), device=device("
+           "type='cuda', index=0), layout=torch.strided, memory_format=None, storage_offset=0, storage_bytes=None, ")
+    f = parse_input(cut[:200])  # stored values are cut at 200 characters
+    assert (f["dtype"], f["shape"], f["stride"], f["device"]) == ("float32", "[s33, 256]", "(256, 1)", "cuda:0")
+    assert "storage_bytes" not in f  # the cut-off last field is dropped, not misread
+    static = dict(f, shape="[8, 256]", memory_format="torch.contiguous_format")
+    assert changed_fields(static, f) == ["shape (dynamic)"]
+    assert changed_fields(dict(f, device="cuda:1"), f) == ["device"]
+    assert parse_input("('s33',)") == {"scalar": "s33"}
+    assert [group_of(n) for n in ("gm", "example_inputs[3]", "fx_kwargs[is_backward]", "inductor_config[debug]",
+                                  "torch_version", "system_info[device]", "cuda_matmul_settings", "post_grad_custom_pre_pass")] == \
+        ["code", "inputs", "options", "options", "environment", "environment", "environment", "options"]
