@@ -62,7 +62,7 @@ def test_migrations_run_on_postgres(pg_url):
         assert compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata) == []
     db.close()
     tables = {t for (t,) in pg_query(pg_url, "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
-    assert {"alembic_version", "caches", "entries", "entry_refs", "entry_components", "pins", "events", "shapes"} <= tables
+    assert {"alembic_version", "caches", "entries", "entry_refs", "entry_component_sets", "component_sets", "pins", "events", "shapes"} <= tables
     Database(pg_url).close()  # at head: a no-op
     assert pg_query(pg_url, "SELECT version_num FROM alembic_version") == [(HEAD_REVISION,)]
 

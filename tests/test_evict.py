@@ -1,0 +1,523 @@
+"""Eviction, purge and pins on real caches (a CPU cache compiled in this session, the H200 fixture)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cachemgr import layout
+from conftest import REPO, run_program, subprocess_env
+
+HOUR = 3600
+
+
+def age_files(root: Path, seconds: float, paths=None) -> None:
+    """Set atime and mtime of every regular file (or of `paths`) to `seconds` ago."""
+    t = time.time() - seconds
+    for p in (paths if paths is not None else root.rglob("*")):
+        p = Path(p)
+        if p.is_file() and not p.is_symlink():
+            os.utime(p, (t, t))
+
+
+def disk(root: Path) -> dict[str, int]:
+    """Every regular file under the root (symlinks and transient files excluded): relpath -> size."""
+    out = {}
+    for e in layout.walk(str(root)):
+        for p in e.paths:
+            out[p] = os.lstat(root / p).st_size
+    return out
+
+
+def find_bytes(root: Path) -> int:
+    """What `find` sees: every regular file, trash included (the trash must be empty after a run)."""
+    out = subprocess.run(["find", str(root), "-type", "f", "-printf", "%s\\n"], capture_output=True, text=True, check=True)
+    return sum(int(x) for x in out.stdout.split())
+
+
+def assert_index_matches_disk(cli, root: Path) -> None:
+    rows = {e["key"]: e for e in cli.json("ls")}
+    on_disk = {e.key: e for e in layout.walk(str(root))}
+    assert set(rows) == set(on_disk), (set(rows) ^ set(on_disk))
+    for k, e in on_disk.items():
+        assert rows[k]["bytes"] == e.bytes and rows[k]["files"] == e.files, k
+    assert cli.json("stats")["bytes"] == sum(disk(root).values())
+
+
+def db_path(db_url: str) -> str:
+    return db_url.split(":///", 1)[1]
+
+
+@pytest.fixture
+def aged_cpu(cpu_cache):
+    age_files(cpu_cache, HOUR)
+    return cpu_cache
+
+
+@pytest.fixture
+def aged_gpu(gpu_cache):
+    age_files(gpu_cache, HOUR)
+    return gpu_cache
+
+
+# -- size, files, age, free space ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["aged_cpu", "aged_gpu"])
+def test_max_size_bytes_on_disk_and_stats_agree(which, request, cli_for, db_url):
+    root = request.getfixturevalue(which)
+    cli = cli_for(root)
+    cli("scan")
+    total = cli.json("stats")["bytes"]
+    cap = total // 2
+    r = cli.json("evict", "--max-size", str(cap))
+    assert r["evicted"] > 0 and r["evicted"] == r["planned"] and r["skipped"] == []
+    assert find_bytes(root) <= cap
+    assert find_bytes(root) == sum(disk(root).values()) == r["remaining_bytes"] == total - r["freed_bytes"]
+    assert sum(e["bytes"] for e in r["entries"]) == r["freed_bytes"] == r["expected_freed_bytes"]
+    stats = cli.json("stats")
+    assert stats["bytes"] == find_bytes(root)  # to the byte
+    assert stats["activity"]["evictions"] == r["evicted"] and stats["last_eviction"]
+    again = cli.json("scan")
+    assert (again["added"], again["changed"], again["removed"]) == (0, 0, 0)
+    assert_index_matches_disk(cli, root)
+    # one 'evict' event per entry, with its key and bytes
+    conn = sqlite3.connect(db_path(db_url))
+    events = dict(conn.execute("SELECT entry_key, bytes FROM events WHERE kind = 'evict'").fetchall())
+    assert events == {e["key"]: e["bytes"] for e in r["entries"]}
+    assert not any((root / layout.TRASH_DIR).iterdir())
+
+
+def test_recreatable_go_first_and_are_reported(aged_gpu, cli_for):
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    total = cli.json("stats")["bytes"]
+    kernels = sum(e["bytes"] for e in cli.json("ls", "--kind", "triton"))
+    # a cap one kernel's worth under the total: no graph needs to go
+    r = cli.json("evict", "--max-size", str(int((total - 1) / 0.9) - 1))
+    kinds = {e["kind"] for e in r["entries"]}
+    assert kinds <= {"code", "triton", "autotune"}, kinds
+    assert all(e["kind"] == "code" for e in r["entries"][:1])  # unreferenced modules (orphans) first
+    r = cli.json("evict", "--max-size", str(int((total - kernels / 2) / 0.9)))  # half the kernels' worth
+    assert r["recreatable_freed_bytes"] > 0
+    assert {e["kind"] for e in cli.json("ls")} >= {"fxgraph", "aotautograd"}  # every graph kept
+    assert len(cli.json("ls", "--kind", "fxgraph")) == 6
+
+
+def test_dry_run_deletes_nothing(aged_gpu, cli_for):
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    before, rows = disk(aged_gpu), cli.json("ls")
+    r = cli.json("evict", "--max-size", "0", "--dry-run")
+    assert r["dry_run"] and r["planned"] == len(rows) and r["evicted"] == len(rows)
+    assert r["remaining_bytes"] == 0 and r["freed_bytes"] == sum(before.values())
+    assert disk(aged_gpu) == before and cli.json("ls") == rows
+    assert cli.json("stats")["activity"]["evictions"] == 0 and cli.json("stats")["last_eviction"] is None
+    out = cli("evict", "--max-size", "0", "--dry-run").stdout
+    assert "dry run: would free" in out and "nothing deleted" in out and "plan: evict" in out
+    p = cli.json("purge", "--all", "--dry-run")
+    assert p["evicted"] == len(rows) and disk(aged_gpu) == before
+
+
+def test_max_files(aged_gpu, cli_for):
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    r = cli.json("evict", "--max-files", "500")
+    assert r["freed_files"] > 0 and len(disk(aged_gpu)) <= 500 and cli.json("stats")["files"] == len(disk(aged_gpu))
+
+
+def test_max_age_takes_only_old_groups(aged_cpu, cli_for):
+    age_files(aged_cpu, 3 * 86400)
+    cli = cli_for(aged_cpu)
+    cli("scan")
+    aot = cli.json("ls", "--kind", "aotautograd")
+    young = aot[0]
+    age_files(aged_cpu, HOUR, [aged_cpu / young["key"]])  # one AOT entry was hit an hour ago
+    graphs = [r["ref"] for r in cli.json("show", young["key"])["references"] if r["kind"] == "fxgraph"]
+    its_fx = [e["key"] for g in graphs for e in cli.json("ls", "--graph", g)]
+    assert its_fx
+    r = cli.json("evict", "--max-age", "2d")
+    assert r["evicted"] > 0 and {e["reason"] for e in []} == set()
+    # its graphs' files are three days old, but a group shares its newest access: they stay
+    assert (aged_cpu / young["key"]).exists() and all((aged_cpu / k).exists() for k in its_fx)
+    assert [e["key"] for e in cli.json("ls", "--kind", "aotautograd")] == [young["key"]]
+    assert all(not (aged_cpu / e["key"]).exists() for e in aot[1:])
+    assert cli.json("evict", "--max-age", "2d")["evicted"] == 0
+    assert_index_matches_disk(cli, aged_cpu)
+
+
+def test_min_free(aged_gpu, cli_for):
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    assert cli.json("evict", "--min-free", "0%")["evicted"] == 0
+    r = cli.json("evict", "--min-free", "99%")  # cannot be met: everything evictable goes
+    assert r["evicted"] > 0 and disk(aged_gpu) == {}
+
+
+def test_no_limit_is_a_usage_error(aged_cpu, cli_for):
+    r = cli_for(aged_cpu).proc("evict")
+    assert r.returncode == 2 and r.stderr.startswith("cachemgr: error: no limit to evict to") and "Traceback" not in r.stderr
+
+
+# -- policies --------------------------------------------------------------------------------------
+
+
+def test_cost_keeps_the_expensive_graph_where_lru_does_not(aged_cpu, db_url):
+    from cachemgr.evict import Limits, evict, load_rows
+    from cachemgr.evict.policy import plan
+    from cachemgr.index.db import Database
+    from cachemgr.index.scan import reconcile
+
+    db = Database(db_url)
+    cid = db.cache_id("testhost", str(aged_cpu))
+    reconcile(db, cid, str(aged_cpu))
+    rows = load_rows(db, cid, str(aged_cpu))
+    order = [u for u in plan(rows, Limits(max_size=0, grace=0), "cost", time.time()).units if u.reason == "size"]
+    assert len(order) >= 2, "the CPU workload makes several graph groups"
+    heads = [u.entries[0].key for u in order]
+    cheapest, dearest = order[0], order[-1]
+    per_byte = [sum(e.compile_seconds or 0 for e in u.entries if e.kind == "fxgraph") / u.bytes for u in order]
+    assert per_byte[-1] > per_byte[0]
+    # the dearest graph is the least recently used: lru takes it first, cost keeps it
+    age_files(aged_cpu, 5 * HOUR, [aged_cpu / e.key for e in dearest.entries if e.kind != "triton"])
+    reconcile(db, cid, str(aged_cpu))
+    recreatable = sum(u.bytes for u in plan(rows, Limits(max_size=0, grace=0), "lru", time.time()).units
+                      if u.reason in ("orphan", "recreatable"))
+    total = sum(r.bytes for r in load_rows(db, cid, str(aged_cpu)))
+    limits = Limits(max_size=total - recreatable - 1, low_water=1.0)  # one graph group must go
+    lru = evict(db, cid, str(aged_cpu), limits, "lru", dry_run=True)
+    cost = evict(db, cid, str(aged_cpu), limits, "cost", dry_run=True)
+    lru_keys, cost_keys = {k for k, _, _ in lru.entries}, {k for k, _, _ in cost.entries}
+    assert dearest.entries[0].key in lru_keys and dearest.entries[0].key not in cost_keys
+    assert cheapest.entries[0].key in cost_keys
+    assert heads[0] != heads[-1]
+    # and for real: the cost policy deletes the cheap group, the dear one stays on disk
+    done = evict(db, cid, str(aged_cpu), limits, "cost")
+    assert (aged_cpu / dearest.entries[0].key).exists() and not (aged_cpu / cheapest.entries[0].key).exists()
+    assert done.freed_bytes == cost.freed_bytes
+
+
+def test_recompiles_after_eviction(aged_cpu, cpu_cache_master, cli_for, tmp_path):
+    reference = run_program(shutil.copytree(cpu_cache_master, tmp_path / "ref"))
+    assert reference["fxgraph_cache_miss"] == 0  # the untouched cache is all hits
+    cli = cli_for(aged_cpu)
+    cli("scan")
+    fx_before = {e["key"] for e in cli.json("ls", "--kind", "fxgraph")}
+    r = cli.json("evict", "--max-size", str(cli.json("stats")["bytes"] // 2))
+    evicted_fx = {e["key"] for e in r["entries"] if e["kind"] == "fxgraph"}
+    assert evicted_fx and fx_before - evicted_fx, "some graphs go, some stay"
+    assert any(e["kind"] == "code" and (aged_cpu / (e["key"] + ".py")).parent.exists() for e in r["entries"])
+    after = run_program(aged_cpu)
+    assert after["checksum"] == pytest.approx(reference["checksum"], rel=1e-6)
+    assert after["fxgraph_cache_miss"] >= 1  # evicted graphs recompiled
+    assert after["fxgraph_cache_hit"] >= 1  # kept ones hit, their evicted modules written again
+    assert after["fxgraph_cache_hit"] + after["fxgraph_cache_miss"] == reference["fxgraph_cache_hit"]
+    cli("scan")
+    assert {e["key"] for e in cli.json("ls", "--kind", "fxgraph")} >= fx_before - evicted_fx
+
+
+# -- safety ----------------------------------------------------------------------------------------
+
+
+def test_grace_and_transient_files(aged_cpu, cli_for):
+    fresh = next(aged_cpu.glob("fxgraph/*/*/*"))
+    age_files(aged_cpu, 5, [fresh])  # read or written 5 s ago: inside the default 60 s
+    tmp = fresh.parent / f".{os.getpid()}.77.tmp"
+    tmp.write_bytes(b"a write in progress")
+    age_files(aged_cpu, HOUR, [tmp])
+    tdir = aged_cpu / "triton" / "0" / "tmp.pid_1_abc"
+    tdir.mkdir(parents=True)
+    (tdir / "k.cubin").write_bytes(b"\0" * 10)
+    cli = cli_for(aged_cpu)
+    r = cli.json("evict", "--max-size", "0")
+    assert fresh.exists() and tmp.exists() and (tdir / "k.cubin").exists()
+    assert {"key": str(fresh.relative_to(aged_cpu)), "reason": "grace"} in r["skipped"] or any(
+        s["reason"] == "grace" for s in r["skipped"])
+    assert_index_matches_disk(cli, aged_cpu)
+    left = {k for k in disk(aged_cpu)}
+    assert str(fresh.relative_to(aged_cpu)) in left
+    # --grace 0 takes it (the transient files still stay)
+    cli.json("evict", "--max-size", "0", "--grace", "0")
+    assert not fresh.exists() and tmp.exists() and (tdir / "k.cubin").exists()
+
+
+def test_grace_counts_access_not_only_write(aged_cpu, cli_for):
+    victim = next(aged_cpu.glob("fxgraph/*/*/*"))
+    t = time.time()
+    os.utime(victim, (t - 2, t - HOUR))  # written an hour ago, read 2 s ago
+    cli = cli_for(aged_cpu)
+    cli.json("evict", "--max-size", "0")
+    assert victim.exists()
+
+
+HOLD_LOCK = """
+import sys, time
+from filelock import FileLock
+with FileLock(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_held_lock_keeps_its_entry(aged_cpu, cli_for):
+    cli = cli_for(aged_cpu)
+    cli("scan")
+    built = [e for e in cli.json("ls", "--kind", "code") if (aged_cpu / layout.LOCKS_DIR / (e["key"].split("/")[1] + ".lock")).exists()]
+    assert built, "Inductor locks each C++ build under locks/<c-hash>.lock"
+    target = built[0]
+    lock = aged_cpu / layout.LOCKS_DIR / (target["key"].split("/")[1] + ".lock")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = cli.json("evict", "--max-size", "0")
+        assert lock.exists() and any(p.startswith(target["key"]) for p in disk(aged_cpu))
+        assert any(s["reason"] == "lock held" for s in r["skipped"]), r["skipped"]
+        assert_index_matches_disk(cli, aged_cpu)
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    cli.json("evict", "--max-size", "0")
+    assert not any(p.startswith(target["key"]) for p in disk(aged_cpu))
+    assert lock.exists()  # a lock frees no bytes: size eviction leaves it
+    cli.json("purge", "--kind", "lock", "--yes", "--grace", "0")  # taking it touched it: grace 0
+    assert not lock.exists()
+
+
+def test_symlinks_pointing_outside_survive_with_their_targets(aged_cpu, cli_for, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    precious = outside / "precious.so"
+    precious.write_bytes(b"\x7fELF" + b"x" * 1000)
+    kernel_dir = outside / "KERNEL"
+    kernel_dir.mkdir()
+    (kernel_dir / "k.cubin").write_bytes(b"\0" * 100)
+    fx_dir = outside / "fxdir"
+    (fx_dir / ("f" + "z" * 51)).mkdir(parents=True)
+    (fx_dir / ("f" + "z" * 51) / "entry").write_bytes(next(aged_cpu.glob("fxgraph/*/*/*")).read_bytes())
+    code = next(aged_cpu.glob("??/c*.py"))
+    links = {
+        code.with_suffix(".so"): precious,  # beside a real module: the module goes, the link stays
+        aged_cpu / "triton" / "0" / ("A" * 52): kernel_dir,
+        aged_cpu / "fxgraph" / "zz": fx_dir,
+        aged_cpu / "other-link": precious,
+    }
+    for link, target in links.items():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(target)
+    age_files(outside, HOUR)
+    cli = cli_for(aged_cpu)
+    r = cli.json("purge", "--all", "--yes", "--grace", "0")
+    assert r["evicted"] > 0 and not code.exists()
+    for link, target in links.items():
+        assert link.is_symlink() and target.exists(), link
+    assert precious.read_bytes().startswith(b"\x7fELF") and (kernel_dir / "k.cubin").exists()
+    assert (fx_dir / ("f" + "z" * 51) / "entry").exists()
+    cli.json("evict", "--max-size", "0", "--grace", "0")
+    assert all(link.is_symlink() for link in links) and precious.exists()
+
+
+def test_executor_refuses_paths_leaving_the_root(aged_cpu, db_url, tmp_path):
+    """An index row that names a path outside the root (a stale or hostile index) is never followed."""
+    from cachemgr.evict import carry_out
+    from cachemgr.evict.policy import Limits, Row, plan
+    from cachemgr.index.db import Database
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    age_files(tmp_path, HOUR, [victim])
+    (aged_cpu / "ab").mkdir(exist_ok=True)
+    (aged_cpu / "ab" / "escape").symlink_to(tmp_path)
+    db = Database(db_url)
+    cid = db.cache_id("testhost", str(aged_cpu))
+    old = time.time() - HOUR
+    rows = [Row(10**6 + i, key, "other", None, None, 7, 1, old, old) for i, key in
+            enumerate([f"../{victim.name}", str(victim), "ab/escape/victim.txt"])]
+    p = plan(rows, Limits(max_size=0), "lru", time.time())
+    assert len(p.units) == 3
+    r = carry_out(db, cid, str(aged_cpu), p, rows, grace=0)
+    assert r.evicted == 0 and {reason for _, reason in r.skipped} == {"unsafe path"}
+    assert victim.read_text() == "keep me"
+
+
+# -- crashes ---------------------------------------------------------------------------------------
+
+
+CRASH = """
+import os, signal, sys
+from cachemgr.evict import Limits, carry_out, make_plan
+from cachemgr.index.db import Database
+root, url, stage = sys.argv[1:4]
+db = Database(url)
+cid = db.cache_id("testhost", root)
+plan, rows = make_plan(db, cid, root, Limits(max_size=0, grace=0))
+print("\\n".join(e.key for e in plan.entries), flush=True)
+def hook(at):
+    if at == stage:
+        os.kill(os.getpid(), signal.SIGKILL)
+carry_out(db, cid, root, plan, rows, 0, hook=hook)
+"""
+
+
+@pytest.mark.parametrize("stage", ["renamed", "committed"])
+def test_kill_9_mid_eviction_is_repaired_by_scan(stage, aged_gpu, cli_for, db_url):
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    before = disk(aged_gpu)
+    out = subprocess.run([sys.executable, "-c", CRASH, str(aged_gpu), db_url, stage], capture_output=True,
+                         text=True, env=subprocess_env(), timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    planned = set(out.stdout.split())
+    trash = aged_gpu / layout.TRASH_DIR
+    assert any(trash.rglob("*")), "killed with files in the trash"
+    scan = cli.json("scan")
+    assert scan["added"] == 0 and scan["changed"] == 0  # no phantom entries, nothing resurrected
+    assert_index_matches_disk(cli, aged_gpu)
+    after = disk(aged_gpu)
+    # what is gone was being evicted; everything else is untouched
+    for path in set(before) - set(after):
+        c = layout.classify(path)
+        assert c is not None and c.key in planned, path
+    assert all(after[p] == before[p] for p in after)
+    # the next eviction empties the trash the dead run left
+    cli.json("evict", "--max-size", "0", "--grace", "0")
+    assert not any(trash.rglob("*")) and disk(aged_gpu) == {} and find_bytes(aged_gpu) == 0
+    assert_index_matches_disk(cli, aged_gpu)
+
+
+def test_kill_9_at_any_moment(aged_gpu, cli_for):
+    """Kill a real `cachemgr evict` process after a varying delay: whatever it reached, scan repairs."""
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    before = disk(aged_gpu)
+    for delay in (0.3, 0.6, 0.9, 1.2):
+        p = subprocess.Popen([sys.executable, "-m", "cachemgr", *cli.base(), "evict", "--max-size", "0", "--grace", "0"],
+                             env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        cli.json("scan")
+        assert_index_matches_disk(cli, aged_gpu)
+        after = disk(aged_gpu)
+        assert all(after[k] == before[k] for k in after)
+
+
+# -- purge and pins -------------------------------------------------------------------------------
+
+
+def test_pins_survive_eviction_and_purge(aged_cpu, cli_for):
+    cli = cli_for(aged_cpu)
+    cli("scan")
+    fx = cli.json("ls", "--kind", "fxgraph")[0]
+    needs = [r for r in cli.json("show", fx["key"])["references"] if r["present"]]
+    assert "pinned " in cli("pin", fx["graph_key"], "--reason", "production model").stdout
+    assert "already pinned" in cli("pin", fx["graph_key"]).stdout
+    pinned = cli.json("ls", "--pinned")
+    assert [e["key"] for e in pinned] == [fx["key"]] or fx["key"] in [e["key"] for e in pinned]
+    r = cli.json("evict", "--max-size", "0")
+    assert r["evicted"] > 0 and any(s["reason"] == "pinned" for s in r["skipped"])
+    assert (aged_cpu / fx["key"]).exists()
+    shown = cli.json("show", fx["key"])
+    assert all(x["present"] for x in shown["references"]) and len(shown["references"]) == len(needs)
+    assert shown["referenced_by"], "the AOT entry naming a pinned graph stays with it"
+    cli.json("purge", "--all", "--yes")
+    assert (aged_cpu / fx["key"]).exists()
+    cli.json("purge", "--all", "--include-pinned", "--yes")
+    assert not (aged_cpu / fx["key"]).exists()
+    assert "unpinned" in cli("unpin", fx["graph_key"]).stdout
+    assert "not pinned" in cli("unpin", fx["graph_key"], code=3).stderr
+    assert "no entry" in cli("pin", "nosuchkey", code=3).stderr
+    assert "pinned" in cli("pin", "f" + "q" * 51, "--force").stdout
+
+
+def test_purge_selectors(aged_gpu, cli_for):
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    rows = cli.json("ls")
+    r = cli.json("purge", "--kind", "triton", "--yes")
+    assert {e["kind"] for e in r["entries"]} == {"triton"} and r["evicted"] == len([e for e in rows if e["kind"] == "triton"])
+    assert len(cli.json("ls", "--kind", "fxgraph")) == 6
+    r = cli.json("purge", "--orphans", "--yes")
+    assert r["evicted"] > 0 and all(e["kind"] in ("code", "autotune", "triton") for e in r["entries"])
+    assert cli.json("purge", "--orphans", "--yes")["evicted"] == 0
+    fx = cli.json("ls", "--kind", "fxgraph")[0]
+    r = cli.json("purge", "--graph", fx["graph_key"], "--yes")
+    assert fx["key"] in {e["key"] for e in r["entries"]} and not (aged_gpu / fx["key"]).exists()
+    assert "version" in cli.proc("purge", "--stale", "--yes").stderr  # nothing learned: must be told
+    kept = cli.json("purge", "--stale", "--keep-torch", "2.11.0+cu130", "--yes")
+    assert kept["evicted"] == 0
+    r = cli.json("purge", "--torch-version", "2.11.0+cu130", "--yes")
+    assert r["evicted"] > 0 and cli.json("ls", "--kind", "fxgraph") == []
+    assert cli.json("ls", "--kind", "aotautograd") == []  # an AOT entry with no graph left goes too
+    assert_index_matches_disk(cli, aged_gpu)
+
+
+def test_purge_asks_first(aged_gpu, cli_for):
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    before = disk(aged_gpu)
+    r = cli("purge", "--all", input="n\n", code=130)
+    assert "delete" in r.stderr and "?" in r.stderr and disk(aged_gpu) == before
+    cli("purge", "--all", input="y\n")
+    assert disk(aged_gpu) == {}
+    assert "say what to purge" in cli.proc("purge").stderr
+
+
+def test_purge_corrupt(aged_cpu, cli_for):
+    bad = aged_cpu / "fxgraph" / "bb" / ("f" + "b" * 51) / "truncated"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"\x80\x04garbage")
+    age_files(aged_cpu, HOUR, [bad])
+    cli = cli_for(aged_cpu)
+    r = cli.json("purge", "--corrupt", "--yes")
+    assert [e["key"] for e in r["entries"]] == [str(bad.relative_to(aged_cpu))] and not bad.exists()
+
+
+EVICT_WITHOUT_TORCH = """
+import sys
+from cachemgr.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    assert e.code == 0, e.code
+assert "torch" not in sys.modules, "torch was imported"
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("args", [["evict", "--max-size", "1MB"], ["purge", "--kind", "triton", "--yes"]])
+def test_evict_never_imports_torch(aged_gpu, db_url, args):
+    base = ["--cache-dir", str(aged_gpu), "--db", db_url]
+    out = subprocess.run([sys.executable, "-c", EVICT_WITHOUT_TORCH, *base, *args], env=subprocess_env(),
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
+
+
+def test_evict_library_api(aged_gpu, db_url):
+    from cachemgr import config
+    from cachemgr.evict import Limits, evict
+    from cachemgr.index.db import Database
+    from cachemgr.index.scan import reconcile
+
+    s = config.load(flags={"cache_dir": str(aged_gpu), "max_size": "10MB", "max_age": "14d"}, environ={})
+    limits = Limits.from_settings(s)
+    assert (limits.max_size, limits.max_age, limits.grace, limits.low_water) == (10_000_000, 14 * 86400, 60.0, 0.9)
+    db = Database(db_url)
+    cid = db.cache_id("h", str(aged_gpu))
+    reconcile(db, cid, str(aged_gpu))
+    r = evict(db, cid, str(aged_gpu), limits)
+    d = r.as_dict()
+    assert set(d) >= {"planned", "evicted", "freed_bytes", "remaining_bytes", "entries", "recreatable_freed_bytes", "skipped"}
+    assert d["remaining_bytes"] <= 9_000_000 and all(set(e) >= {"key", "bytes"} for e in d["entries"])
+    with pytest.raises(Exception):
+        r.planned = 0  # frozen
