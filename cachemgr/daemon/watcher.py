@@ -1,0 +1,275 @@
+"""The file watcher: a watchdog handler that only enqueues, and one consumer that takes batches.
+
+The consumer waits for a quiet period (`debounce`) but never longer than `max_wait` after the
+first event, then applies the batch with `index.live.apply_batch` in one transaction. A batch of
+more than `burst` paths becomes a rescan of the top-level folders it touched. Full and subtree
+rescans asked for by the scheduler run on the same thread, so index writes never race and the
+watcher can tell its own reads of entry files (parsing them) from the workload's.
+
+Hits are read-only opens: inotify IN_CLOSE_NOWRITE (watchdog's FileClosedNoWriteEvent), which,
+unlike IN_OPEN, is not sent for the writer of a new file. Older watchdog releases without it
+fall back to FileOpenedEvent (IN_OPEN).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from watchdog import events as ev
+from watchdog.observers import Observer
+
+from cachemgr.errors import CacheDirError, CachemgrError
+from cachemgr.index import live, scan
+from cachemgr.index.db import Database
+
+log = logging.getLogger("cachemgr.watcher")
+
+READ_EVENT = getattr(ev, "FileClosedNoWriteEvent", None) or ev.FileOpenedEvent
+EVENT_FILTER = [
+    ev.FileCreatedEvent, ev.FileDeletedEvent, ev.FileMovedEvent, ev.FileClosedEvent, READ_EVENT,
+    ev.DirCreatedEvent, ev.DirDeletedEvent, ev.DirMovedEvent,
+]
+BURST = 5000  # paths in one batch above which a subtree rescan is cheaper than per-entry work
+SYSCTL = "fs.inotify.max_user_watches"
+
+Item = tuple  # ('p'|'d'|'r', relpath) | ('scan', subtree, Future) | ('stop',)
+
+
+class Handler(ev.FileSystemEventHandler):
+    """Runs on watchdog's thread: turn events into queue items, nothing else."""
+
+    def __init__(self, root: str, q: queue.SimpleQueue, on_root_lost: Callable[[], None]) -> None:
+        self.root, self.cut, self.q, self.on_root_lost = root, len(root) + 1, q, on_root_lost
+
+    def _rel(self, path: str | bytes) -> str:
+        return os.fsdecode(path)[self.cut:]
+
+    def dispatch(self, event: ev.FileSystemEvent) -> None:
+        t = type(event)
+        if t is READ_EVENT:
+            self.q.put(("r", self._rel(event.src_path)))
+            return
+        if event.is_directory and os.fsdecode(event.src_path) == self.root:
+            if t is ev.DirDeletedEvent:
+                self.on_root_lost()
+            return
+        kind = "d" if event.is_directory else "p"
+        if event.src_path:
+            self.q.put((kind, self._rel(event.src_path)))
+        if t in (ev.FileMovedEvent, ev.DirMovedEvent) and event.dest_path:
+            self.q.put((kind, self._rel(event.dest_path)))
+
+
+class Watcher:
+    """The observer and its consumer for one cache root."""
+
+    def __init__(self, db: Database, cache_id: int, root: str, debounce: float, max_wait: float,
+                 on_batch: Callable[[object], None] = lambda r: None,
+                 on_root_lost: Callable[[], None] = lambda: None, burst: int = BURST) -> None:
+        self.db, self.cache_id, self.root = db, cache_id, root
+        self.debounce, self.max_wait, self.burst = debounce, max_wait, burst
+        self.on_batch, self.on_root_lost = on_batch, on_root_lost
+        self.q: queue.SimpleQueue[Item] = queue.SimpleQueue()
+        self.observer = None
+        self.consumer: threading.Thread | None = None
+        self._own: dict[str, list] = {}  # path -> [reads of ours not yet seen as events, when]
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the consumer and the observer. Raises CacheDirError when the root cannot be watched."""
+        self.consumer = threading.Thread(target=self._consume, name="cachemgr-consumer", daemon=True)
+        self.consumer.start()
+        obs = Observer()
+        try:
+            obs.schedule(Handler(self.root, self.q, self.on_root_lost), self.root, recursive=True,
+                         event_filter=EVENT_FILTER)
+            obs.start()
+        except OSError as e:
+            self.q.put(("stop",))
+            if e.errno == errno.ENOSPC:
+                log.error(watch_limit_message(self.root))
+            raise CacheDirError(f"cannot watch {self.root}: {e.strerror or e}") from e
+        self.observer = obs
+        check_watches(self.root)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        if self.observer is not None:
+            self.observer.stop()
+        self.q.put(("stop",))
+        if self.observer is not None:
+            self.observer.join(timeout)
+        if self.consumer is not None:
+            self.consumer.join(timeout)
+
+    def alive(self) -> bool:
+        return bool(self.observer and self.observer.is_alive() and self.consumer and self.consumer.is_alive())
+
+    def request_scan(self, subtree: str = "") -> Future:
+        """A rescan run on the consumer thread (after the batch in hand); the future holds its ScanResult."""
+        f: Future = Future()
+        self.q.put(("scan", subtree, f))
+        return f
+
+    # -- the consumer ----------------------------------------------------------------------------
+
+    def _consume(self) -> None:
+        pending: Item | None = None
+        while True:
+            item = pending or self.q.get()  # blocks while idle: no polling, no CPU
+            pending = None
+            if item[0] == "stop":
+                return
+            if item[0] == "scan":
+                self._scan(item[1], item[2])
+                continue
+            paths, dirs, reads = set(), set(), []
+            first = last = time.monotonic()
+            while True:
+                self._add(item, paths, dirs, reads)
+                wait = min(last + self.debounce, first + self.max_wait) - time.monotonic()
+                try:
+                    item = self.q.get(timeout=wait) if wait > 0 else self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if item[0] in ("stop", "scan"):
+                    pending = item  # apply what we hold first
+                    break
+                last = time.monotonic()
+            self._apply(paths, dirs, reads)
+            if pending and pending[0] == "stop":
+                return
+
+    @staticmethod
+    def _add(item: Item, paths: set, dirs: set, reads: list) -> None:
+        kind, rel = item
+        (reads.append if kind == "r" else (dirs if kind == "d" else paths).add)(rel)
+
+    def _apply(self, paths: set, dirs: set, reads: list) -> None:
+        reads = self._drop_own(reads)
+        try:
+            if len(paths) + len(dirs) > self.burst:
+                tops = sorted({p.split("/", 1)[0] for p in paths | dirs})
+                log.info("burst of %d paths: rescanning %s", len(paths) + len(dirs), ", ".join(tops[:8])
+                         + (f" and {len(tops) - 8} more" if len(tops) > 8 else ""))
+                for top in tops:
+                    self._scan(top, None)
+                paths, dirs = set(), set()
+            if not (paths or dirs or reads):
+                return
+            r = live.apply_batch(self.db, self.cache_id, self.root, paths, dirs, reads)
+        except CacheDirError as e:
+            log.error("%s", e)
+            self.on_root_lost()
+            return
+        except CachemgrError as e:
+            log.error("applying %d changed paths failed: %s (the next full scan repairs the index)", len(paths), e)
+            return
+        except Exception as e:  # noqa: BLE001 - the consumer must outlive one bad batch
+            log.exception("applying a batch failed: %s: %s", type(e).__name__, e)
+            return
+        self._mark_own(live.own_reads(self.root, r.added + r.changed))
+        if r.added or r.changed or r.removed or r.hits:
+            log.debug("batch: %d added, %d changed, %d removed, %d hits (%.3f s)", len(r.added), len(r.changed),
+                      len(r.removed), sum(r.hits.values()), r.seconds)
+        for key, reason in r.corrupt:
+            log.warning("corrupt entry %s: %s", key, reason)
+        self.on_batch(r)
+
+    def _scan(self, subtree: str, future: Future | None) -> None:
+        try:
+            r = scan.reconcile(self.db, self.cache_id, self.root, subtree=subtree)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever asked
+            if isinstance(e, CacheDirError):
+                self.on_root_lost()
+            if future is None:
+                log.error("rescan of %s failed: %s", subtree or self.root, e)
+            else:
+                future.set_exception(e)
+            return
+        self._mark_own(live.own_reads(self.root, r.added + r.changed))
+        if future is not None:
+            future.set_result(r)
+        self.on_batch(r)
+
+    # -- our own reads are not hits ----------------------------------------------------------------
+
+    def _mark_own(self, paths: list[str]) -> None:
+        now = time.monotonic()
+        for p in paths:
+            slot = self._own.setdefault(p, [0, now])
+            slot[0] += 1
+            slot[1] = now
+
+    def _drop_own(self, reads: list[str]) -> list[str]:
+        if not self._own:
+            return reads
+        out = []
+        for p in reads:
+            slot = self._own.get(p)
+            if slot and slot[0] > 0:
+                slot[0] -= 1
+                continue
+            out.append(p)
+        cutoff = time.monotonic() - 60
+        self._own = {p: s for p, s in self._own.items() if s[0] > 0 and s[1] > cutoff}
+        return out
+
+
+# -- inotify watch limits ------------------------------------------------------------------------
+
+def max_user_watches() -> int | None:
+    try:
+        with open("/proc/sys/fs/inotify/max_user_watches") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def watch_limit_message(root: str, dirs: int | None = None, watches: int | None = None) -> str:
+    limit = max_user_watches()
+    have = f" ({watches} watches for {dirs} directories)" if dirs is not None else ""
+    return (f"out of inotify watches under {root}{have}: changes in unwatched directories are only seen by the "
+            f"periodic full scan; raise the limit with `sysctl {SYSCTL}=<more>` (now {limit}) "
+            f"and restart cachemgr")
+
+
+def our_watches() -> int | None:
+    """Inotify watches this process holds, read from /proc/self/fdinfo (Linux)."""
+    total, found = 0, False
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != "anon_inode:inotify":
+                continue
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                total += sum(1 for line in f if line.startswith("inotify wd:"))
+            found = True
+        except OSError:
+            continue
+    return total if found else None
+
+
+def check_watches(root: str) -> bool:
+    """Log one clear line when some directories under root got no watch (the limit was hit).
+
+    watchdog quietly skips subdirectories it cannot watch, so we count: a watch per directory.
+    """
+    watches = our_watches()
+    if watches is None:
+        return True
+    dirs = sum(1 for _ in os.walk(root))
+    if watches + 1 < dirs:  # +1: a directory created between the two counts
+        log.error(watch_limit_message(root, dirs, watches))
+        return False
+    return True
