@@ -43,9 +43,9 @@ def cli(ctx: click.Context, cache_dir: str | None, db: str | None, host: str | N
 
 
 def _register() -> None:
-    from cachemgr.cli import daemon, inspect
+    from cachemgr.cli import daemon, evict, inspect
 
-    for module in (inspect, daemon):
+    for module in (inspect, evict, daemon):
         for command in module.COMMANDS:
             cli.add_command(command)
 

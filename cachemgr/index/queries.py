@@ -218,3 +218,26 @@ def _iso(ts: float | None) -> str | None:
     if ts is None:
         return None
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def add_pin(conn, cache_id: int, key: str, reason: str | None, now: float) -> bool:
+    """Pin `key` (entry key, graph key or ref); False when it was pinned already (reason updated)."""
+    from sqlalchemy import insert, select, update
+
+    from cachemgr.index.models import Pin
+
+    t = Pin.__table__
+    if conn.execute(select(t.c.id).where(t.c.cache_id == cache_id, t.c.key == key)).first():
+        conn.execute(update(t).where(t.c.cache_id == cache_id, t.c.key == key).values(reason=reason))
+        return False
+    conn.execute(insert(t).values(cache_id=cache_id, key=key, reason=reason, created=now))
+    return True
+
+
+def remove_pin(conn, cache_id: int, key: str) -> bool:
+    from sqlalchemy import delete
+
+    from cachemgr.index.models import Pin
+
+    t = Pin.__table__
+    return conn.execute(delete(t).where(t.c.cache_id == cache_id, t.c.key == key)).rowcount > 0

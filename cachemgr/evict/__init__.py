@@ -1,0 +1,124 @@
+"""Eviction: hold a cache under its limits (policy.py decides, execute.py deletes).
+
+    from cachemgr.evict import Limits, evict
+    result = evict(db, cache_id, root, Limits.from_settings(settings), policy="lru")
+    result.as_dict()   # the `cachemgr evict --json` document
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cachemgr.evict.policy import POLICIES, DiskState, Limits, Plan, Row, plan, select
+from cachemgr.index.db import Database
+
+__all__ = ["POLICIES", "EvictResult", "Limits", "Plan", "Row", "evict", "load_rows", "make_plan", "carry_out"]
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    policy: str
+    dry_run: bool
+    planned: int
+    expected_freed_bytes: int
+    evicted: int
+    freed_bytes: int
+    freed_files: int
+    remaining_bytes: int
+    recreatable_freed_bytes: int
+    entries: tuple[tuple[str, str, int], ...]  # (key, kind, bytes) evicted (or, dry run, that would be)
+    skipped: tuple[tuple[str, str], ...]  # (key, reason)
+
+    def as_dict(self) -> dict:
+        return {
+            "policy": self.policy, "dry_run": self.dry_run, "planned": self.planned,
+            "expected_freed_bytes": self.expected_freed_bytes, "evicted": self.evicted,
+            "freed_bytes": self.freed_bytes, "freed_files": self.freed_files,
+            "remaining_bytes": self.remaining_bytes, "recreatable_freed_bytes": self.recreatable_freed_bytes,
+            "entries": [{"key": k, "kind": kind, "bytes": b} for k, kind, b in self.entries],
+            "skipped": [{"key": k, "reason": r} for k, r in self.skipped],
+        }
+
+
+def load_rows(db: Database, cache_id: int, root: str) -> list[Row]:
+    """Every entry of the cache with its references and pin state, as the policy wants it."""
+    from sqlalchemy import select as sql_select
+
+    from cachemgr.index.models import Entry, EntryRef
+    from cachemgr.index.queries import is_pinned, pin_keys
+
+    e, r = Entry.__table__, EntryRef.__table__
+    with db.engine.connect() as conn:
+        pins = pin_keys(conn, cache_id)
+        refs: dict[int, list[tuple[str, str]]] = {}
+        for eid, kind, ref in conn.execute(sql_select(r.c.entry_id, r.c.kind, r.c.ref).join(e, e.c.id == r.c.entry_id)
+                                           .where(e.c.cache_id == cache_id)):
+            refs.setdefault(eid, []).append((kind, ref))
+        cols = (e.c.id, e.c.key, e.c.kind, e.c.ref, e.c.alias, e.c.bytes, e.c.files, e.c.mtime, e.c.last_access,
+                e.c.compile_seconds, e.c.graph_key, e.c.torch_version, e.c.system_hash, e.c.corrupt, e.c.hit_count)
+        rows = conn.execute(sql_select(*cols).where(e.c.cache_id == cache_id)).fetchall()
+    referenced = {ref for rs in refs.values() for kind, ref in rs if kind == "triton"}
+    out = []
+    for m in rows:
+        launcher = m.kind == "triton" and m.ref not in referenced and _holds_binary(root, m.key)
+        out.append(Row(m.id, m.key, m.kind, m.ref, m.alias, m.bytes, m.files, m.mtime, m.last_access,
+                       m.compile_seconds, m.graph_key, m.torch_version, m.system_hash, m.corrupt,
+                       is_pinned(m._mapping, pins), m.hit_count or 0, launcher, tuple(refs.get(m.id, ()))))
+    return out
+
+
+def _holds_binary(root: str, key: str) -> bool:
+    try:
+        return any(n.endswith(".so") for n in os.listdir(os.path.join(root, key)))
+    except OSError:
+        return False
+
+
+def disk_state(root: str) -> DiskState | None:
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return None
+    return DiskState(st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
+
+
+def make_plan(db: Database, cache_id: int, root: str, limits: Limits, policy: str = "lru",
+              now: float | None = None) -> tuple[Plan, list[Row]]:
+    rows = load_rows(db, cache_id, root)
+    return plan(rows, limits, policy, time.time() if now is None else now, disk_state(root)), rows
+
+
+def carry_out(db: Database, cache_id: int, root: str, p: Plan, rows: Sequence[Row], grace: float,
+              dry_run: bool = False, now: float | None = None,
+              hook: Callable[[str], None] | None = None) -> EvictResult:
+    from cachemgr.evict.execute import Executor, remaining_bytes
+
+    ex = Executor(db, cache_id, root, grace, now, hook)
+    out = ex.run(p, {r.id: r for r in rows}, dry_run=dry_run)
+    skipped = dict(p.skipped)
+    skipped.update(out.skipped)
+    remaining = remaining_bytes(db, cache_id)
+    if dry_run:
+        remaining -= out.freed_bytes
+    return EvictResult(
+        policy=p.policy, dry_run=dry_run, planned=len(p.entries), expected_freed_bytes=p.expected_freed_bytes,
+        evicted=len(out.removed), freed_bytes=out.freed_bytes, freed_files=out.freed_files,
+        remaining_bytes=remaining, recreatable_freed_bytes=sum(r.bytes for r in out.removed if r.recreatable),
+        entries=tuple((r.key, r.kind, r.bytes) for r in out.removed), skipped=tuple(sorted(skipped.items())),
+    )
+
+
+def evict(db: Database, cache_id: int, root: str, limits: Limits, policy: str = "lru", dry_run: bool = False,
+          now: float | None = None) -> EvictResult:
+    """Plan and carry out eviction down to `limits`; records an 'evict' event per entry."""
+    now = time.time() if now is None else now
+    p, rows = make_plan(db, cache_id, root, limits, policy, now)
+    return carry_out(db, cache_id, root, p, rows, limits.grace, dry_run, now)
+
+
+def purge_plan(rows: Sequence[Row], chosen: Sequence[int], now: float, grace: float,
+               include_pinned: bool = False) -> Plan:
+    return select(rows, chosen, now, grace, include_pinned)

@@ -1,0 +1,399 @@
+"""Eviction policy: pure functions from index rows to a frozen Plan. Nothing here touches disk.
+
+Units of deletion (see DESIGN.md, "Rules for deleting"):
+
+- a *group*: a head entry that nothing references (an aotautograd entry, an fxgraph entry no
+  AOT entry names, an unreferenced `other`) plus every entry whose referrers all lie inside the
+  group (the AOT entry's fxgraph entries, their modules, C++ builds, Triton kernels and the
+  autotune results of those kernels);
+- an *orphan*: a module, kernel or autotune result nothing references, a corrupt entry, or an
+  AOT entry whose fxgraph entries are all gone. Reclaimed first: nothing can hit through it;
+- a *recreatable* entry: a `c*.py` module or a Triton kernel an fxgraph entry bundles. A hit on
+  that entry writes it again, so under pressure it goes before any graph does. A compiled C++
+  build (code entry with a `src-...` alias) is not recreatable: a hit rebuilds it.
+
+Order under pressure: orphans (least recently used first), recreatable entries (those of the
+coldest graphs first), then groups by policy: `lru` (oldest last access first) or `cost`
+(GreedyDual-Size: priority = clock + compile_seconds / bytes; the victim is the lowest priority
+and the clock is raised to it). Entries shared between groups go once every referrer goes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from cachemgr.units import parse_size_or_percent
+
+POLICIES = ("lru", "cost")
+DEFAULT_COST = 1.0  # seconds, for a group whose compile time is unknown
+UNIT_HEADS = ("aotautograd", "fxgraph")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_size: int | None = None
+    max_age: float | None = None
+    max_files: int | None = None
+    min_free: str | None = None  # '10%' or '50GiB'
+    low_water: float = 0.9
+    grace: float = 60.0
+
+    @classmethod
+    def from_settings(cls, settings) -> Limits:  # noqa: ANN001 - cachemgr.config.Settings
+        return cls(settings.max_size, settings.max_age, settings.max_files, settings.min_free,
+                   settings.low_water, settings.grace)
+
+    @property
+    def any(self) -> bool:
+        return any(x is not None for x in (self.max_size, self.max_age, self.max_files, self.min_free))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One index entry as the policy sees it."""
+
+    id: int
+    key: str
+    kind: str
+    ref: str | None
+    alias: str | None
+    bytes: int
+    files: int
+    mtime: float
+    last_access: float
+    compile_seconds: float | None = None
+    graph_key: str | None = None
+    torch_version: str | None = None
+    system_hash: str | None = None
+    corrupt: str | None = None
+    pinned: bool = False
+    hit_count: int = 0
+    launcher: bool = False  # a triton dir holding a built .so (cuda_utils), not a kernel
+    refs: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def touched(self) -> float:
+        return max(self.mtime, self.last_access)
+
+
+@dataclass(frozen=True)
+class DiskState:
+    free_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Planned:
+    id: int
+    key: str
+    kind: str
+    bytes: int
+    files: int
+    reason: str  # age | orphan | recreatable | size | files | free | dependent | purge
+    recreatable: bool
+    graph_key: str | None
+    compile_seconds: float | None
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What the executor deletes as one: all of it, or (if any part is in use) none of it."""
+
+    entries: tuple[Planned, ...]
+    reason: str
+    last_access: float
+    watch: tuple[int, ...] = ()  # ids of entries outside the unit whose use also protects it
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.bytes for e in self.entries)
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: str
+    units: tuple[Unit, ...]
+    expected_freed_bytes: int
+    expected_freed_files: int
+    recreatable_bytes: int
+    total_bytes: int
+    total_files: int
+    skipped: tuple[tuple[str, str], ...]  # (key, reason) wanted but kept: pinned, grace
+    clock: float = 0.0
+
+    @property
+    def entries(self) -> list[Planned]:
+        return [e for u in self.units for e in u.entries]
+
+
+# -- the reference graph ------------------------------------------------------------------------
+
+
+@dataclass
+class Graph:
+    rows: Sequence[Row]
+    children: list[set[int]] = field(default_factory=list)
+    parents: list[set[int]] = field(default_factory=list)
+    dead: list[bool] = field(default_factory=list)  # refs that resolve to nothing present
+
+    @classmethod
+    def build(cls, rows: Sequence[Row]) -> Graph:
+        n = len(rows)
+        g = cls(rows, [set() for _ in range(n)], [set() for _ in range(n)], [False] * n)
+        names: dict[tuple[str, str], list[int]] = {}
+        tuned: dict[str, list[int]] = {}  # triton kernel hash -> autotune results of it
+        for i, r in enumerate(rows):
+            for name in (r.ref, r.alias):
+                if name:
+                    names.setdefault((r.kind, name), []).append(i)
+            if r.kind == "autotune":
+                for kind, ref in r.refs:
+                    if kind == "triton":
+                        tuned.setdefault(ref, []).append(i)
+        for i, r in enumerate(rows):
+            if r.kind == "autotune":
+                continue  # attached through the graphs that name its kernel, below
+            for kind, ref in r.refs:
+                targets = names.get((kind, ref), [])
+                if kind == "triton":
+                    targets = targets + tuned.get(ref, [])
+                for t in targets:
+                    if t != i:
+                        g.children[i].add(t)
+                        g.parents[t].add(i)
+            g.dead[i] = r.kind == "aotautograd" and bool(r.refs) and not g.children[i]
+        return g
+
+    def is_orphan(self, i: int) -> bool:
+        r = self.rows[i]
+        if self.parents[i]:
+            return False
+        if r.corrupt or self.dead[i]:
+            return True
+        return (r.kind == "code" and not r.alias) or (r.kind == "triton" and not r.launcher) or r.kind == "autotune"
+
+    def is_recreatable(self, i: int) -> bool:
+        r = self.rows[i]
+        if not self.parents[i] or not all(self.rows[p].kind == "fxgraph" for p in self.parents[i]):
+            return False
+        return (r.kind == "code" and not r.alias) or (r.kind == "triton" and not r.launcher)
+
+    def closure(self, start: Iterable[int], taken: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """`start` plus every entry all of whose referrers are in it (or already taken), and every
+        AOT entry whose fxgraph entries all are: deleting them leaves nothing that can hit."""
+        members = list(dict.fromkeys(start))
+        inside = set(members) | set(taken)
+        changed = True
+        while changed:
+            changed = False
+            for m in list(members):
+                for c in self.children[m]:
+                    if c not in inside and self.parents[c] <= inside:
+                        members.append(c)
+                        inside.add(c)
+                        changed = True
+                for p in self.parents[m]:
+                    if (p not in inside and self.rows[p].kind == "aotautograd" and not self.parents[p]
+                            and self.children[p] <= inside):
+                        members.append(p)
+                        inside.add(p)
+                        changed = True
+        return members
+
+    def descendants(self, start: Iterable[int]) -> set[int]:
+        seen, stack = set(), list(start)
+        while stack:
+            i = stack.pop()
+            if i not in seen:
+                seen.add(i)
+                stack.extend(self.children[i])
+        return seen
+
+
+# -- planning -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Candidate:
+    members: list[int]
+    reason: str
+    last_access: float
+    cost: float = 0.0
+    watch: tuple[int, ...] = ()
+
+
+class _Builder:
+    """Collects units in order, never taking an entry twice."""
+
+    def __init__(self, g: Graph, now: float, grace: float, pinned: set[int]) -> None:
+        self.g, self.now, self.grace, self.pinned = g, now, grace, pinned
+        self.taken: set[int] = set()
+        self.units: list[Unit] = []
+        self.skipped: dict[str, str] = {}
+        self.freed_bytes = self.freed_files = 0
+
+    def usable(self, c: _Candidate) -> bool:
+        rows = self.g.rows
+        if any(i in self.pinned for i in c.members):
+            self.skipped.setdefault(rows[c.members[0]].key, "pinned")
+            return False
+        if c.last_access > self.now - self.grace:
+            self.skipped.setdefault(rows[c.members[0]].key, "grace")
+            return False
+        return True
+
+    def take(self, c: _Candidate, reason: str | None = None) -> bool:
+        members = [i for i in c.members if i not in self.taken]
+        if not members or not self.usable(c):
+            return False
+        rows = self.g.rows
+        entries = []
+        for i in members:
+            r = rows[i]
+            self.taken.add(i)
+            self.skipped.pop(r.key, None)
+            entries.append(Planned(r.id, r.key, r.kind, r.bytes, r.files, reason or c.reason,
+                                   self.g.is_recreatable(i), r.graph_key, r.compile_seconds))
+            self.freed_bytes += r.bytes
+            self.freed_files += r.files
+        self.units.append(Unit(tuple(entries), reason or c.reason, c.last_access,
+                               tuple(w for w in c.watch if w not in self.taken)))
+        return True
+
+    def sweep_dependents(self) -> None:
+        """Shared entries whose every referrer is going, and AOT entries left with no graph."""
+        g = self.g
+        extra = [i for i in g.closure(self.taken) if i not in self.taken]
+        for i in extra:
+            r = g.rows[i]
+            self.take(_Candidate([i], "dependent", r.touched))
+
+
+def candidates(g: Graph) -> tuple[list[_Candidate], list[_Candidate], list[_Candidate]]:
+    """(orphans, recreatable entries, groups), each unordered."""
+    rows = g.rows
+    orphans, cheap, groups = [], [], []
+    for i, r in enumerate(rows):
+        if g.is_orphan(i):
+            members = g.closure([i])
+            orphans.append(_Candidate(members, "orphan", max(rows[m].touched for m in members)))
+        elif not g.parents[i]:
+            members = g.closure([i])
+            cost = _group_cost([rows[m] for m in members])
+            groups.append(_Candidate(members, "size", max(rows[m].touched for m in members), cost))
+        if g.is_recreatable(i):
+            # a module or kernel is as recent as the graphs that bundle it: their use protects it
+            near = max([r.touched] + [rows[p].touched for p in g.parents[i]])
+            cheap.append(_Candidate([i], "recreatable", near, 0.0, tuple(sorted(g.parents[i]))))
+    return orphans, cheap, groups
+
+
+def _group_cost(members: Sequence[Row]) -> float:
+    aot = max((r.compile_seconds or 0.0 for r in members if r.kind == "aotautograd"), default=0.0)
+    fx = sum(r.compile_seconds or 0.0 for r in members if r.kind == "fxgraph")
+    return max(aot, fx) or DEFAULT_COST
+
+
+def needs(limits: Limits, total_bytes: int, total_files: int, disk: DiskState | None) -> tuple[int, int, int]:
+    """(bytes over the size cap, files over the file cap, bytes short of the free-space floor),
+    each measured down to the low-water mark so eviction does not run on every new file."""
+    over_bytes = over_files = short_free = 0
+    if limits.max_size is not None and total_bytes > limits.max_size:
+        over_bytes = total_bytes - int(limits.max_size * limits.low_water)
+    if limits.max_files is not None and total_files > limits.max_files:
+        over_files = total_files - int(limits.max_files * limits.low_water)
+    if limits.min_free and disk is not None:
+        size, pct = parse_size_or_percent(limits.min_free)
+        floor = size if size is not None else int(pct * disk.total_bytes)
+        if disk.free_bytes < floor:
+            short_free = floor - disk.free_bytes
+    return over_bytes, over_files, short_free
+
+
+def pinned_ids(g: Graph) -> set[int]:
+    """Pinned entries and everything they need."""
+    return g.descendants(i for i, r in enumerate(g.rows) if r.pinned)
+
+
+def plan(rows: Sequence[Row], limits: Limits, policy: str = "lru", now: float = 0.0,
+         disk: DiskState | None = None) -> Plan:
+    """Which entries to evict, in order, to meet `limits`."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}")
+    g = Graph.build(rows)
+    b = _Builder(g, now, limits.grace, pinned_ids(g))
+    orphans, cheap, groups = candidates(g)
+    total_bytes = sum(r.bytes for r in rows)
+    total_files = sum(r.files for r in rows)
+
+    if limits.max_age is not None:
+        cutoff = now - limits.max_age
+        for c in sorted(orphans + groups, key=lambda c: c.last_access):
+            if c.last_access < cutoff:
+                b.take(c, "age")
+
+    over_bytes, over_files, short_free = needs(limits, total_bytes, total_files, disk)
+    want_bytes = max(over_bytes, short_free)
+    clock = 0.0
+
+    def satisfied() -> bool:
+        return b.freed_bytes >= want_bytes and b.freed_files >= over_files
+
+    def reason() -> str:
+        if b.freed_bytes < over_bytes:
+            return "size"
+        return "free" if b.freed_bytes < short_free else "files"
+
+    if not satisfied():
+        ordered = sorted(orphans, key=lambda c: c.last_access) + sorted(cheap, key=lambda c: c.last_access)
+        for c in ordered:
+            if satisfied():
+                break
+            b.take(c, c.reason)
+        if policy == "lru":
+            for c in sorted(groups, key=lambda c: c.last_access):
+                if satisfied():
+                    break
+                b.take(c, reason())
+        else:
+            # GreedyDual-Size: H = clock + cost / bytes; evict the lowest H, raise the clock to it.
+            heap = []
+            for n, c in enumerate(groups):
+                size = max(1, sum(rows[m].bytes for m in c.members if not g.is_recreatable(m)))
+                heapq.heappush(heap, (clock + c.cost / size, c.last_access, n))
+            while heap and not satisfied():
+                h, _, n = heapq.heappop(heap)
+                if b.take(groups[n], reason()):
+                    clock = max(clock, h)
+    b.sweep_dependents()
+
+    units = tuple(b.units)
+    return Plan(
+        policy=policy, units=units,
+        expected_freed_bytes=sum(u.bytes for u in units),
+        expected_freed_files=sum(e.files for u in units for e in u.entries),
+        recreatable_bytes=sum(e.bytes for u in units for e in u.entries if e.recreatable and u.reason == "recreatable"),
+        total_bytes=total_bytes, total_files=total_files,
+        skipped=tuple(sorted(b.skipped.items())), clock=clock,
+    )
+
+
+def select(rows: Sequence[Row], chosen: Iterable[int], now: float, grace: float,
+           include_pinned: bool = False) -> Plan:
+    """A purge plan: the chosen entries (row indexes) and what goes with them."""
+    g = Graph.build(rows)
+    b = _Builder(g, now, grace, set() if include_pinned else pinned_ids(g))
+    for i in chosen:
+        members = g.closure([i], b.taken)
+        b.take(_Candidate(members, "purge", max(rows[m].touched for m in members)))
+    b.sweep_dependents()
+    units = tuple(b.units)
+    return Plan(
+        policy="purge", units=units,
+        expected_freed_bytes=sum(u.bytes for u in units),
+        expected_freed_files=sum(e.files for u in units for e in u.entries),
+        recreatable_bytes=0, total_bytes=sum(r.bytes for r in rows), total_files=sum(r.files for r in rows),
+        skipped=tuple(sorted(b.skipped.items())),
+    )
