@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cachemgr.cli.common import DURATION, SIZE, emit_json, json_option, pass_app, table
+from cachemgr.cli.common import DURATION, SIZE, emit_json, json_option, pass_app
 
 
 @click.command()
@@ -68,9 +68,11 @@ def config_show(app, as_json: bool) -> None:
         emit_json({"config_file": s.config_file,
                    "options": {k: {"value": v, "source": s.sources[k]} for k, v in values.items()}})
         return
-    table(("option", "value", "source"),
-          [(k, _show(v), s.sources[k]) for k, v in values.items()],
-          title=f"config file: {s.config_file or 'none'}")
+    # plain aligned lines, never wrapped: paths and URLs are long and this output gets grepped
+    click.echo(f"# config file: {s.config_file or 'none'}")
+    width = max(len(_show(v)) for v in values.values())
+    for k, v in values.items():
+        click.echo(f"{k:<15} {_show(v):<{width}}  {s.sources[k]}")
 
 
 def _show(v) -> str:

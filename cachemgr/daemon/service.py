@@ -287,22 +287,23 @@ class Daemon:
 
     def _supervise(self) -> None:
         root = self.settings.cache_dir
+        try:
+            check_root(root)
+            problem = None
+        except CacheDirError as e:
+            problem = str(e)
         if self.watcher is not None:
-            try:
-                check_root(root)
-                if not self.root_lost.is_set():
-                    return
-                problem = f"cache directory {root} was removed"
-            except CacheDirError as e:
-                problem = str(e)
-            self._problem(f"{problem}; index kept, watching stopped until it is back")
+            if problem is None and not self.root_lost.is_set():
+                return
+            gone = problem is None or not os.path.exists(root)
+            log.error("%s; index kept, watching stopped until it is back",
+                      f"cache directory {root} was removed" if gone else problem)
+            self.last_problem = f"{problem}; waiting for it"  # said just now: not again next tick
             self._stop_watching()
             systemd.notify(f"STATUS={self._status()}")
             return
-        try:
-            check_root(root)
-        except CacheDirError as e:
-            self._problem(f"{e}; waiting for it")
+        if problem is not None:
+            self._problem(f"{problem}; waiting for it")
             return
         log.info("cache directory %s is usable again: reconciling and watching", root)
         if self._start_watching():

@@ -165,9 +165,8 @@ class Watcher:
             if not (paths or dirs or reads):
                 return
             r = live.apply_batch(self.db, self.cache_id, self.root, paths, dirs, reads)
-        except CacheDirError as e:
-            log.error("%s", e)
-            self.on_root_lost()
+        except CacheDirError:
+            self.on_root_lost()  # the daemon's supervisor says so, once
             return
         except CachemgrError as e:
             log.error("applying %d changed paths failed: %s (the next full scan repairs the index)", len(paths), e)
