@@ -87,6 +87,8 @@ class Daemon:
         self._start_metrics(s)
         self._start_watching()
         self._start_scheduler(s)
+        if self.watcher is not None:
+            self._check_limits()  # already over a cap at start: evict now, not in evict_interval
         systemd.notify("READY=1", f"STATUS={self._status()}")
         log.info("ready: %s", self._status())
         try:
@@ -173,6 +175,7 @@ class Daemon:
                      len(r.changed), len(r.removed), r.unchanged, r.seconds)
             if self.metrics is not None:
                 self.metrics.scanned(r.seconds)
+                self.metrics.watch(self.db, self.cache_id)  # a backlog found at start is no activity
             self.root_lost.clear()
             w = Watcher(self.db, self.cache_id, s.cache_dir, s.debounce, s.max_wait,
                         on_batch=self._after_batch, on_root_lost=self._on_root_lost)
