@@ -62,15 +62,18 @@ def apply_batch(db: Database, cache_id: int, root: str, paths: Iterable[str] = (
     disk = {k: d for k, c in classified.items() if (d := layout.stat_entry(root, c)) is not None}
     subtrees = sorted({d.strip("/") for d in dirs if d.strip("/") and layout.classify(d.strip("/")) is not None})
     for sub in subtrees:
-        disk.update((d.key, d) for d in layout.walk(root, sub))
+        if sub not in classified:  # a kernel directory whose files were listed is stat'ed already
+            disk.update((d.key, d) for d in layout.walk(root, sub))
 
+    # A directory that is itself an entry (a Triton kernel) needs an exact lookup; others a prefix.
+    exact = {sub for sub in subtrees if (c := layout.classify(sub + "/x")) is not None and c.key == sub}
     with db.engine.connect() as conn:
-        keys = list(set(classified) | set(disk))
+        keys = list(set(classified) | set(disk) | exact)
         known = {}
         for chunk in _chunks(keys):
             known.update((r.key, r) for r in conn.execute(
                 select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk))))
-        for sub in subtrees:
+        for sub in (s for s in subtrees if s not in exact):
             known.update((r.key, r) for r in conn.execute(select(*KNOWN_COLUMNS).where(
                 ENTRIES.c.cache_id == cache_id,
                 or_(ENTRIES.c.key == sub, ENTRIES.c.key.startswith(sub + "/", autoescape=True)))))
