@@ -71,6 +71,7 @@ class Daemon:
         self.metrics = None
         self.last_problem: str | None = None
         self.evict_pending = False
+        self.last_overflow_scan = -1e9
         self.last_trigger = -1e9  # monotonic time eviction was last started by crossing a cap
 
     # -- the process ---------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ class Daemon:
                 self.metrics.watch(self.db, self.cache_id)  # a backlog found at start is no activity
             self.root_lost.clear()
             w = Watcher(self.db, self.cache_id, s.cache_dir, s.debounce, s.max_wait,
-                        on_batch=self._after_batch, on_root_lost=self._on_root_lost)
+                        on_batch=self._after_batch, on_root_lost=self._on_root_lost, on_overflow=self._on_overflow)
             w.start()
             self.watcher = w
         except CacheDirError as e:
@@ -254,6 +255,13 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.scanned(r.seconds)
         check_watches(self.settings.cache_dir)
+
+    def _on_overflow(self) -> None:
+        """Events were lost: a full rescan soon, at most one a minute (a rescan is what heals)."""
+        now = time.monotonic()
+        if self.scheduler is not None and now - self.last_overflow_scan > 60:
+            self.last_overflow_scan = now
+            self.scheduler.modify_job("scan", next_run_time=datetime.now().astimezone() + timedelta(seconds=5))
 
     def _after_batch(self, result) -> None:
         """Consumer thread, after each applied batch: evict at once (debounced) when over a cap."""

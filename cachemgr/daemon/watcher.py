@@ -6,9 +6,10 @@ more than `burst` paths becomes a rescan of the top-level folders it touched. Fu
 rescans asked for by the scheduler run on the same thread, so index writes never race and the
 watcher can tell its own reads of entry files (parsing them) from the workload's.
 
-Hits are read-only opens: inotify IN_CLOSE_NOWRITE (watchdog's FileClosedNoWriteEvent), which,
-unlike IN_OPEN, is not sent for the writer of a new file. Older watchdog releases without it
-fall back to FileOpenedEvent (IN_OPEN).
+The recursive watchdog watch asks for changes only (create, delete, move, close-after-write):
+no event for a directory listing, so scans and watchdog's own walks cost no queue space. Hits
+(read-only opens of fxgraph / AOTAutograd entries) come from `reads.ReadWatcher`, which watches
+the key directories only, and reach the consumer through the same queue.
 """
 
 from __future__ import annotations
@@ -25,15 +26,15 @@ from concurrent.futures import Future
 from watchdog import events as ev
 from watchdog.observers import Observer
 
+from cachemgr.daemon.reads import ReadWatcher
 from cachemgr.errors import CacheDirError, CachemgrError
 from cachemgr.index import live, scan
 from cachemgr.index.db import Database
 
 log = logging.getLogger("cachemgr.watcher")
 
-READ_EVENT = getattr(ev, "FileClosedNoWriteEvent", None) or ev.FileOpenedEvent
 EVENT_FILTER = [
-    ev.FileCreatedEvent, ev.FileDeletedEvent, ev.FileMovedEvent, ev.FileClosedEvent, READ_EVENT,
+    ev.FileCreatedEvent, ev.FileDeletedEvent, ev.FileMovedEvent, ev.FileClosedEvent,
     ev.DirCreatedEvent, ev.DirDeletedEvent, ev.DirMovedEvent,
 ]
 BURST = 5000  # paths in one batch above which a subtree rescan is cheaper than per-entry work
@@ -53,9 +54,6 @@ class Handler(ev.FileSystemEventHandler):
 
     def dispatch(self, event: ev.FileSystemEvent) -> None:
         t = type(event)
-        if t is READ_EVENT:
-            self.q.put(("r", self._rel(event.src_path)))
-            return
         if event.is_directory and os.fsdecode(event.src_path) == self.root:
             if t is ev.DirDeletedEvent:
                 self.on_root_lost()
@@ -72,10 +70,13 @@ class Watcher:
 
     def __init__(self, db: Database, cache_id: int, root: str, debounce: float, max_wait: float,
                  on_batch: Callable[[object], None] = lambda r: None,
-                 on_root_lost: Callable[[], None] = lambda: None, burst: int = BURST) -> None:
+                 on_root_lost: Callable[[], None] = lambda: None, on_overflow: Callable[[], None] = lambda: None,
+                 burst: int = BURST) -> None:
         self.db, self.cache_id, self.root = db, cache_id, root
         self.debounce, self.max_wait, self.burst = debounce, max_wait, burst
-        self.on_batch, self.on_root_lost = on_batch, on_root_lost
+        self.on_batch, self.on_root_lost, self.on_overflow = on_batch, on_root_lost, on_overflow
+        self.reads: ReadWatcher | None = None
+        self._limit_logged = False
         self.q: queue.SimpleQueue[Item] = queue.SimpleQueue()
         self.observer = None
         self.consumer: threading.Thread | None = None
@@ -87,6 +88,9 @@ class Watcher:
         """Start the consumer and the observer. Raises CacheDirError when the root cannot be watched."""
         self.consumer = threading.Thread(target=self._consume, name="cachemgr-consumer", daemon=True)
         self.consumer.start()
+        self.reads = ReadWatcher(self.root, lambda rel: self.q.put(("r", rel)), self._out_of_watches)
+        self.reads.watch(self._key_dirs_in_index())
+        _OVERFLOW_LISTENERS.append(self.on_overflow)
         obs = Observer()
         try:
             obs.schedule(Handler(self.root, self.q, self.on_root_lost), self.root, recursive=True,
@@ -94,6 +98,7 @@ class Watcher:
             obs.start()
         except OSError as e:
             self.q.put(("stop",))
+            self.reads.stop()
             if e.errno == errno.ENOSPC:
                 log.error(watch_limit_message(self.root))
             raise CacheDirError(f"cannot watch {self.root}: {e.strerror or e}") from e
@@ -101,6 +106,10 @@ class Watcher:
         check_watches(self.root)
 
     def stop(self, timeout: float = 2.0) -> None:
+        if self.on_overflow in _OVERFLOW_LISTENERS:
+            _OVERFLOW_LISTENERS.remove(self.on_overflow)
+        if self.reads is not None:
+            self.reads.stop()
         if self.observer is not None:
             self.observer.stop()
         self.q.put(("stop",))
@@ -110,7 +119,8 @@ class Watcher:
             self.consumer.join(timeout)
 
     def alive(self) -> bool:
-        return bool(self.observer and self.observer.is_alive() and self.consumer and self.consumer.is_alive())
+        return bool(self.observer and self.observer.is_alive() and self.consumer and self.consumer.is_alive()
+                    and self.reads and self.reads.alive())
 
     def request_scan(self, subtree: str = "") -> Future:
         """A rescan run on the consumer thread (after the batch in hand); the future holds its ScanResult."""
@@ -164,6 +174,7 @@ class Watcher:
                 paths, dirs = set(), set()
             if not (paths or dirs or reads):
                 return
+            self._watch_reads(paths)  # before parsing: our own read of a new entry is then seen, and discounted
             r = live.apply_batch(self.db, self.cache_id, self.root, paths, dirs, reads)
         except CacheDirError:
             self.on_root_lost()  # the daemon's supervisor says so, once
@@ -193,16 +204,45 @@ class Watcher:
             else:
                 future.set_exception(e)
             return
-        self._mark_own(live.own_reads(self.root, r.added + r.changed))
+        self._mark_own(live.own_reads(self.root, r.added + r.changed))  # before watching new dirs
+        self._watch_reads(r.added)
         if future is not None:
             future.set_result(r)
         self.on_batch(r)
 
+    # -- read watches on key directories ---------------------------------------------------------
+
+    def _key_dirs_in_index(self) -> set[str]:
+        from sqlalchemy import select
+
+        from cachemgr.index.scan import ENTRIES
+
+        with self.db.engine.connect() as conn:
+            keys = conn.execute(select(ENTRIES.c.key).where(
+                ENTRIES.c.cache_id == self.cache_id, ENTRIES.c.kind.in_(live.GUARDED))).scalars()
+            return {k.rsplit("/", 1)[0] for k in keys}
+
+    def _watch_reads(self, paths) -> None:  # noqa: ANN001 - entry keys or file paths
+        if self.reads is not None:
+            dirs = {k.rsplit("/", 1)[0] for k in paths if k.startswith(("fxgraph/", "aotautograd/")) and
+                    k.count("/") == (3 if k.startswith("fxgraph/") else 2)}
+            if dirs:
+                self.reads.watch(dirs)
+
+    def _out_of_watches(self) -> None:
+        if not self._limit_logged:
+            self._limit_logged = True
+            log.error(watch_limit_message(self.root))
+
     # -- our own reads are not hits ----------------------------------------------------------------
 
     def _mark_own(self, paths: list[str]) -> None:
+        """Reads of ours that the read watcher will report (only files in watched directories)."""
+        watched = self.reads.by_dir if self.reads else {}
         now = time.monotonic()
         for p in paths:
+            if p.rsplit("/", 1)[0] not in watched:
+                continue
             slot = self._own.setdefault(p, [0, now])
             slot[0] += 1
             slot[1] = now
@@ -220,6 +260,38 @@ class Watcher:
         cutoff = time.monotonic() - 60
         self._own = {p: s for p, s in self._own.items() if s[0] > 0 and s[1] > cutoff}
         return out
+
+
+# -- inotify queue overflow ---------------------------------------------------------------------
+
+_OVERFLOW_LISTENERS: list[Callable[[], None]] = []
+
+
+def _keep_watches_on_overflow() -> None:
+    """watchdog 7 answers a queue overflow by removing every recursive watch (an IN_IGNORED event
+    each) and walking the tree to add them again; over a large cache the removals alone refill
+    the queue, so it overflows again, forever (seen: 95 % CPU, idle, over 14,000 directories).
+    An overflow loses events, not watches: keep them, drop the half-paired moves, and let the
+    daemon schedule a full rescan, which is what heals lost events."""
+    try:
+        from watchdog.observers.inotify import InotifyWatchGroup
+    except ImportError:
+        return
+    if not hasattr(InotifyWatchGroup, "on_queue_overflow"):
+        return
+
+    def on_queue_overflow(self) -> None:  # noqa: ANN001 - watchdog's InotifyWatchGroup
+        with self._lock:
+            if self.is_active:
+                self._move_event_grouper.discard_pending_events()
+        log.warning("inotify queue overflowed: events were lost; a full rescan is scheduled")
+        for listener in list(_OVERFLOW_LISTENERS):
+            listener()
+
+    InotifyWatchGroup.on_queue_overflow = on_queue_overflow
+
+
+_keep_watches_on_overflow()
 
 
 # -- inotify watch limits ------------------------------------------------------------------------
