@@ -233,9 +233,10 @@ def run(a, work: Path) -> None:
             d.kill()
         sock.close()
         log.close()
-    errors = [line for line in (work / "daemon.log").read_text().splitlines() if " ERROR " in line]
-    if errors:
-        print("daemon errors:", *errors[:5], sep="\n  ")
+    lines = (work / "daemon.log").read_text().splitlines()
+    notes = [line for line in lines if " ERROR " in line or " WARNING " in line or "burst of" in line]
+    if notes:
+        print(f"daemon log: {len(notes)} warnings/errors/burst rescans, e.g.", *notes[:5], sep="\n  ")
 
 
 def burst(a, src: Path, entries: dict[str, list[str]], cache: Path, dbfile: Path, copies: int) -> list[float]:

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 
 from cachemgr.config import Settings
 from cachemgr.daemon import systemd
-from cachemgr.daemon.watcher import Watcher, check_watches
+from cachemgr.daemon.watcher import Watcher
 from cachemgr.errors import CacheDirError, CachemgrError
 from cachemgr.index.db import Database, redact
 from cachemgr.index.scan import check_root
@@ -254,7 +254,7 @@ class Daemon:
                  len(r.changed), len(r.removed), r.unchanged, r.seconds)
         if self.metrics is not None:
             self.metrics.scanned(r.seconds)
-        check_watches(self.settings.cache_dir)
+        w.check_watches()
 
     def _on_overflow(self) -> None:
         """Events were lost: a full rescan soon, at most one a minute (a rescan is what heals)."""

@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from watchdog import events as ev
 from watchdog.observers import Observer
 
+from cachemgr import layout
 from cachemgr.daemon.reads import ReadWatcher
 from cachemgr.errors import CacheDirError, CachemgrError
 from cachemgr.index import live, scan
@@ -37,7 +38,10 @@ EVENT_FILTER = [
     ev.FileCreatedEvent, ev.FileDeletedEvent, ev.FileMovedEvent, ev.FileClosedEvent,
     ev.DirCreatedEvent, ev.DirDeletedEvent, ev.DirMovedEvent,
 ]
-BURST = 5000  # paths in one batch above which a subtree rescan is cheaper than per-entry work
+# Changed paths in one batch above which rescanning the top-level folders they are in is cheaper
+# than per-entry work (about 1,000 entries a second); below it, a rescan of triton/ on a large
+# cache costs more than the batch itself.
+BURST = 20000
 SYSCTL = "fs.inotify.max_user_watches"
 
 Item = tuple  # ('p'|'d'|'r', relpath) | ('scan', subtree, Future) | ('stop',)
@@ -103,7 +107,7 @@ class Watcher:
                 log.error(watch_limit_message(self.root))
             raise CacheDirError(f"cannot watch {self.root}: {e.strerror or e}") from e
         self.observer = obs
-        check_watches(self.root)
+        self.check_watches()
 
     def stop(self, timeout: float = 2.0) -> None:
         if self.on_overflow in _OVERFLOW_LISTENERS:
@@ -117,6 +121,9 @@ class Watcher:
             self.observer.join(timeout)
         if self.consumer is not None:
             self.consumer.join(timeout)
+
+    def check_watches(self) -> bool:
+        return check_watches(self.root, len(self.reads.by_dir) if self.reads else 0)
 
     def alive(self) -> bool:
         return bool(self.observer and self.observer.is_alive() and self.consumer and self.consumer.is_alive()
@@ -160,7 +167,10 @@ class Watcher:
     @staticmethod
     def _add(item: Item, paths: set, dirs: set, reads: list) -> None:
         kind, rel = item
-        (reads.append if kind == "r" else (dirs if kind == "d" else paths).add)(rel)
+        if kind == "r":
+            reads.append(rel)
+        elif not any(layout.is_transient(part) for part in rel.split("/")):  # writes in progress
+            (dirs if kind == "d" else paths).add(rel)
 
     def _apply(self, paths: set, dirs: set, reads: list) -> None:
         reads = self._drop_own(reads)
@@ -331,7 +341,7 @@ def our_watches() -> int | None:
     return total if found else None
 
 
-def check_watches(root: str) -> bool:
+def check_watches(root: str, others: int = 0) -> bool:
     """Log one clear line when some directories under root got no watch (the limit was hit).
 
     watchdog quietly skips subdirectories it cannot watch, so we count: a watch per directory.
@@ -339,6 +349,7 @@ def check_watches(root: str) -> bool:
     watches = our_watches()
     if watches is None:
         return True
+    watches -= others  # the read watcher's key-directory watches
     dirs = sum(1 for _ in os.walk(root))
     if watches + 1 < dirs:  # +1: a directory created between the two counts
         log.error(watch_limit_message(root, dirs, watches))
