@@ -249,7 +249,11 @@ class Daemon:
         w = self.watcher
         if w is None:
             return
-        r = w.request_scan("").result(timeout=max(600.0, self.settings.scan_interval))
+        try:
+            r = w.request_scan("").result(timeout=max(600.0, self.settings.scan_interval))
+        except (CachemgrError, TimeoutError) as e:
+            log.error("full scan failed: %s", e)
+            return
         log.info("full scan: %d added, %d changed, %d removed, %d unchanged (%.2f s)", len(r.added),
                  len(r.changed), len(r.removed), r.unchanged, r.seconds)
         if self.metrics is not None:

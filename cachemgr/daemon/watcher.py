@@ -121,6 +121,13 @@ class Watcher:
             self.observer.join(timeout)
         if self.consumer is not None:
             self.consumer.join(timeout)
+        while True:  # a rescan asked for but never run: its caller must not wait forever
+            try:
+                item = self.q.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] == "scan":
+                item[2].set_exception(CacheDirError(f"watching {self.root} stopped before the rescan ran"))
 
     def check_watches(self) -> bool:
         return check_watches(self.root, len(self.reads.by_dir) if self.reads else 0)
