@@ -200,7 +200,7 @@ def run(a, work: Path) -> None:
     log = open(work / "daemon.log", "w")
     t0 = time.monotonic()
     d = subprocess.Popen([sys.executable, "-m", "cachemgr", "--cache-dir", str(cache), "--db", db, "--host", HOST,
-                          "daemon"], env=env, stdout=log, stderr=subprocess.STDOUT)
+                          "daemon", "-v"], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         sock.settimeout(600)
         while b"READY=1" not in sock.recv(4096):

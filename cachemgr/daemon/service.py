@@ -9,6 +9,7 @@ Index writes happen on the watcher's consumer thread; eviction on the scheduler'
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -55,6 +56,21 @@ class _OneLine(logging.Formatter):
         return f"<{self.PRIORITY.get(record.levelno, 6)}>{line}" if self.journald else line
 
 
+def tune_malloc() -> None:
+    """Entry pickles run to several MB. glibc raises its mmap threshold after the first such
+    buffer is freed, so later ones land on the heap and fragment it: RSS stays at the peak of a
+    burst (150 MB after 1,000 new entries, measured). A fixed threshold and few arenas keep big
+    buffers in mmap (returned to the OS when freed) and RSS near its idle size."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD, fixed
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
 class Daemon:
     """`cachemgr daemon`. `load` re-reads the effective settings (at start and on SIGHUP)."""
 
@@ -80,6 +96,8 @@ class Daemon:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every thread's stack
+        tune_malloc()
         self.settings = self.load()
         s = self.settings
         log.info("starting: cache %s, index %s, max_size %s, evict every %gs, full scan every %gs",

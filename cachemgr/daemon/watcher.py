@@ -42,6 +42,7 @@ EVENT_FILTER = [
 # than per-entry work (about 1,000 entries a second); below it, a rescan of triton/ on a large
 # cache costs more than the batch itself.
 BURST = 20000
+BATCH = 1000  # paths that close a batch early: under a steady stream, entries appear in smaller steps
 SYSCTL = "fs.inotify.max_user_watches"
 
 Item = tuple  # ('p'|'d'|'r', relpath) | ('scan', subtree, Future) | ('stop',)
@@ -158,6 +159,8 @@ class Watcher:
             first = last = time.monotonic()
             while True:
                 self._add(item, paths, dirs, reads)
+                if len(paths) + len(dirs) >= BATCH and self.q.qsize() < self.burst:
+                    break  # enough for one transaction (unless a real burst is queued: then take it whole)
                 wait = min(last + self.debounce, first + self.max_wait) - time.monotonic()
                 try:
                     item = self.q.get(timeout=wait) if wait > 0 else self.q.get_nowait()
