@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
@@ -98,6 +99,8 @@ class Daemon:
         signal.signal(signal.SIGHUP, self._on_hup)
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every thread's stack
         tune_malloc()
+        # watchdog warns (RuntimeWarning, multi-line) when it re-adds a watch it has: not news
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"watchdog\.")
         self.settings = self.load()
         s = self.settings
         log.info("starting: cache %s, index %s, max_size %s, evict every %gs, full scan every %gs",

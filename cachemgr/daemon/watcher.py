@@ -310,6 +310,30 @@ def _keep_watches_on_overflow() -> None:
 
     InotifyWatchGroup.on_queue_overflow = on_queue_overflow
 
+    # Moving a directory re-keys the watches below it by scanning every watch (a copy of the
+    # whole table per move): over 14,000 watched directories a burst of Triton kernels (each a
+    # tmp.pid_* directory renamed into place) spent seconds there and starved the consumer.
+    # A moved directory with no subdirectories now has only its own watch to move.
+    original_move = getattr(InotifyWatchGroup, "_move_watches", None)
+    if original_move is None:
+        return
+
+    def _move_watches(self, move_src_path: bytes, move_dst_path: bytes) -> bool:  # noqa: ANN001
+        try:
+            leaf = not any(d.is_dir(follow_symlinks=False) for d in os.scandir(move_dst_path))
+        except OSError:
+            leaf = False
+        if not leaf:
+            return original_move(self, move_src_path, move_dst_path)
+        wd = self._active_callbacks_by_path.pop(move_src_path, None)
+        if wd is None:
+            return False
+        self._active_callbacks_by_watch[wd] = move_dst_path
+        self._active_callbacks_by_path[move_dst_path] = wd
+        return True
+
+    InotifyWatchGroup._move_watches = _move_watches
+
 
 _keep_watches_on_overflow()
 
