@@ -247,16 +247,21 @@ def burst(a, src: Path, entries: dict[str, list[str]], cache: Path, dbfile: Path
     done = threading.Event()
 
     def poll() -> None:
+        # by key on the (cache_id, key) index: a poll must not cost a table scan of the big index
         conn = sqlite3.connect(f"file:{dbfile}?mode=ro", uri=True, timeout=30)
-        since = time.time() - 1
+        (cache_id,) = conn.execute("SELECT id FROM caches WHERE host = ?", (HOST,)).fetchone()
         while True:
             finished = done.is_set()
             now = time.monotonic()
-            for (key,) in conn.execute("SELECT key FROM entries WHERE first_seen >= ?", (since,)):
-                seen.setdefault(key, now)
+            pending = [k for k in list(written) if k not in seen]
+            for i in range(0, len(pending), 500):
+                chunk = pending[i:i + 500]
+                q = f"SELECT key FROM entries WHERE cache_id = ? AND key IN ({','.join('?' * len(chunk))})"
+                for (key,) in conn.execute(q, (cache_id, *chunk)):
+                    seen.setdefault(key, now)
             if finished and all(k in seen for k in written) or (finished and now - last[0] > 60):
                 break
-            time.sleep(0.01)
+            time.sleep(0.02)
         conn.close()
 
     last = [time.monotonic()]

@@ -231,6 +231,27 @@ def test_new_entry_visible_within_2s(tmp_path, start, cli_for, cpu_cache_master)
     wait_until(lambda: str(rel) not in index_keys(cli), timeout=30)
 
 
+def test_kernel_directory_renamed_into_place_stays_watched(tmp_path, start, cli_for, gpu_cache_master):
+    """Triton writes tmp.pid_*/ then renames it: the entry is indexed, and the watch follows the
+    rename (a file removed inside the new name later is seen)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cli = cli_for(cache, host=HOST)
+    start(cache)
+    kernel = next(p for p in (gpu_cache_master / "triton" / "0").iterdir() if p.is_dir())
+    tmp = cache / "triton" / "0" / "tmp.pid_1_abc"
+    shutil.copytree(kernel, tmp)
+    final = cache / "triton" / "0" / kernel.name
+    os.replace(tmp, final)
+    key = f"triton/0/{kernel.name}"
+    row = wait_until(lambda: next((r for r in cli.json("ls") if r["key"] == key), None), timeout=30)
+    files = sorted(p for p in final.iterdir())
+    assert row["files"] == len(files)
+    files[0].unlink()
+    wait_until(lambda: next(r for r in cli.json("ls") if r["key"] == key)["files"] == len(files) - 1, timeout=30)
+    assert index_keys(cli) == disk_keys(cache)
+
+
 def test_metrics_endpoint(tmp_path, start, cpu_cache_master):
     cache = tmp_path / "cache"
     shutil.copytree(cpu_cache_master, cache)
