@@ -59,6 +59,8 @@ def _policy(v: Any) -> str:
 
 def _metrics(v: Any) -> str:
     v = str(v)
+    if v.lstrip(":").isdigit():  # a bare port: loopback only, the safe default
+        v = "127.0.0.1:" + v.lstrip(":")
     if v != "off":
         host, _, port = v.rpartition(":")
         if not host or not port.isdigit():
@@ -103,7 +105,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("scan_interval", parse_duration, lambda env: 3600.0, "daemon: full reconcile this often"),
     Option("debounce", parse_duration, lambda env: 0.3, "daemon: quiet period before applying a batch of file events"),
     Option("max_wait", parse_duration, lambda env: 1.0, "daemon: apply a batch at the latest after this long"),
-    Option("metrics", _metrics, lambda env: "off", "daemon: Prometheus endpoint HOST:PORT, or off"),
+    Option("metrics", _metrics, lambda env: "off", "daemon: Prometheus endpoint HOST:PORT (a bare PORT binds 127.0.0.1), or off"),
     Option("redis_url", _optional(str), lambda env: env.get("TORCHINDUCTOR_REDIS_URL"),
            "Redis of the shared remote cache (fleet tier)"),
     Option("keep_torch", lambda v: [str(x) for x in (v if isinstance(v, list) else str(v).split(","))],

@@ -87,7 +87,7 @@ def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=False, default=str))
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
     """A table for people (rich), sized to the terminal; plain columns when piped."""
     from rich.console import Console
     from rich.table import Table
@@ -98,6 +98,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         t.add_column(h, no_wrap=True, overflow="ellipsis")
     for r in rows:
         t.add_row(*(Text("" if v is None else str(v)) for v in r))  # Text: '[s0, 32]' is not markup
+    if title:
+        click.echo(title)
     Console(soft_wrap=False).print(t)
 
 

@@ -17,7 +17,7 @@ from sqlalchemy import bindparam, delete, insert, select, update
 from cachemgr import layout, parse
 from cachemgr.errors import CacheDirError
 from cachemgr.index.db import Database
-from cachemgr.index.describe import Parts, describe_all
+from cachemgr.index.describe import Described, Parts, describe_all
 from cachemgr.index.models import Cache, ComponentSet, ComponentSetItem, Entry, EntryComponentSet, EntryRef, Event
 
 ENTRIES, REFS, EVENTS = Entry.__table__, EntryRef.__table__, Event.__table__
@@ -66,20 +66,48 @@ def reconcile(
     """Bring the index rows of `root` (or of one subtree) in line with the disk, in one transaction."""
     t0 = time.monotonic()
     check_root(root)
-    now = time.time()
     prefix = subtree.strip("/") + "/" if subtree else ""
     disk = {d.key: d for d in layout.walk(root, subtree.strip("/"))}
 
     with db.engine.connect() as conn:
-        q = select(ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.bytes, ENTRIES.c.files, ENTRIES.c.mtime,
-                   ENTRIES.c.last_access).where(ENTRIES.c.cache_id == cache_id)
+        q = select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id)
         if prefix:
             q = q.where(ENTRIES.c.key.startswith(prefix, autoescape=True))
         known = {r.key: r for r in conn.execute(q)}
-        known_graphs = set(conn.execute(
-            select(ENTRIES.c.graph_key).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.graph_key.is_not(None))
-        ).scalars())
+        prepared = prepare(conn, cache_id, root, disk, known, progress)
+    with db.engine.begin() as conn:
+        corrupt = write(conn, cache_id, prepared)
+        if not prefix:
+            conn.execute(update(Cache.__table__).where(Cache.__table__.c.id == cache_id).values(last_scan=prepared.now))
+    p = prepared
+    return ScanResult(root, p.added, p.changed, p.removed, len(disk) - len(p.added) - len(p.changed), corrupt,
+                      time.monotonic() - t0)
 
+
+KNOWN_COLUMNS = (ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.bytes, ENTRIES.c.files, ENTRIES.c.mtime, ENTRIES.c.last_access)
+
+
+@dataclass
+class Prepared:
+    """The difference between some entries on disk and their index rows, parsed, ready to write."""
+
+    now: float
+    disk: dict[str, layout.DiskEntry]
+    known: dict
+    added: list[str]
+    changed: list[str]
+    removed: list[str]
+    touched: list[dict]
+    described: dict[str, Described]
+    known_graphs: set[str]
+
+
+def prepare(conn, cache_id: int, root: str, disk: dict[str, layout.DiskEntry], known: dict,
+            progress: Progress | None = None) -> Prepared:
+    """Diff `disk` against `known` rows (KNOWN_COLUMNS, the same set of keys seen from the index)
+    and parse new and changed entries. Parsing happens outside the write transaction, so readers
+    and the daemon's writes are not held up."""
+    now = time.time()
     added = [k for k in disk if k not in known]
     removed = [k for k in known if k not in disk]
     changed, touched = [], []
@@ -92,73 +120,77 @@ def reconcile(
         elif max(d.atime, d.mtime) > r.last_access + 1:
             touched.append({"b_id": r.id, "b_last_access": max(d.atime, d.mtime)})
 
-    # Parse outside the write transaction: readers and the daemon's writes are not held up.
-    todo = added + changed
-    described = describe_all(root, [disk[k] for k in todo], progress)
+    described = describe_all(root, [disk[k] for k in added + changed], progress)
+    # Graph keys of the new fxgraph entries that the index already holds: those are recompilations.
+    new_graphs = list({gk for k in added if (gk := described[k].row.get("graph_key"))})
+    known_graphs: set[str] = set()
+    for chunk in _chunks(new_graphs):
+        known_graphs.update(conn.execute(select(ENTRIES.c.graph_key).distinct().where(
+            ENTRIES.c.cache_id == cache_id, ENTRIES.c.graph_key.in_(chunk))).scalars())
+    return Prepared(now, disk, known, added, changed, removed, touched, described, known_graphs)
 
-    corrupt: list[tuple[str, str]] = []
-    with db.engine.begin() as conn:
-        removed_ids = [known[k].id for k in removed]
-        for chunk in _chunks(removed_ids):
-            conn.execute(delete(ENTRIES).where(ENTRIES.c.id.in_(chunk)))
-        if touched:
-            conn.execute(
-                update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(last_access=bindparam("b_last_access")),
-                touched,
-            )
-        if changed:
-            changed_ids = [known[k].id for k in changed]
-            for chunk in _chunks(changed_ids):
-                conn.execute(delete(REFS).where(REFS.c.entry_id.in_(chunk)))
-                conn.execute(delete(ENTRY_SETS).where(ENTRY_SETS.c.entry_id.in_(chunk)))
-            conn.execute(
-                update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(
-                    {c: bindparam("b_" + c) for c in ("bytes", "files", "mtime", "alias", *_PARSED_COLUMNS)}
-                ),
-                [
-                    {"b_id": known[k].id, "b_bytes": disk[k].bytes, "b_files": disk[k].files, "b_mtime": disk[k].mtime,
-                     **{"b_" + c: described[k].row.get(c) for c in ("alias", *_PARSED_COLUMNS)}}
-                    for k in changed
-                ],
-            )
-        new_rows = []
-        for k in added:
-            d, row = disk[k], described[k].row
-            new_rows.append({
-                "cache_id": cache_id, "key": k, "kind": d.kind, "ref": d.ref, "bytes": d.bytes, "files": d.files,
-                "mtime": d.mtime, "first_seen": now, "last_access": max(d.atime, d.mtime), "hit_count": 0,
-                **{c: row.get(c) for c in ("alias", *_PARSED_COLUMNS)},
-            })
-        ids = _insert_returning_ids(conn, new_rows)
-        ids.update({k: known[k].id for k in changed})
-        refs, entry_sets, events = [], [], []
-        sets = ComponentSets(conn)
-        for k in todo:
-            desc, eid = described[k], ids[k]
-            refs.extend({"entry_id": eid, "kind": kind, "ref": ref} for kind, ref in desc.refs)
-            entry_sets.extend({"entry_id": eid, "part": part, "set_id": set_id}
-                              for part, set_id in sets.ids_for(desc.parts).items())
-            if desc.row.get("corrupt"):
-                corrupt.append((k, desc.row["corrupt"]))
-        for k in added:
-            d, row = disk[k], described[k].row
-            if d.kind == "fxgraph" and not row.get("corrupt"):
-                gk = row.get("graph_key")
-                events.append({"cache_id": cache_id, "ts": d.mtime, "kind": "new", "entry_kind": d.kind,
-                               "entry_key": k, "graph_key": gk, "recompile": gk in known_graphs,
-                               "bytes": d.bytes, "seconds": row.get("compile_seconds")})
-                known_graphs.add(gk)
-        sets.flush()
-        for table, rows in ((REFS, refs), (ENTRY_SETS, entry_sets), (EVENTS, events)):
-            if rows:
-                conn.execute(insert(table), rows)
-        if removed or changed:
-            conn.execute(delete(SETS).where(SETS.c.id.not_in(select(ENTRY_SETS.c.set_id))))
-        if not prefix:
-            conn.execute(update(Cache.__table__).where(Cache.__table__.c.id == cache_id).values(last_scan=now))
 
-    return ScanResult(root, added, changed, removed, len(disk) - len(added) - len(changed), corrupt,
-                      time.monotonic() - t0)
+def write(conn, cache_id: int, p: Prepared) -> list[tuple[str, str]]:
+    """Apply a prepared diff inside the caller's transaction; return the corrupt (key, reason)s."""
+    disk, known, described, now = p.disk, p.known, p.described, p.now
+    removed_ids = [known[k].id for k in p.removed]
+    for chunk in _chunks(removed_ids):
+        conn.execute(delete(ENTRIES).where(ENTRIES.c.id.in_(chunk)))
+    if p.touched:
+        conn.execute(
+            update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(last_access=bindparam("b_last_access")),
+            p.touched,
+        )
+    if p.changed:
+        changed_ids = [known[k].id for k in p.changed]
+        for chunk in _chunks(changed_ids):
+            conn.execute(delete(REFS).where(REFS.c.entry_id.in_(chunk)))
+            conn.execute(delete(ENTRY_SETS).where(ENTRY_SETS.c.entry_id.in_(chunk)))
+        conn.execute(
+            update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(
+                {c: bindparam("b_" + c) for c in ("bytes", "files", "mtime", "alias", *_PARSED_COLUMNS)}
+            ),
+            [
+                {"b_id": known[k].id, "b_bytes": disk[k].bytes, "b_files": disk[k].files, "b_mtime": disk[k].mtime,
+                 **{"b_" + c: described[k].row.get(c) for c in ("alias", *_PARSED_COLUMNS)}}
+                for k in p.changed
+            ],
+        )
+    new_rows = []
+    for k in p.added:
+        d, row = disk[k], described[k].row
+        new_rows.append({
+            "cache_id": cache_id, "key": k, "kind": d.kind, "ref": d.ref, "bytes": d.bytes, "files": d.files,
+            "mtime": d.mtime, "first_seen": now, "last_access": max(d.atime, d.mtime), "hit_count": 0,
+            **{c: row.get(c) for c in ("alias", *_PARSED_COLUMNS)},
+        })
+    ids = _insert_returning_ids(conn, new_rows)
+    ids.update({k: known[k].id for k in p.changed})
+    refs, entry_sets, events, corrupt = [], [], [], []
+    sets = ComponentSets(conn)
+    for k in p.added + p.changed:
+        desc, eid = described[k], ids[k]
+        refs.extend({"entry_id": eid, "kind": kind, "ref": ref} for kind, ref in desc.refs)
+        entry_sets.extend({"entry_id": eid, "part": part, "set_id": set_id}
+                          for part, set_id in sets.ids_for(desc.parts).items())
+        if desc.row.get("corrupt"):
+            corrupt.append((k, desc.row["corrupt"]))
+    known_graphs = set(p.known_graphs)
+    for k in p.added:
+        d, row = disk[k], described[k].row
+        if d.kind == "fxgraph" and not row.get("corrupt"):
+            gk = row.get("graph_key")
+            events.append({"cache_id": cache_id, "ts": d.mtime, "kind": "new", "entry_kind": d.kind,
+                           "entry_key": k, "graph_key": gk, "recompile": gk in known_graphs,
+                           "bytes": d.bytes, "seconds": row.get("compile_seconds")})
+            known_graphs.add(gk)
+    sets.flush()
+    for table, rows in ((REFS, refs), (ENTRY_SETS, entry_sets), (EVENTS, events)):
+        if rows:
+            conn.execute(insert(table), rows)
+    if p.removed or p.changed:  # component sets no entry uses any more
+        conn.execute(delete(SETS).where(SETS.c.id.not_in(select(ENTRY_SETS.c.set_id))))
+    return corrupt
 
 
 class ComponentSets:

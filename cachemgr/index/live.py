@@ -1,0 +1,142 @@
+"""Apply what the file watcher saw to the index: changed paths and read-only opens (hits).
+
+The watcher hands over one debounced batch: paths that were written, created, moved or deleted,
+directories that appeared or went away, and the files that were opened for reading (in order).
+Only the entries those touch are re-stat'ed and reconciled (`scan.prepare` / `scan.write`, the
+same code as a full scan), and the reads become hits, all in one transaction.
+
+Hits: Inductor's fxgraph and AOTAutograd caches keep several entries under one key (one per
+guard set) and a lookup reads them in order until one's guards pass, so within one key
+directory only the last entry read is the one used; if the key gained a new entry in the same
+batch, the reads were a miss. Other kinds count a hit per read of any of their files.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from sqlalchemy import bindparam, insert, or_, select, update
+
+from cachemgr import layout
+from cachemgr.index.db import Database
+from cachemgr.index.scan import ENTRIES, EVENTS, KNOWN_COLUMNS, _chunks, check_root, prepare, write
+
+GUARDED = ("fxgraph", "aotautograd")  # kinds whose lookups try candidates in order
+
+
+@dataclass(frozen=True)
+class LiveResult:
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    hits: dict[str, int] = field(default_factory=dict)  # entry key -> hits applied
+    corrupt: list[tuple[str, str]] = field(default_factory=list)
+    new_events: list[dict] = field(default_factory=list)  # the 'new' events written (fxgraph)
+    seconds: float = 0.0
+
+
+def own_reads(root: str, keys: Iterable[str]) -> list[str]:
+    """The files `scan.describe` reads for these entry keys: reads of ours, not hits."""
+    out = []
+    for k in keys:
+        c = layout.classify(k)
+        if c is not None and c.kind in ("fxgraph", "aotautograd", "autotune"):
+            out.append(k)
+        elif c is not None and c.kind == "other" and os.path.exists(os.path.join(root, k + ".main.cpp")):
+            out.append(k + ".main.cpp")  # a code entry's key has no suffix; its C++ source is read
+    return out
+
+
+def apply_batch(db: Database, cache_id: int, root: str, paths: Iterable[str] = (), dirs: Iterable[str] = (),
+                reads: Sequence[str] = ()) -> LiveResult:
+    """Reconcile the entries under `paths` (files) and `dirs` (whole subtrees), then count `reads`.
+
+    All paths are relative to `root`, '/'-separated. Transient paths are ignored.
+    """
+    t0 = time.monotonic()
+    check_root(root)
+    classified = {c.key: c for c in map(layout.classify, set(paths)) if c is not None}
+    disk = {k: d for k, c in classified.items() if (d := layout.stat_entry(root, c)) is not None}
+    subtrees = sorted({d.strip("/") for d in dirs if d.strip("/") and layout.classify(d.strip("/")) is not None})
+    for sub in subtrees:
+        if sub not in classified:  # a kernel directory whose files were listed is stat'ed already
+            disk.update((d.key, d) for d in layout.walk(root, sub))
+
+    # A directory that is itself an entry (a Triton kernel) needs an exact lookup; others a prefix.
+    exact = {sub for sub in subtrees if (c := layout.classify(sub + "/x")) is not None and c.key == sub}
+    with db.engine.connect() as conn:
+        keys = list(set(classified) | set(disk) | exact)
+        known = {}
+        for chunk in _chunks(keys):
+            known.update((r.key, r) for r in conn.execute(
+                select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk))))
+        for sub in (s for s in subtrees if s not in exact):
+            known.update((r.key, r) for r in conn.execute(select(*KNOWN_COLUMNS).where(
+                ENTRIES.c.cache_id == cache_id,
+                or_(ENTRIES.c.key == sub, ENTRIES.c.key.startswith(sub + "/", autoescape=True)))))
+        prepared = prepare(conn, cache_id, root, disk, known)
+    hits = _hits(reads, new_dirs={k.rsplit("/", 1)[0] for k in prepared.added})
+    now = time.time()
+    with db.engine.begin() as conn:
+        corrupt = write(conn, cache_id, prepared)
+        applied = _write_hits(conn, cache_id, hits, now)
+    new_events = [
+        {"key": k, "graph_key": prepared.described[k].row.get("graph_key"),
+         "seconds": prepared.described[k].row.get("compile_seconds")}
+        for k in prepared.added if prepared.disk[k].kind == "fxgraph" and not prepared.described[k].row.get("corrupt")
+    ]
+    return LiveResult(prepared.added, prepared.changed, prepared.removed, applied, corrupt, new_events,
+                      time.monotonic() - t0)
+
+
+def _hits(reads: Sequence[str], new_dirs: set[str]) -> dict[str, int]:
+    """Entry key -> number of uses, from read-only opens in the order they happened."""
+    per_file: dict[str, int] = {}
+    for p in reads:
+        per_file[p] = per_file.get(p, 0) + 1
+    uses: dict[str, int] = {}
+    last_in_dir: dict[str, tuple[str, int]] = {}  # guarded key dir -> (last entry read, lookups)
+    for p in reads:
+        c = layout.classify(p)
+        if c is None:
+            continue
+        if c.kind in GUARDED:
+            folder = c.key.rsplit("/", 1)[0]
+            if folder in new_dirs:
+                continue  # the key gained an entry in this batch: these reads were a miss
+            prev = last_in_dir.get(folder)
+            last_in_dir[folder] = (c.key, max(per_file[p], prev[1] if prev else 0))
+        else:
+            uses[c.key] = max(uses.get(c.key, 0), per_file[p])
+    for key, n in last_in_dir.values():
+        uses[key] = uses.get(key, 0) + n
+    return uses
+
+
+def _write_hits(conn, cache_id: int, hits: dict[str, int], now: float) -> dict[str, int]:
+    """Bump last_access and hit_count; write a 'hit' event per fxgraph use. Unknown keys are skipped."""
+    if not hits:
+        return {}
+    rows = {}
+    for chunk in _chunks(list(hits)):
+        rows.update((r.key, r) for r in conn.execute(
+            select(ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.kind, ENTRIES.c.graph_key, ENTRIES.c.bytes)
+            .where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk))))
+    if not rows:
+        return {}
+    conn.execute(
+        update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(
+            last_access=now, hit_count=ENTRIES.c.hit_count + bindparam("b_n")),
+        [{"b_id": r.id, "b_n": hits[k]} for k, r in rows.items()],
+    )
+    events = [
+        {"cache_id": cache_id, "ts": now, "kind": "hit", "entry_kind": r.kind, "entry_key": k,
+         "graph_key": r.graph_key, "recompile": False, "bytes": r.bytes, "seconds": None}
+        for k, r in rows.items() if r.kind == "fxgraph" for _ in range(hits[k])
+    ]
+    if events:
+        conn.execute(insert(EVENTS), events)
+    return {k: hits[k] for k in rows}

@@ -1,0 +1,430 @@
+"""The daemon as a real process: `python -m cachemgr daemon` with a NOTIFY_SOCKET bound here,
+real torch.compile runs into its cache dir, real signals, real eviction, kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cachemgr import layout
+from conftest import PROGRAMS, subprocess_env
+
+HOST = "testhost"
+
+
+class Daemon:
+    """One `cachemgr daemon` process and the notify socket it talks to."""
+
+    def __init__(self, cache_dir: Path, db_url: str, *flags: str, watchdog_usec: int | None = None,
+                 prefix: tuple[str, ...] = (), env: dict | None = None, config: Path | None = None) -> None:
+        self.sockdir = tempfile.mkdtemp(prefix="nt")  # short: AF_UNIX paths are limited to 108 bytes
+        self.sock_path = os.path.join(self.sockdir, "notify")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.sock_path)
+        os.chmod(self.sock_path, 0o777)
+        self.messages: list[str] = []
+        extra = {"NOTIFY_SOCKET": self.sock_path, **(env or {})}
+        if watchdog_usec:
+            extra["WATCHDOG_USEC"] = str(watchdog_usec)
+        self.log_path = Path(self.sockdir) / "daemon.log"
+        self.log = open(self.log_path, "w")
+        base = ["--cache-dir", str(cache_dir), "--db", db_url, "--host", HOST]
+        if config:
+            base += ["--config", str(config)]
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "cachemgr", *base, "daemon", "-v", *flags],
+                                     env=subprocess_env(**extra), stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_message(self, wanted: str, timeout: float = 60, since: int = 0) -> list[str]:
+        """Read datagrams until one (from index `since` on) carries `wanted`, e.g. 'READY=1';
+        return every message so far."""
+        deadline = time.monotonic() + timeout
+        while not any(wanted in m.split("\n") for m in self.messages[since:]):
+            left = deadline - time.monotonic()
+            exited = self.proc.poll() is not None
+            self.sock.settimeout(0.05 if exited else max(0.001, min(left, 0.5)))
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+                continue
+            except TimeoutError:
+                pass
+            if left <= 0 or exited:  # datagrams already sent by an exited daemon were read above
+                raise AssertionError(f"no {wanted} (got {self.messages}); log:\n{self.logs()}")
+        return self.messages
+
+    def logs(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def wait_log(self, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.logs():
+            assert time.monotonic() < deadline and self.proc.poll() is None, f"no {text!r} in log:\n{self.logs()}"
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 5) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.sock.close()
+        self.log.close()
+        shutil.rmtree(self.sockdir, ignore_errors=True)
+
+
+@pytest.fixture
+def start(db_url):
+    started: list[Daemon] = []
+
+    def _start(cache_dir: Path, *flags: str, wait_ready: bool = True, **kw) -> Daemon:
+        d = Daemon(cache_dir, kw.pop("db", db_url), *flags, **kw)
+        started.append(d)
+        if wait_ready:
+            d.wait_message("READY=1")
+        return d
+
+    yield _start
+    for d in started:
+        d.close()
+
+
+def wait_until(check, timeout: float = 60, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "condition never became true"
+        time.sleep(step)
+
+
+def disk_keys(root: Path) -> set[str]:
+    return {e.key for e in layout.walk(str(root))}
+
+
+def index_keys(cli) -> set[str]:
+    return {r["key"] for r in cli.json("ls")}
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """As Inductor writes: a dotfile beside the target, then rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{os.getpid()}.1.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def an_fxgraph(cache: Path) -> Path:
+    return next(p for p in (cache / "fxgraph").rglob("*") if p.is_file())
+
+
+# -- systemd protocol and signals ------------------------------------------------------------------
+
+def test_ready_then_watchdog_then_sigterm(tmp_path, start):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    d = start(cache, watchdog_usec=200_000)
+    msgs = d.wait_message("WATCHDOG=1", timeout=30)
+    ready = next(i for i, m in enumerate(msgs) if "READY=1" in m.split("\n"))
+    assert ready < next(i for i, m in enumerate(msgs) if m == "WATCHDOG=1"), msgs
+    assert "STATUS=watching " + str(cache) in msgs[ready]
+    t0 = time.monotonic()
+    assert d.stop(timeout=5) == 0
+    stop_seconds = time.monotonic() - t0
+    d.wait_message("STOPPING=1", timeout=1)
+    assert stop_seconds < 5
+    log = d.logs()
+    assert "ready: watching" in log and "stopping" in log and "stopped" in log
+    assert "Traceback" not in log
+
+
+def test_sighup_reloads_config(tmp_path, start):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('evict_interval = "10m"\n')
+    d = start(cache, config=cfg)
+    cfg.write_text('evict_interval = "2m"\nmax_size = "1GiB"\n')
+    n = len(d.messages)
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_log("reloading config: evict_interval, max_size")
+    msgs = d.wait_message("READY=1", since=n)[n:]
+    reloading = next(i for i, m in enumerate(msgs) if m.startswith("RELOADING=1\nMONOTONIC_USEC="))
+    assert any("READY=1" in m.split("\n") for m in msgs[reloading:]), msgs
+    cfg.write_text('max_size = "lots"\n')
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_log("reload failed, keeping the running config: max_size from file")
+    assert d.proc.poll() is None
+    assert d.stop() == 0
+
+
+# -- indexing what torch writes and reads ----------------------------------------------------------
+
+def test_real_compile_is_indexed_live_and_hits_counted(tmp_path, start, cli_for):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cli = cli_for(cache, host=HOST)
+    d = start(cache)
+    prog = subprocess.Popen([sys.executable, str(PROGRAMS / "compile_models.py")], env=subprocess_env(cache),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen_while_running = wait_until(lambda: prog.poll() is None and any(
+        r["kind"] == "fxgraph" for r in cli.json("ls")) or prog.poll() is not None, timeout=600, step=0.2)
+    assert prog.poll() is None and seen_while_running is True, "no fxgraph entry in ls while torch was compiling"
+    out, err = prog.communicate(timeout=600)
+    assert prog.returncode == 0, err[-3000:]
+    assert json.loads(out.splitlines()[-1])["fxgraph_cache_miss"] > 0
+    # the index converges on the disk without any scan command
+    wait_until(lambda: index_keys(cli) == disk_keys(cache), timeout=30)
+    before = {r["key"]: r["hit_count"] for r in cli.json("ls", "--kind", "fxgraph")}
+
+    from conftest import run_program
+
+    counters = run_program(cache)
+    assert counters["fxgraph_cache_hit"] > 0 and counters["fxgraph_cache_miss"] == 0, counters
+
+    def hits_raised():
+        rows = cli.json("ls", "--kind", "fxgraph")
+        return sum(r["hit_count"] for r in rows) > sum(before.values()) and rows
+    rows = wait_until(hits_raised, timeout=30)
+    hit_entries = [r for r in rows if r["hit_count"] > before.get(r["key"], 0)]
+    # one hit per graph lookup: not more hit entries than torch counted hits
+    assert 0 < len(hit_entries) <= counters["fxgraph_cache_hit"], (hit_entries, counters)
+    activity = cli.json("stats")["activity"]
+    assert activity["hits"] >= len(hit_entries) and activity["compiles"] == len(before)
+    assert d.stop() == 0
+    assert "Traceback" not in d.logs()
+
+
+def test_new_entry_visible_within_2s(tmp_path, start, cli_for, cpu_cache_master):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cli = cli_for(cache, host=HOST)
+    start(cache)
+    src = an_fxgraph(cpu_cache_master)
+    rel = src.relative_to(cpu_cache_master)
+    write_atomic(cache / rel, src.read_bytes())
+    t0 = time.monotonic()
+    wait_until(lambda: str(rel) in index_keys(cli), timeout=30, step=0.02)
+    lag = time.monotonic() - t0
+    assert lag < 2.0, f"entry visible after {lag:.2f} s"
+    row = cli.json("show", str(rel))
+    assert row["graph_key"] == rel.parts[2] and row["signature"]  # parsed, not just listed
+    assert row["hit_count"] == 0  # our own read of it (parsing) is not a hit
+    with open(cache / rel, "rb") as f:  # a reader, as torch on a hit
+        f.read()
+    wait_until(lambda: cli.json("show", str(rel))["hit_count"] == 1, timeout=30)
+    # a removed entry leaves the index too
+    (cache / rel).unlink()
+    wait_until(lambda: str(rel) not in index_keys(cli), timeout=30)
+
+
+def test_kernel_directory_renamed_into_place_stays_watched(tmp_path, start, cli_for, gpu_cache_master):
+    """Triton writes tmp.pid_*/ then renames it: the entry is indexed, and the watch follows the
+    rename (a file removed inside the new name later is seen)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cli = cli_for(cache, host=HOST)
+    start(cache)
+    kernel = next(p for p in (gpu_cache_master / "triton" / "0").iterdir() if p.is_dir())
+    tmp = cache / "triton" / "0" / "tmp.pid_1_abc"
+    shutil.copytree(kernel, tmp)
+    final = cache / "triton" / "0" / kernel.name
+    os.replace(tmp, final)
+    key = f"triton/0/{kernel.name}"
+    row = wait_until(lambda: next((r for r in cli.json("ls") if r["key"] == key), None), timeout=30)
+    files = sorted(p for p in final.iterdir())
+    assert row["files"] == len(files)
+    files[0].unlink()
+    wait_until(lambda: next(r for r in cli.json("ls") if r["key"] == key)["files"] == len(files) - 1, timeout=30)
+    assert index_keys(cli) == disk_keys(cache)
+
+
+def test_metrics_endpoint(tmp_path, start, cpu_cache_master):
+    cache = tmp_path / "cache"
+    shutil.copytree(cpu_cache_master, cache)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = start(cache, "--metrics", str(port))  # a bare port binds loopback
+    d.wait_log(f"metrics on http://127.0.0.1:{port}/metrics")
+    src = an_fxgraph(cache)
+    src.read_bytes()
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+    m = wait_until(lambda: (m := scrape()).get("cachemgr_cache_hits_total") == 1 and m, timeout=30)
+    assert m['cachemgr_entries{kind="fxgraph"}'] == sum(1 for _ in (cache / "fxgraph").rglob("*") if _.is_file())
+    assert m['cachemgr_bytes{kind="fxgraph"}'] > 0
+    assert m["cachemgr_compiles_total"] == 0 and m["cachemgr_cache_hit_ratio"] == 1.0
+    for name in ("cachemgr_recompilations_total", "cachemgr_compile_seconds_count", "cachemgr_freed_bytes_total",
+                 "cachemgr_evicted_entries_total", "cachemgr_scan_duration_seconds"):
+        assert name in m, name
+    # a new entry feeds the compile-time histogram
+    new = cache / "fxgraph" / src.parent.parent.name / src.parent.name / "zzzznewentry"
+    write_atomic(new, src.read_bytes())
+    m = wait_until(lambda: (m := scrape()).get("cachemgr_compiles_total") == 1 and m, timeout=30)
+    assert m["cachemgr_recompilations_total"] == 1  # same graph key as an indexed entry
+    assert m["cachemgr_compile_seconds_count"] == 1 and m["cachemgr_compile_seconds_sum"] > 0
+    assert d.stop() == 0
+
+
+# -- eviction --------------------------------------------------------------------------------------
+
+def fill(dst: Path, src: Path, copies: int) -> None:
+    """`copies` copies of a real cache's fxgraph entries under new graph keys (new entries, same bytes)."""
+    files = [p for p in (src / "fxgraph").rglob("*") if p.is_file()]
+    for i in range(copies):
+        for p in files:
+            key = p.parent.name
+            newkey = key[:-4] + f"{i:04d}"
+            write_atomic(dst / "fxgraph" / newkey[1:3] / newkey / p.name, p.read_bytes())
+
+
+def test_crossing_max_size_evicts_without_a_command(tmp_path, start, cli_for, cpu_cache_master):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cli = cli_for(cache, host=HOST)
+    one = sum(p.stat().st_size for p in (cpu_cache_master / "fxgraph").rglob("*") if p.is_file())
+    cap = one * 3
+    d = start(cache, "--max-size", str(cap), "--grace", "0", "--evict-interval", "1h")
+    fill(cache, cpu_cache_master, 6)
+    d.wait_log("over the limit: evicting now")
+    d.wait_log("evicted ")
+
+    def settled():
+        st = cli.json("stats")
+        return st["bytes"] <= cap and index_keys(cli) == disk_keys(cache) and st
+    st = wait_until(settled, timeout=60)
+    assert st["bytes"] > 0 and st["activity"]["evictions"] > 0
+    assert d.stop() == 0
+
+
+def test_kill9_during_eviction_then_restart_index_matches_disk(tmp_path, start, cli_for, cpu_cache_master):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    fill(cache, cpu_cache_master, 40)
+    cli = cli_for(cache, host=HOST)
+    d = start(cache, "--max-size", "1", "--grace", "0", "--evict-interval", "1h")
+    n0 = len(disk_keys(cache))
+    d.wait_log("over the limit: evicting now")
+    wait_until(lambda: len(disk_keys(cache)) < n0, step=0.002)
+    d.proc.kill()  # SIGKILL, mid-eviction: some entries gone, others not yet
+    d.proc.wait()
+    left = disk_keys(cache)
+    assert "evicted " not in d.logs() and 0 < len(left) < n0, (len(left), n0)
+    d2 = start(cache)  # no limits: only reconcile
+    assert index_keys(cli) == disk_keys(cache)
+    assert d2.stop() == 0
+
+
+# -- a cache directory that is missing, removed or unreadable --------------------------------------
+
+def test_cache_dir_missing_at_start_then_created(tmp_path, start, cli_for):
+    cache = tmp_path / "later"
+    cli = cli_for(cache, host=HOST)
+    d = start(cache)
+    assert "STATUS=waiting for " + str(cache) in d.wait_message("READY=1")[-1]
+    d.wait_log(f"cache directory {cache} does not exist")
+    write_atomic(cache / "ab" / ("a" * 64 + ".best_config"), b'{"XBLOCK": 8}')
+    d.wait_log(f"cache directory {cache} is usable again")
+    wait_until(lambda: index_keys(cli) == {"ab/" + "a" * 64 + ".best_config"})
+    assert d.stop() == 0
+
+
+def test_cache_dir_removed_while_running_then_back(tmp_path, start, cli_for, cpu_cache_master):
+    cache = tmp_path / "cache"
+    shutil.copytree(cpu_cache_master, cache)
+    cli = cli_for(cache, host=HOST)
+    d = start(cache, watchdog_usec=400_000)
+    shutil.rmtree(cache)
+    d.wait_log(f"cache directory {cache} was removed")
+    cache.mkdir()
+    write_atomic(cache / "ab" / ("b" * 64 + ".best_config"), b"{}")
+    d.wait_log(f"cache directory {cache} is usable again")
+    wait_until(lambda: index_keys(cli) == {"ab/" + "b" * 64 + ".best_config"})
+    n = len(d.messages)
+    d.wait_message("WATCHDOG=1", since=n)  # healthy again: watching, pinging
+    assert d.stop() == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_unreadable_cache_dir_then_readable(tmp_path, start, cli_for):
+    cache = tmp_path / "cache"
+    write_atomic(cache / "ab" / ("c" * 64 + ".best_config"), b"{}")
+    cache.chmod(0)
+    cli = cli_for(cache, host=HOST)
+    # root reads anything: drop the capabilities that let it, so mode 000 means unreadable
+    d = start(cache, prefix=("setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"))
+    try:
+        d.wait_log(f"cache directory {cache} is not readable by this user")
+        assert "Traceback" not in d.logs()
+    finally:
+        cache.chmod(0o755)
+    d.wait_log(f"cache directory {cache} is usable again")
+    wait_until(lambda: index_keys(cli) == {"ab/" + "c" * 64 + ".best_config"})
+    cache.chmod(0)
+    try:
+        d.wait_log("is not readable by this user; index kept, watching stopped")
+    finally:
+        cache.chmod(0o755)
+    assert d.stop() == 0
+
+
+# -- config show -----------------------------------------------------------------------------------
+
+def test_config_show_sources_and_precedence(tmp_path, cli_for):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('max_size = "10GiB"\npolicy = "cost"\nevict_interval = "10m"\n')
+    cache = tmp_path / "c"
+    cli = cli_for(cache)
+    p = cli.proc("--config", str(cfg), "config", "show", "--json",
+                 env={"CACHEMGR_POLICY": "lru", "CACHEMGR_DEBOUNCE": "1s", "CACHEMGR_DB": "postgresql://u:pw@h/d"})
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    o = doc["options"]
+    assert doc["config_file"] == str(cfg)
+    assert o["max_size"] == {"value": 10 * 1024**3, "source": f"file {cfg}"}
+    assert o["policy"] == {"value": "lru", "source": "env CACHEMGR_POLICY"}  # env over file
+    assert o["debounce"] == {"value": 1.0, "source": "env CACHEMGR_DEBOUNCE"}
+    assert o["cache_dir"] == {"value": str(cache), "source": "flag"}
+    assert o["evict_interval"]["value"] == 600.0 and o["grace"]["source"] == "default"
+    assert o["db"]["source"] == "flag"
+    text = cli.proc("--config", str(cfg), "config", "show").stdout
+    assert "max_size" in text and f"file {cfg}" in text
+
+
+def test_config_errors_are_one_line(tmp_path, cli_for):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('max_sise = "10GiB"\n')
+    cli = cli_for(tmp_path)
+    p = cli.proc("--config", str(cfg), "config", "show")
+    assert p.returncode == 2 and "unknown key 'max_sise'" in p.stderr and "Traceback" not in p.stderr
+    p = cli.proc("config", "show", env={"CACHEMGR_METRICS": "0.0.0.0"})
+    assert p.returncode == 2 and "metrics from env CACHEMGR_METRICS" in p.stderr
+    p = cli.proc("daemon", env={"CACHEMGR_MAX_SIZE": "big"})
+    assert p.returncode == 2 and "max_size from env CACHEMGR_MAX_SIZE" in p.stderr
+
+
+def test_journald_log_format(tmp_path, start):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    d = start(cache, env={"JOURNAL_STREAM": "8:1234"})
+    assert d.stop() == 0
+    lines = d.logs().splitlines()
+    assert "<6>starting: cache " + str(cache) in lines[0]
+    assert all(line.startswith("<") and line[2] == ">" for line in lines), lines
