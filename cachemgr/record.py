@@ -100,7 +100,7 @@ def signature_text(spec: dict) -> str:
         if t == "tensor":
             dims = ",".join(str(d) for d in s["shape"])
             rg = "*" if s.get("requires_grad") else ""
-            dev = "" if s["device"] == "cpu" else "@" + s["device"]
+            dev = "" if s.get("device") in ("cpu", None) else "@" + s["device"]
             return f"{_DTYPE_SHORT.get(s['dtype'], s['dtype'])}[{dims}]{rg}{dev}"
         if t in ("tuple", "list"):
             inner = ", ".join(one(i) for i in s["items"])

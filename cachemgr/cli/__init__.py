@@ -43,9 +43,9 @@ def cli(ctx: click.Context, cache_dir: str | None, db: str | None, host: str | N
 
 
 def _register() -> None:
-    from cachemgr.cli import inspect
+    from cachemgr.cli import inspect, prewarm
 
-    for module in (inspect,):
+    for module in (inspect, prewarm):
         for command in module.COMMANDS:
             cli.add_command(command)
 
