@@ -63,6 +63,7 @@ class ShapeResult:
     counters: dict = field(default_factory=dict)
     error: str | None = None
     lead_in: bool = False  # replayed only so later shapes compile what the workload compiles
+    worker: int | None = None  # pid of the worker process
 
     @property
     def misses(self) -> int:
@@ -349,6 +350,8 @@ def child_main() -> None:
     from torch._dynamo.utils import counters
 
     device = job["device"]
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))  # kernels build and launch on this GPU
     if job.get("import_bundle"):
         out(e="import_start")
         out(e="imported", **_import_bundle(job["import_bundle"]))
@@ -403,7 +406,8 @@ def _replay_model(m: dict, device: str, phase: str, out: _Out, torch, counters) 
         return
     out(e="model", model=name, shapes=sum(1 for s in m["shapes"] if not s.get("lead_in")))
     for s in m["shapes"]:
-        base = {"model": name, "index": s["index"], "signature": s["signature"], "lead_in": bool(s.get("lead_in"))}
+        base = {"model": name, "index": s["index"], "signature": s["signature"], "lead_in": bool(s.get("lead_in")),
+            "worker": os.getpid()}
         out(e="shape_start", **base)
         before = {c: counters[g][c] for g, c in COUNTERS}
         t0 = time.perf_counter()

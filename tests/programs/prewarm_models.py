@@ -2,7 +2,7 @@
 
 Factories (for `factory = "prewarm_models:NAME"`): `mlp` (an nn.Module, trained: forward and
 backward), `gelu_head` (a plain function, inference), `broken` (raises), `picky` (raises on one
-input shape). Run as a program it is the workload: it compiles them with cachemgr.record over
+input shape), `sleepy` (hangs on one). Run as a program it is the workload: it compiles them with cachemgr.record over
 several batch sizes and prints the cache counters as one JSON line.
 
     TORCHINDUCTOR_CACHE_DIR=DIR CACHEMGR_SPOOL_DIR=SPOOL python prewarm_models.py [--batches 4,8,16]
@@ -49,6 +49,18 @@ def _picky(x: torch.Tensor) -> torch.Tensor:
 
 def picky():
     return _picky
+
+
+def _sleepy(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] == 2:
+        import time
+
+        time.sleep(600)  # hangs: prewarm --timeout must kill it and go on
+    return x + 1
+
+
+def sleepy():
+    return _sleepy
 
 
 def main() -> None:
