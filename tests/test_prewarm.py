@@ -204,3 +204,47 @@ def test_bundle_header_checks():
         "GPU architecture sm_80 (this host: sm_90)"]
     cpu_host = {"torch": "2.11.0+cu128", "triton": None, "gpu_arch": None}
     assert bundle.mismatches({"torch": "2.11.0+cu128", "triton": None, "gpu_arch": None}, cpu_host) == []
+
+
+def test_shapes_are_shared_in_order_and_automatic_dynamic_slices_lead_in_with_the_first():
+    from cachemgr.prewarm import worker
+
+    m = mf.parse({"model": [
+        {"name": "auto", "factory": "p:f", "shapes": [[f"f32[{b},4]"] for b in (1, 2, 3, 4, 5)]},
+        {"name": "static", "factory": "p:f", "compile": {"dynamic": False}, "shapes": [["f32[1,4]"], ["f32[2,4]"]]},
+        {"name": "rec", "factory": "p:f"},
+    ]}, "x.toml")
+    recorded = [{"model": "rec", "signature_hash": "h1", "signature": "(f32[9])", "spec": {"args": [], "kwargs": {}},
+                 "options": {"mode": "max-autotune"}}]
+    plans, errors = worker.plan(m, recorded)
+    assert errors == [] and [p.compile for p in plans] == [{}, {"dynamic": False}, {"mode": "max-autotune"}]
+    jobs = worker.distribute(plans, ["cuda:0", "cuda:1"])
+    a0, s0, r0 = jobs["cuda:0"]
+    a1, s1 = jobs["cuda:1"]
+    assert (a0.indices, a0.lead_in, a1.indices, a1.lead_in) == ([0, 2, 4], None, [1, 3], 0)
+    assert (s0.indices, s1.indices, s1.lead_in) == ([0], [1], None)  # explicit dynamic: no lead-in needed
+    assert r0.indices == [0]
+    rep = worker.distribute(plans, ["cuda:0", "cuda:1"], replicate=True)
+    assert [s.indices for s in rep["cuda:1"]] == [[0, 1, 2, 3, 4], [0, 1], [0]]
+    _, errors = worker.plan(mf.parse({"model": [{"name": "new", "factory": "p:f"}]}, "y.toml"), recorded)
+    assert "model 'new': field 'shapes': \"recorded\" but no shapes are recorded" in errors[0][1]
+
+
+def test_target_redis_fills_pytorchs_remote_cache(world, tmp_path):
+    pytest.importorskip("redis")
+    url = "redis://127.0.0.1:6379/11"
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(world["cli"].config.read_text() + f'redis_url = "{url}"\n')
+    cli = ConfCli(tmp_path / "local", world["cli"].db_url, cfg)
+    doc, _ = proc_json(cli, "prewarm", "--manifest", str(world["base"] / "m.toml"), "--model", "head",
+                       "--target", "redis", code=0)
+    assert [r["ok"] for r in doc["shapes"]] == [True, True, True]
+    # a process with an empty local cache finds the head's graphs in Redis
+    out = subprocess.run([sys.executable, str(PROGRAMS / "prewarm_models.py")], capture_output=True, text=True,
+                         timeout=900, env=subprocess_env(tmp_path / "empty", CACHEMGR_SPOOL_DIR=str(tmp_path / "s"),
+                                                         TORCHINDUCTOR_REDIS_URL=url,
+                                                         TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
+                                                         TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    counters = json.loads(out.stdout.strip().splitlines()[-1])
+    assert counters["fxgraph_cache_hit"] == 3  # the three head shapes; mlp was never prewarmed

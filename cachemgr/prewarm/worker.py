@@ -533,6 +533,7 @@ def _export(export: dict, models: list[str], device: str) -> dict:
 
 
 def _record_disk(root: str, manager) -> None:
+    manager._ensure_cache_artifacts_registered()  # a process that compiled nothing has not imported them
     for kind, typ in (("fxgraph", "inductor"), ("aotautograd", "aot_autograd")):
         base = os.path.join(root, kind)
         for dirpath, _dirs, files in os.walk(base):
