@@ -188,7 +188,7 @@ def single(a, work: Path) -> dict:
 
 def multi(a, work: Path, devices: list[str]) -> dict:
     """Issue 8: prewarm the same >= 8-shape manifest with one GPU and with all, then check each GPU."""
-    batches = a.batches if len(a.batches.split(",")) >= 8 else "1,2,4,8,12,16,24,32"
+    batches = a.batches
     m = write_manifest(work, a, devices[0])
     cold = run_workload(a, work / "cold", work / "spool", device=devices[0], batches=batches)
     out: dict = {"batches": batches, "cold_first_calls_s": cold["first_calls_s"], "runs": {}}
@@ -219,15 +219,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: narrow model, small images")
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--image", type=int, default=224)
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", help="comma-separated batch sizes (default 1,8,32; --quick 1,2,4; --devices 8 sizes)")
     ap.add_argument("--work", help="keep the caches here (default: a temporary directory)")
     ap.add_argument("--out", help="also write the figures as JSON here")
     a = ap.parse_args()
     if a.workload:
-        workload(a)
+        workload(a)  # the driver always passes --batches
         return
     if a.quick:
-        a.width, a.image, a.batches = 8, 32, "1,2,4" if not a.devices else "1,2,3,4,5,6,7,8"
+        a.width, a.image = 8, 32
+    if a.batches is None:
+        a.batches = ("1,2,3,4,5,6,7,8" if a.quick else "1,2,4,8,12,16,24,32") if a.devices else \
+            ("1,2,4" if a.quick else "1,8,32")
     work = Path(a.work or tempfile.mkdtemp(prefix="cachemgr-bench-prewarm-"))
     work.mkdir(parents=True, exist_ok=True)
     doc = multi(a, work, a.devices.split(",")) if a.devices else single(a, work)

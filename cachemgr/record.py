@@ -246,9 +246,9 @@ class Recorder:
 def compile(model: Any = None, *, name: str, spool: Spool | None = None, **torch_compile_kwargs: Any) -> Any:
     """`torch.compile(model, **kwargs)` that also records each new input signature under `name`.
 
-    For an nn.Module it returns the compiled module itself (an OptimizedModule, so attributes,
-    state_dict and isinstance all work), with a forward pre-hook that records; for a function,
-    a wrapper. Without `model` it is a decorator: `@compile(name="f", dynamic=True)`.
+    For an nn.Module it returns the compiled module itself (an OptimizedModule whose class is a
+    recording subclass, so attributes, state_dict and isinstance all work); for a function, a
+    wrapper. Without `model` it is a decorator: `@compile(name="f", dynamic=True)`.
     """
     if model is None:
         return lambda fn: compile(fn, name=name, spool=spool, **torch_compile_kwargs)
@@ -261,9 +261,8 @@ def compile(model: Any = None, *, name: str, spool: Spool | None = None, **torch
     compiled = torch.compile(model, **torch_compile_kwargs)
     if isinstance(model, torch.nn.Module):
         rec = Recorder(name, "module", torch_compile_kwargs, spool)
-        # Hooks on the OptimizedModule run outside dynamo (its forward is the compiled one).
-        compiled.register_forward_pre_hook(lambda _m, args, kwargs: rec.observe(args, kwargs), with_kwargs=True)
         compiled._cachemgr_recorder = rec
+        compiled.__class__ = _recorded_class(type(compiled))
         return compiled
     rec = Recorder(name, "function", torch_compile_kwargs, spool)
     observe = rec.observe
@@ -275,6 +274,24 @@ def compile(model: Any = None, *, name: str, spool: Spool | None = None, **torch
 
     recorded._cachemgr_recorder = rec  # type: ignore[attr-defined]
     return recorded
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _recorded_class(base: type) -> type:
+    """A subclass of the OptimizedModule class whose __call__ records first. Cheaper than a
+    forward pre-hook (which sends nn.Module down its slow path) and it runs outside dynamo."""
+    cls = _CLASSES.get(base)
+    if cls is None:
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            self._cachemgr_recorder.observe(args, kwargs)
+            return base.__call__(self, *args, **kwargs)
+
+        cls = type(f"Recorded{base.__name__}", (base,), {"__call__": __call__, "__module__": __name__})
+        globals()[cls.__name__] = cls  # picklable by name
+        _CLASSES[base] = cls
+    return cls
 
 
 def recorder_of(obj: Callable) -> Recorder | None:
