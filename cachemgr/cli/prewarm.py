@@ -15,11 +15,18 @@ import click
 from cachemgr.cli.common import emit_json, json_option, pass_app, short, table
 from cachemgr.errors import PrewarmError, UsageError
 
-EXIT_CODES = """\b
-Exit codes:
-    0  every shape compiled (and, with --verify, a fresh process saw only hits)
-    2  bad command line or manifest file       8  a shape or model failed, or verify missed
-    3  a model or bundle named does not exist  9  the bundle does not match this host"""
+EXIT_CODES = """
+    \b
+    Exit codes:
+        0  every shape compiled (and, with --verify, a fresh process saw only hits)
+        2  bad command line or manifest file       8  a shape or model failed, or verify missed
+        3  a model or bundle named does not exist  9  the bundle does not match this host
+    """
+
+
+def _exit_codes(f):
+    f.__doc__ = (f.__doc__ or "").rstrip() + "\n" + EXIT_CODES
+    return f
 
 
 def _ingest(app) -> None:
@@ -150,6 +157,7 @@ def _print_run(result, title: str) -> None:
               help="redis: also fill PyTorch's remote FX graph / autograd cache at redis_url.")
 @json_option
 @pass_app
+@_exit_codes
 def prewarm(app, manifest_path: str, model: str | None, devices: str | None, replicate: bool, verify: bool,
             timeout: float | None, bundle_path: str | None, target: str, as_json: bool) -> None:
     """Compile every recorded (or listed) shape of the manifest's models into the cache.
@@ -164,7 +172,6 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
         cachemgr prewarm --manifest /etc/cachemgr/models.toml --verify
         cachemgr prewarm --manifest m.toml --devices cuda:0,cuda:1 --timeout 900 --json
         cachemgr prewarm --manifest m.toml --bundle /seed/cache.bundle --verify
-
     """
     from cachemgr.prewarm import manifest as mf
     from cachemgr.prewarm import worker
@@ -223,6 +230,7 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
               help="Replay the manifest's models and bundle exactly what they use; default: the whole cache.")
 @json_option
 @pass_app
+@_exit_codes
 def export_(app, out: str, model: str | None, manifest_path: str | None, as_json: bool) -> None:
     """Write a portable bundle (torch.compiler.save_cache_artifacts) with a header naming torch,
     Triton and the GPU architecture, for `cachemgr import` on another host or image.
@@ -264,6 +272,7 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
 @click.argument("bundle_path", metavar="FILE", type=click.Path(dir_okay=False))
 @json_option
 @pass_app
+@_exit_codes
 def import_(app, bundle_path: str, as_json: bool) -> None:
     """Load a bundle into the cache (torch.compiler.load_cache_artifacts), refusing one built for
     another torch, Triton or GPU architecture.
@@ -286,6 +295,4 @@ def import_(app, bundle_path: str, as_json: bool) -> None:
         raise bundle.BundleError(imp["error"])
 
 
-for _c in (prewarm, export_, import_):
-    _c.help = (_c.help or "") + "\n\n" + EXIT_CODES
 COMMANDS = (shapes, prewarm, export_, import_)

@@ -293,7 +293,7 @@ def _one_worker(job: dict, env: dict[str, str], timeout: float | None, on: Calla
                         finished = True
                     if ev["e"] in ("shape_start", "import_start", "export_start"):
                         deadline = time.monotonic() + timeout if timeout else None
-                    elif ev["e"] == "shape":
+                    elif ev["e"] in ("shape", "imported", "exported"):
                         deadline = None
                     on(ev)
     finally:
