@@ -43,9 +43,9 @@ def cli(ctx: click.Context, cache_dir: str | None, db: str | None, host: str | N
 
 
 def _register() -> None:
-    from cachemgr.cli import daemon, evict, explain, fleet, inspect
+    from cachemgr.cli import daemon, evict, explain, fleet, inspect, prewarm
 
-    for module in (inspect, evict, daemon, explain, fleet):
+    for module in (inspect, evict, daemon, prewarm, explain, fleet):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -1,0 +1,298 @@
+"""shapes, prewarm, export, import: make a new host or container start with a warm cache.
+
+torch is never imported here: replays, exports and imports run in worker processes
+(cachemgr.prewarm.worker).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+
+import click
+
+from cachemgr.cli.common import emit_json, json_option, pass_app, short, table
+from cachemgr.errors import PrewarmError, UsageError
+
+EXIT_CODES = """
+    \b
+    Exit codes:
+        0  every shape compiled (and, with --verify, a fresh process saw only hits)
+        2  bad command line or manifest file       8  a shape or model failed, or verify missed
+        3  a model or bundle named does not exist  9  the bundle does not match this host
+    """
+
+
+def _exit_codes(f):
+    f.__doc__ = (f.__doc__ or "").rstrip() + "\n" + EXIT_CODES
+    return f
+
+
+def _ingest(app) -> None:
+    from cachemgr.prewarm.spool import ingest
+
+    r = ingest(app.db, app.settings.spool_dir)
+    for line in r.bad_lines:
+        click.echo(f"cachemgr: warning: spool {line}", err=True)
+
+
+def _recorded(app, model: str | None = None) -> list[dict]:
+    from cachemgr.prewarm.spool import list_shapes
+
+    _ingest(app)
+    return list_shapes(app.db, model)
+
+
+def worker_env(app, target: str = "local") -> dict[str, str]:
+    """The worker's environment: this cache dir, cachemgr importable, remote tiers if asked."""
+    env = dict(os.environ)
+    env["TORCHINDUCTOR_CACHE_DIR"] = app.settings.cache_dir
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.getcwd(), env.get("PYTHONPATH")) if p)
+    if target == "redis":
+        if not app.settings.redis_url:
+            raise UsageError("--target redis needs redis_url (--config, CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL)")
+        env.update(TORCHINDUCTOR_REDIS_URL=app.settings.redis_url, TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
+                   TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1")
+    return env
+
+
+@click.command()
+@click.option("--model", metavar="NAME", help="Only this model's shapes.")
+@json_option
+@pass_app
+def shapes(app, model: str | None, as_json: bool) -> None:
+    """List the input signatures cachemgr.record captured, per model, in first-seen order.
+
+    The recorder's spool is ingested into the index first.
+
+    \b
+    Example:
+        cachemgr shapes
+        cachemgr shapes --model ranker --json | jq '.[].signature'
+    """
+    rows = _recorded(app, model)
+    if as_json:
+        emit_json(rows)
+        return
+    if not rows:
+        click.echo("no shapes recorded" + (f" for model {model!r}" if model else "") +
+                   f" (spool: {app.settings.spool_dir})")
+        return
+    from cachemgr.cli.common import age
+
+    table(("model", "signature", "hash", "count", "varied", "options", "last seen"),
+          [(r["model"], short(r["signature"], 60), r["signature_hash"], r["count"], ",".join(r["varied"]) or "-",
+            short(",".join(f"{k}={v}" for k, v in r["options"].items()) or "-", 30), age(r["last_seen"]))
+           for r in rows])
+
+
+def _devices(value: str | None) -> list[str] | None:
+    if not value:
+        return None
+    devs = [d.strip() for d in value.split(",") if d.strip()]
+    import re
+
+    for d in devs:
+        if not re.match(r"^(cpu|cuda(:\d+)?)$", d):
+            raise click.BadParameter(f"{d!r}: devices are cpu, cuda or cuda:N", param_hint="--devices")
+    return devs
+
+
+@contextmanager
+def _progress(enabled: bool):
+    """Per-model progress bars on stderr (a terminal only); yields the event callback."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True)) as p:
+        tasks: dict[tuple[str, str], int] = {}
+
+        def on(ev: dict) -> None:
+            if ev["e"] == "model":
+                key = (ev["model"], ev.get("phase", ""))
+                if key not in tasks:
+                    tasks[key] = p.add_task(ev["model"], total=0)
+                p.update(tasks[key], total=(p.tasks[tasks[key]].total or 0) + ev["shapes"])
+            elif ev["e"] == "shape" and not ev.get("lead_in"):
+                key = (ev["model"], "")
+                if key in tasks:
+                    p.advance(tasks[key])
+
+        yield on
+
+
+def _print_run(result, title: str) -> None:
+    rows = []
+    for r in result.shapes:
+        c = r.counters
+        rows.append((r.model, r.index, short(r.signature, 40) + (" (lead-in)" if r.lead_in else ""), r.device, r.phase,
+                     "-" if r.seconds is None else f"{r.seconds:.2f}",
+                     c.get("fxgraph_cache_hit", "-"), c.get("fxgraph_cache_miss", "-"),
+                     c.get("autograd_cache_hit", "-"), c.get("autograd_cache_miss", "-"),
+                     "ok" if r.ok else short(r.error, 70)))
+    if rows:
+        table(("model", "#", "signature", "device", "phase", "seconds", "fx hit", "fx miss", "aot hit", "aot miss",
+               "result"), rows, title=title)
+
+
+@click.command()
+@click.option("--manifest", "manifest_path", required=True, metavar="FILE", type=click.Path(dir_okay=False),
+              help="TOML manifest of the models to compile (see cachemgr.prewarm.manifest).")
+@click.option("--model", metavar="NAME", help="Only this model of the manifest.")
+@click.option("--devices", metavar="LIST", help="Comma-separated devices, one worker each (cuda:0,cuda:1 or cpu,cpu); "
+                                               "default: each model's own device.")
+@click.option("--replicate", is_flag=True, help="Every device replays every shape (cache keys embed the device index) "
+                                                "instead of sharing the shapes among them.")
+@click.option("--verify", is_flag=True, help="Afterwards replay again in fresh workers; any cache miss fails.")
+@click.option("--timeout", type=float, metavar="S", help="Give up on a shape after S seconds (its worker is killed).")
+@click.option("--bundle", "bundle_path", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Import this bundle first, then replay (what the bundle had now hits).")
+@click.option("--target", type=click.Choice(["local", "redis"]), default="local", show_default=True,
+              help="redis: also fill PyTorch's remote FX graph / autograd cache at redis_url.")
+@json_option
+@pass_app
+@_exit_codes
+def prewarm(app, manifest_path: str, model: str | None, devices: str | None, replicate: bool, verify: bool,
+            timeout: float | None, bundle_path: str | None, target: str, as_json: bool) -> None:
+    """Compile every recorded (or listed) shape of the manifest's models into the cache.
+
+    Each shape is replayed through torch.compile in a worker process, in the order the workload
+    first saw them; the result per shape is the compile time and the cache counters. A model that
+    cannot be imported or raises is reported and the others go on. Use it as a container's init
+    step with TORCHINDUCTOR_CACHE_DIR on a volume the workload shares.
+
+    \b
+    Example:
+        cachemgr prewarm --manifest /etc/cachemgr/models.toml --verify
+        cachemgr prewarm --manifest m.toml --devices cuda:0,cuda:1 --timeout 900 --json
+        cachemgr prewarm --manifest m.toml --bundle /seed/cache.bundle --verify
+    """
+    from cachemgr.prewarm import manifest as mf
+    from cachemgr.prewarm import worker
+
+    m = mf.load(manifest_path).select(model)
+    plans, errors = worker.plan(m, _recorded(app) if any(x.shapes == "recorded" for x in m.models) else [])
+    devs = _devices(devices)
+    env = worker_env(app, target)
+    os.makedirs(app.settings.cache_dir, exist_ok=True)
+
+    def jobs_for() -> dict:
+        if devs:
+            return worker.distribute(plans, devs, replicate)
+        by_dev: dict[str, list] = {}
+        for p in plans:  # each model on its own device
+            for d, slices in worker.distribute([p], [p.spec.device]).items():
+                by_dev.setdefault(d, []).extend(slices)
+        return by_dev
+
+    with _progress(sys.stderr.isatty() and not as_json) as on:
+        result = worker.run(jobs_for(), env, timeout=timeout, on_event=on,
+                            import_bundle=os.path.abspath(bundle_path) if bundle_path else None)
+    results = [result]
+    failures = [msg for _, msg in errors] + result.failures()
+    if result.imported is not None and not result.imported.get("ok"):
+        failures.insert(0, result.imported["error"])
+    if verify and plans:
+        v = worker.run(jobs_for(), env, phase="verify", timeout=timeout)
+        results.append(v)
+        failures += [f for f in v.failures(verify=True) if f not in failures]
+    if as_json:
+        doc = results[0].as_dict()
+        doc["manifest_errors"] = [{"model": n, "error": e} for n, e in errors]
+        if verify:
+            doc["verify"] = results[1].as_dict() if len(results) > 1 else None
+        doc["failures"] = failures
+        emit_json(doc)
+    else:
+        _print_run(result, f"prewarm {app.settings.cache_dir}")
+        if len(results) > 1:
+            _print_run(results[1], "verify (fresh workers)")
+        if result.imported and result.imported.get("ok"):
+            click.echo(f"imported {bundle_path}: {result.imported.get('artifacts')}")
+        n = sum(1 for r in result.shapes if r.ok and not r.lead_in)
+        click.echo(f"{n} shape(s) prewarmed in {result.seconds:.1f} s, {len(failures)} problem(s)")
+    if failures:
+        for f in failures:
+            click.echo(f"cachemgr: {f}", err=True)
+        raise PrewarmError(f"{len(failures)} problem(s) during prewarm (first: {failures[0]})")
+
+
+@click.command("export")
+@click.option("--out", required=True, metavar="FILE", type=click.Path(dir_okay=False), help="Bundle to write.")
+@click.option("--model", metavar="NAME", help="Only this model's artifacts (needs --manifest).")
+@click.option("--manifest", "manifest_path", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Replay the manifest's models and bundle exactly what they use; default: the whole cache.")
+@json_option
+@pass_app
+@_exit_codes
+def export_(app, out: str, model: str | None, manifest_path: str | None, as_json: bool) -> None:
+    """Write a portable bundle (torch.compiler.save_cache_artifacts) with a header naming torch,
+    Triton and the GPU architecture, for `cachemgr import` on another host or image.
+
+    \b
+    Example:
+        cachemgr export --out /seed/cache.bundle
+        cachemgr export --out ranker.bundle --manifest models.toml --model ranker
+    """
+    from cachemgr.prewarm import worker
+
+    if model and not manifest_path:
+        raise UsageError("export --model needs --manifest: which entries a model uses is only known by replaying it")
+    jobs: dict = {"cpu": []}
+    if manifest_path:
+        from cachemgr.prewarm import manifest as mf
+
+        m = mf.load(manifest_path).select(model)
+        plans, errors = worker.plan(m, _recorded(app) if any(x.shapes == "recorded" for x in m.models) else [])
+        if errors:
+            raise PrewarmError("; ".join(e for _, e in errors))
+        dev = plans[0].spec.device if plans else "cpu"
+        jobs = worker.distribute(plans, [dev])
+    result = worker.run(jobs, worker_env(app), phase="export",
+                        export={"out": os.path.abspath(out), "cache_dir": app.settings.cache_dir})
+    ex = result.exported or {"ok": False, "error": "the export worker reported nothing"}
+    failures = result.failures() + ([] if ex.get("ok") else [ex["error"]])
+    if as_json:
+        emit_json({"exported": ex, "replay": result.as_dict(), "failures": failures})
+    elif ex.get("ok"):
+        h = ex["header"]
+        click.echo(f"wrote {out}: {h['bytes']} bytes, artifacts {h['artifacts']}, torch {h['torch']}, "
+                   f"triton {h['triton'] or '-'}, gpu {','.join(h['gpu_arch'] or []) or '-'}")
+    if failures:
+        raise PrewarmError("; ".join(failures))
+
+
+@click.command("import")
+@click.argument("bundle_path", metavar="FILE", type=click.Path(dir_okay=False))
+@json_option
+@pass_app
+@_exit_codes
+def import_(app, bundle_path: str, as_json: bool) -> None:
+    """Load a bundle into the cache (torch.compiler.load_cache_artifacts), refusing one built for
+    another torch, Triton or GPU architecture.
+
+    \b
+    Example:
+        cachemgr --cache-dir /cache import /seed/cache.bundle
+    """
+    from cachemgr.prewarm import bundle, worker
+
+    bundle.read(bundle_path, payload=False)  # not a bundle / missing: say so before starting torch
+    os.makedirs(app.settings.cache_dir, exist_ok=True)
+    result = worker.run({"cpu": []}, worker_env(app), phase="import", import_bundle=os.path.abspath(bundle_path))
+    imp = result.imported or {"ok": False, "error": "the import worker reported nothing"}
+    if as_json:
+        emit_json(imp)
+    elif imp.get("ok"):
+        click.echo(f"imported {bundle_path} into {app.settings.cache_dir}: {imp['artifacts']}")
+    if not imp.get("ok"):
+        raise bundle.BundleError(imp["error"])
+
+
+COMMANDS = (shapes, prewarm, export_, import_)

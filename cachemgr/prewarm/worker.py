@@ -1,0 +1,554 @@
+"""Replay recorded shapes through torch.compile in worker processes.
+
+The parent side (plan, run) never imports torch; the child side (`python -m
+cachemgr.prewarm.worker`, function `child_main`) is the only place that does. One worker per
+device; a job is the models' shapes in their recorded order (automatic dynamic shapes depend on
+that order: the first shape compiles a static graph, the next a dynamic one, as in the workload).
+The child reports JSON lines on a pipe of its own (the model may print on stdout); the parent
+enforces the per-shape timeout, and a worker that dies or hangs is replaced for the shapes left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from cachemgr.prewarm.manifest import Manifest, ModelSpec
+
+COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+            ("inductor", "fxgraph_cache_bypass"), ("aot_autograd", "autograd_cache_hit"),
+            ("aot_autograd", "autograd_cache_miss"), ("aot_autograd", "autograd_cache_saved"),
+            ("aot_autograd", "autograd_cache_bypass"))
+
+
+# -- the plan ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    index: int
+    signature_hash: str
+    signature: str
+    spec: dict
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    spec: ModelSpec
+    compile: dict  # torch.compile kwargs
+    shapes: list[Shape]
+
+    @property
+    def automatic_dynamic(self) -> bool:
+        return "dynamic" not in self.compile
+
+
+@dataclass(frozen=True)
+class ShapeResult:
+    model: str
+    index: int
+    signature: str
+    device: str
+    phase: str  # prewarm | verify | export
+    ok: bool
+    seconds: float | None = None
+    counters: dict = field(default_factory=dict)
+    error: str | None = None
+    lead_in: bool = False  # replayed only so later shapes compile what the workload compiles
+    worker: int | None = None  # pid of the worker process
+
+    @property
+    def misses(self) -> int:
+        return self.counters.get("fxgraph_cache_miss", 0) + self.counters.get("autograd_cache_miss", 0)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    shapes: list[ShapeResult]
+    model_errors: list[tuple[str, str]]  # (model, message)
+    imported: dict | None = None
+    exported: dict | None = None
+    seconds: float = 0.0
+
+    def failures(self, verify: bool = False) -> list[str]:
+        out = [msg for _, msg in self.model_errors]
+        for r in self.shapes:
+            if not r.ok:
+                out.append(f"model {r.model!r} shape #{r.index} {r.signature} on {r.device}: {r.error}")
+            elif verify and r.phase == "verify" and r.misses:
+                out.append(f"model {r.model!r} shape #{r.index} {r.signature} on {r.device}: verify saw "
+                           f"{r.counters.get('fxgraph_cache_miss', 0)} fxgraph and "
+                           f"{r.counters.get('autograd_cache_miss', 0)} autograd cache misses (expected only hits)")
+        return out
+
+    def as_dict(self) -> dict:
+        return {"shapes": [asdict(r) for r in self.shapes],
+                "model_errors": [{"model": m, "error": e} for m, e in self.model_errors],
+                "imported": self.imported, "exported": self.exported, "seconds": round(self.seconds, 3)}
+
+
+def plan(manifest: Manifest, recorded: list[dict]) -> tuple[list[ModelPlan], list[tuple[str, str]]]:
+    """Resolve `shapes = "recorded"` against the index's rows; errors name the model and field."""
+    by_model: dict[str, list[dict]] = {}
+    for r in recorded:
+        by_model.setdefault(r["model"], []).append(r)
+    plans, errors = [], list(manifest.errors)
+    for m in manifest.models:
+        if m.shapes == "recorded":
+            rows = by_model.get(m.name, [])
+            if not rows:
+                errors.append((m.name, f"manifest {manifest.path}: model {m.name!r}: field 'shapes': \"recorded\" but "
+                                       "no shapes are recorded for this name (did the workload run with "
+                                       "cachemgr.record.compile(name=...), and was the spool ingested by scan?)"))
+                continue
+            shapes = [Shape(i, r["signature_hash"], r["signature"], r["spec"]) for i, r in enumerate(rows)]
+            compile_kw = m.compile if m.compile is not None else _recorded_options(rows)
+        else:
+            from cachemgr.record import signature_hash, signature_text
+
+            compile_kw = m.compile or {}
+            shapes = [Shape(i, signature_hash(s, compile_kw), signature_text(s), s) for i, s in enumerate(m.shapes)]
+        bad = [k for k, v in compile_kw.items() if isinstance(v, str) and v.startswith("<")]
+        if bad:
+            errors.append((m.name, f"manifest {manifest.path}: model {m.name!r}: field 'compile': the recorded "
+                                   f"option(s) {', '.join(bad)} are Python objects; give them in the manifest"))
+            continue
+        plans.append(ModelPlan(m, compile_kw, shapes))
+    return plans, errors
+
+
+def _recorded_options(rows: list[dict]) -> dict:
+    return dict(rows[-1]["options"])  # the latest; rows of one model share them in practice
+
+
+@dataclass(frozen=True)
+class Slice:
+    model: ModelPlan
+    indices: list[int]  # into model.shapes, in order
+    lead_in: int | None = None  # index replayed first and flagged
+
+
+def distribute(plans: list[ModelPlan], devices: list[str], replicate: bool = False) -> dict[str, list[Slice]]:
+    """Share the shapes among the devices (round robin, order kept), or give every device all.
+
+    A slice of an automatic-dynamic model that does not start with the model's first shape
+    replays that shape first, so the rest compile the same dynamic graph the workload will."""
+    jobs: dict[str, list[Slice]] = {d: [] for d in devices}
+    for p in plans:
+        for w, d in enumerate(devices):
+            idx = [s.index for s in p.shapes] if replicate else [s.index for s in p.shapes][w::len(devices)]
+            if idx:
+                jobs[d].append(_slice(p, idx))
+    return jobs
+
+
+def _slice(p: ModelPlan, idx: list[int]) -> Slice:
+    lead = p.shapes[0].index if p.automatic_dynamic and idx and idx[0] != p.shapes[0].index and len(p.shapes) > 1 else None
+    return Slice(p, idx, lead)
+
+
+# -- the parent: run workers -------------------------------------------------------------------
+
+Event = dict[str, Any]
+
+
+def run(jobs: dict[str, list[Slice]], env: dict[str, str], *, phase: str = "prewarm", timeout: float | None = None,
+        on_event: Callable[[Event], None] | None = None, import_bundle: str | None = None,
+        export: dict | None = None) -> RunResult:
+    """Run one worker per device concurrently; return every shape's result."""
+    t0 = time.monotonic()
+    results: list[ShapeResult] = []
+    model_errors: list[tuple[str, str]] = []
+    extra: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def emit(ev: Event) -> None:
+        with lock:
+            if ev["e"] == "shape":
+                results.append(ShapeResult(**{k: ev[k] for k in ShapeResult.__dataclass_fields__ if k in ev}))
+            elif ev["e"] == "model_error":
+                model_errors.append((ev["model"], ev["error"]))
+            elif ev["e"] in ("imported", "exported"):
+                extra[ev["e"]] = ev
+            if on_event:
+                on_event(ev)
+
+    devices = list(jobs) or ["cpu"]
+    threads = []
+    for i, d in enumerate(devices):
+        t = threading.Thread(target=_drive, args=(d, jobs.get(d, []), env, phase, timeout, emit,
+                                                  import_bundle if i == 0 else None, export if i == 0 else None))
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    results.sort(key=lambda r: (r.model, r.phase, r.index, r.device, not r.lead_in))
+    return RunResult(results, model_errors, extra.get("imported"), extra.get("exported"), time.monotonic() - t0)
+
+
+def _job_doc(device: str, slices: list[Slice], phase: str, import_bundle: str | None, export: dict | None) -> dict:
+    return {"device": device, "phase": phase, "import_bundle": import_bundle, "export": export,
+            "models": [{"spec": s.model.spec.as_dict(), "compile": s.model.compile,
+                        "shapes": ([{**asdict(s.model.shapes[s.lead_in]), "lead_in": True}] if s.lead_in is not None else [])
+                                  + [asdict(s.model.shapes[i]) for i in s.indices]} for s in slices]}
+
+
+def _drive(device: str, slices: list[Slice], env: dict[str, str], phase: str, timeout: float | None,
+           emit: Callable[[Event], None], import_bundle: str | None, export: dict | None) -> None:
+    """One device: run a worker; if it dies or hangs, fail that shape and start another for the rest."""
+    remaining = list(slices)
+    first = True
+    while remaining or first:
+        job = _job_doc(device, remaining, phase, import_bundle if first else None, export if first else None)
+        first = False
+        done: set[tuple[str, int]] = set()
+        current: list[Any] = [None]
+
+        def on(ev: Event) -> None:
+            if ev["e"] == "shape_start":
+                current[0] = ev
+            elif ev["e"] == "shape":
+                current[0] = None
+                if not ev.get("lead_in"):
+                    done.add((ev["model"], ev["index"]))
+            elif ev["e"] == "model_error":
+                done.update((ev["model"], i) for s in remaining if s.model.spec.name == ev["model"] for i in s.indices)
+            emit(ev)
+
+        status = _one_worker(job, env, timeout, on)
+        if status is None:
+            return
+        cur = current[0]
+        if cur is None:  # died between shapes, or before the first: blame the next one
+            nxt = next(((s.model.spec.name, i) for s in remaining for i in s.indices
+                        if (s.model.spec.name, i) not in done), None)
+            if nxt is None:
+                return
+            cur = {"model": nxt[0], "index": nxt[1], "signature": _sig(remaining, *nxt), "lead_in": False}
+        emit({"e": "shape", "model": cur["model"], "index": cur["index"], "signature": cur["signature"],
+              "device": device, "phase": phase, "ok": False, "error": status, "lead_in": cur.get("lead_in", False)})
+        if not cur.get("lead_in"):
+            done.add((cur["model"], cur["index"]))
+        else:  # the lead-in itself failed: the model's slice cannot be replayed faithfully
+            done.update((cur["model"], i) for s in remaining if s.model.spec.name == cur["model"] for i in s.indices)
+        remaining = [r for r in (_rest(s, done) for s in remaining) if r is not None]
+
+
+def _sig(slices: list[Slice], model: str, index: int) -> str:
+    for s in slices:
+        if s.model.spec.name == model:
+            return s.model.shapes[index].signature
+    return "?"
+
+
+def _rest(s: Slice, done: set[tuple[str, int]]) -> Slice | None:
+    idx = [i for i in s.indices if (s.model.spec.name, i) not in done]
+    return _slice(s.model, idx) if idx else None
+
+
+def _one_worker(job: dict, env: dict[str, str], timeout: float | None, on: Callable[[Event], None]) -> str | None:
+    """Run one child to the end. None when it finished; else why it did not."""
+    r, w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "cachemgr.prewarm.worker"], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(w,),
+                            env={**env, "CACHEMGR_WORKER_FD": str(w)}, start_new_session=True)
+    os.close(w)
+    stderr_tail: list[bytes] = []
+    t_err = threading.Thread(target=_tail, args=(proc.stderr, stderr_tail), daemon=True)
+    t_err.start()
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(json.dumps(job).encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    buf = b""
+    finished = False
+    deadline = None
+    try:
+        with os.fdopen(r, "rb", buffering=0) as pipe:
+            while True:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready, _, _ = select.select([pipe], [], [], wait)
+                if not ready:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return f"timed out after {timeout:g} s (worker killed)"
+                chunk = pipe.read(65536)
+                if not chunk:
+                    break
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    ev = json.loads(line)
+                    if ev["e"] == "done":
+                        finished = True
+                    if ev["e"] in ("shape_start", "import_start", "export_start"):
+                        deadline = time.monotonic() + timeout if timeout else None
+                    elif ev["e"] in ("shape", "imported", "exported"):
+                        deadline = None
+                    on(ev)
+    finally:
+        code = proc.wait()
+        t_err.join(timeout=5)
+    if finished and code == 0:
+        return None
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    tail = b"".join(stderr_tail).decode(errors="replace").strip().splitlines()
+    return f"worker died ({how}){': ' + tail[-1][:300] if tail else ''}"
+
+
+def _tail(stream, out: list[bytes]) -> None:
+    for line in stream:
+        out.append(line)
+        del out[:-20]
+
+
+# -- the child: torch lives here ---------------------------------------------------------------
+
+def host_info() -> dict:
+    import socket
+
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001 - no Triton (CPU wheel) or a broken one: either way, none
+        triton_version = None
+    archs = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(i)
+            archs.append(f"sm_{major}{minor}")
+    return {"torch": torch.__version__, "triton": triton_version, "gpu_arch": sorted(set(archs)) or None,
+            "cuda": torch.version.cuda, "host": socket.gethostname()}
+
+
+class _Out:
+    def __init__(self, fd: int) -> None:
+        self.f = os.fdopen(fd, "w", buffering=1)
+
+    def __call__(self, **ev: Any) -> None:
+        self.f.write(json.dumps(ev, default=str) + "\n")
+        self.f.flush()
+
+
+def child_main() -> None:
+    out = _Out(int(os.environ["CACHEMGR_WORKER_FD"]))
+    job = json.loads(sys.stdin.read())
+    import torch
+    from torch._dynamo.utils import counters
+
+    device = job["device"]
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))  # kernels build and launch on this GPU
+    if job.get("import_bundle"):
+        out(e="import_start")
+        out(e="imported", **_import_bundle(job["import_bundle"]))
+    replay_models = job["models"]
+    for m in replay_models:
+        _replay_model(m, device, job["phase"], out, torch, counters)
+    if job.get("export"):
+        out(e="export_start")
+        out(e="exported", **_export(job["export"], [m["spec"]["name"] for m in replay_models], device))
+    out(e="done")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:400]}" if text else type(e).__name__
+
+
+def _resolve_factory(factory: str):
+    import importlib
+
+    mod_name, _, attr = factory.partition(":")
+    try:
+        obj = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the model's error
+        raise LookupError(f"cannot import module {mod_name!r}: {_first_line(e)}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise LookupError(f"module {mod_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise LookupError(f"{factory} is not callable")
+    return obj
+
+
+def _replay_model(m: dict, device: str, phase: str, out: _Out, torch, counters) -> None:
+    spec, name = m["spec"], m["spec"]["name"]
+    try:
+        factory = _resolve_factory(spec["factory"])
+    except LookupError as e:
+        out(e="model_error", model=name, error=f"model {name!r}: field 'factory' {spec['factory']!r}: {e}")
+        return
+    try:
+        obj = factory(**spec.get("factory_kwargs", {}))
+        if isinstance(obj, torch.nn.Module):
+            obj = obj.to(device)
+            obj.train(spec["train"])
+        compiled = torch.compile(obj, **m["compile"])
+    except Exception as e:  # noqa: BLE001 - a model that raises does not stop the others
+        out(e="model_error", model=name, error=f"model {name!r}: factory {spec['factory']} or torch.compile "
+                                               f"raised {_first_line(e)}")
+        return
+    out(e="model", model=name, shapes=sum(1 for s in m["shapes"] if not s.get("lead_in")))
+    for s in m["shapes"]:
+        base = {"model": name, "index": s["index"], "signature": s["signature"], "lead_in": bool(s.get("lead_in")),
+            "worker": os.getpid()}
+        out(e="shape_start", **base)
+        before = {c: counters[g][c] for g, c in COUNTERS}
+        t0 = time.perf_counter()
+        try:
+            _call(torch, compiled, s["spec"], device, spec)
+            seconds = time.perf_counter() - t0
+            delta = {c: counters[g][c] - before[c] for g, c in COUNTERS}
+            out(e="shape", device=device, phase=phase, ok=True, seconds=round(seconds, 4), counters=delta, **base)
+        except Exception as e:  # noqa: BLE001 - one shape failing is that shape's result
+            out(e="shape", device=device, phase=phase, ok=False, seconds=round(time.perf_counter() - t0, 4),
+                error=_first_line(e), **base)
+
+
+def _call(torch, compiled, spec: dict, device: str, model: dict) -> None:
+    args = [_build(torch, a, device) for a in spec["args"]]
+    kwargs = {k: _build(torch, v, device) for k, v in spec["kwargs"].items()}
+    grad = bool(spec.get("grad", True)) or model["train"]
+    dev_type = torch.device(device).type
+    autocast = (torch.autocast(dev_type, dtype=getattr(torch, model["autocast"])) if model.get("autocast")
+                else _null())
+    with torch.set_grad_enabled(grad), autocast:
+        result = compiled(*args, **kwargs)
+        if model["train"]:
+            loss = sum(t.float().sum() for t in _tensors(torch, result) if t.requires_grad)
+            if isinstance(loss, torch.Tensor):
+                loss.backward()
+    if dev_type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _null:
+    def __enter__(self): return self
+
+    def __exit__(self, *a): return False
+
+
+def _tensors(torch, obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(torch, o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(torch, o)
+
+
+def _build(torch, s: dict, device: str):
+    t = s["t"]
+    if t == "tensor":
+        dtype = getattr(torch, s["dtype"])
+        x = torch.empty_strided(s["shape"], s.get("stride") or _contig(s["shape"]), dtype=dtype, device=device)
+        if dtype.is_floating_point or dtype.is_complex:
+            x.normal_()
+        elif dtype == torch.bool:
+            x.zero_()
+        else:
+            x.random_(0, 2)  # small ints: safe as indices and as counts
+        if s.get("requires_grad"):
+            x.requires_grad_(True)
+        return x
+    if t in ("tuple", "list"):
+        items = [_build(torch, i, device) for i in s["items"]]
+        return tuple(items) if t == "tuple" else items
+    if t == "dict":
+        return {k: _build(torch, v, device) for k, v in s["items"].items()}
+    if t == "none":
+        return None
+    if t == "object":
+        raise TypeError(f"cannot rebuild an argument of type {s['type']} (give explicit shapes in the manifest)")
+    return s["v"]
+
+
+def _contig(shape: list[int]) -> list[int]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return list(reversed(stride))
+
+
+def _import_bundle(path: str) -> dict:
+    from cachemgr.prewarm import bundle
+
+    try:
+        b = bundle.read(path)
+        refuse = bundle.refuse_message(path, b.header, host_info())
+        if refuse:
+            return {"ok": False, "error": refuse, "header": b.header}
+        import torch
+
+        info = torch.compiler.load_cache_artifacts(b.payload)
+        if info is None:
+            return {"ok": False, "error": f"bundle {path}: torch could not read its artifacts", "header": b.header}
+        return {"ok": True, "header": b.header, "artifacts": {k: len(v) for k, v in info.artifacts.items()}}
+    except Exception as e:  # noqa: BLE001 - reported to the parent as the import's failure
+        return {"ok": False, "error": str(e) if hasattr(e, "exit_code") else _first_line(e)}
+
+
+def _export(export: dict, models: list[str], device: str) -> dict:
+    """Write a bundle: the artifacts this process's replays produced or hit, or (no models) the
+    whole local cache's fxgraph / aotautograd / autotune entries recorded through torch's manager."""
+    import torch
+    from torch.compiler._cache import CacheArtifactManager
+
+    from cachemgr.prewarm import bundle
+
+    try:
+        if not models:
+            _record_disk(export["cache_dir"], CacheArtifactManager)
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return {"ok": False, "error": "nothing to export: no cache artifacts were produced or found"}
+        payload, info = saved
+        host = host_info()
+        cpu_only = bool(models) and not device.startswith("cuda")  # replayed on CPU: no GPU entries
+        header = {**host, "format": 1, "created": time.time(), "models": models or None,
+                  "gpu_arch": None if cpu_only else host["gpu_arch"],
+                  "artifacts": {k: len(v) for k, v in info.artifacts.items()}}
+        return {"ok": True, "header": bundle.write(export["out"], header, payload), "out": export["out"]}
+    except Exception as e:  # noqa: BLE001
+        return {"ok": False, "error": _first_line(e)}
+
+
+def _record_disk(root: str, manager) -> None:
+    manager._ensure_cache_artifacts_registered()  # a process that compiled nothing has not imported them
+    for kind, typ in (("fxgraph", "inductor"), ("aotautograd", "aot_autograd")):
+        base = os.path.join(root, kind)
+        for dirpath, _dirs, files in os.walk(base):
+            for f in files:
+                if f.startswith(".") or ".tmp" in f:
+                    continue
+                with open(os.path.join(dirpath, f), "rb") as fh:
+                    manager.record_artifact(typ, os.path.basename(dirpath), fh.read())
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            if f.endswith(".best_config"):
+                p = os.path.join(dirpath, f)
+                with open(p) as fh:
+                    manager.record_artifact("autotune", os.path.relpath(p, root), json.load(fh))
+
+
+if __name__ == "__main__":
+    child_main()

@@ -1,0 +1,298 @@
+"""Record the input signatures a compiled model really sees, for `cachemgr prewarm` to replay.
+
+One line in the workload:
+
+    model = cachemgr.record.compile(model, name="ranker", dynamic=None)   # torch.compile kwargs
+
+or, for a function:
+
+    @cachemgr.record.compile(name="score", fullgraph=True)
+    def score(x, y): ...
+
+Every call computes a cheap signature tuple (shape, dtype, device, requires_grad and stride of
+each tensor, nested containers walked, plain scalars by value, grad mode) and looks it up in a
+set. Only a signature not seen before in this process costs more: it is described as JSON and
+appended as one line to a spool file (settings.spool_dir, env CACHEMGR_SPOOL_DIR) that the daemon
+and `cachemgr scan` ingest into the index (cachemgr.prewarm.spool). The hot path never touches
+the database, and recording never breaks the workload: a spool that cannot be written is a
+warning, once.
+
+torch is imported lazily: importing this module costs nothing in a process without torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+SPOOL_VERSION = 1
+SPOOL_SUFFIX = ".jsonl"
+
+_Tensor: Any = None  # torch.Tensor, bound on first compile()
+
+
+def spool_dir() -> str:
+    """The spool directory the recorder appends to: $CACHEMGR_SPOOL_DIR, else the settings'."""
+    env = os.environ.get("CACHEMGR_SPOOL_DIR")
+    if env:
+        return os.path.abspath(env)
+    from cachemgr import config
+
+    return config.load().spool_dir
+
+
+# -- signatures --------------------------------------------------------------------------------
+
+def _key(obj: Any) -> Any:
+    """The per-call signature of one argument: cheap, hashable, exact enough to tell compiles apart."""
+    if isinstance(obj, _Tensor):
+        return (obj.shape, obj.dtype, obj.device, obj.requires_grad, obj.stride())
+    t = type(obj)
+    if t is int or t is float or t is bool or t is str or obj is None:
+        return (t, obj)  # dynamo specializes on (most) Python scalars: part of the signature
+    if t is tuple or t is list:
+        return (t, *[_key(o) for o in obj])
+    if t is dict:
+        return (t, *[(k, _key(v)) for k, v in obj.items()])
+    return t  # other objects: their type is all we can replay (and usually all dynamo guards)
+
+
+def call_key(args: tuple, kwargs: dict, grad: bool) -> tuple:
+    if kwargs:
+        return (grad, *[_key(a) for a in args], *[(k, _key(v)) for k, v in kwargs.items()])
+    return (grad, *[_key(a) for a in args])
+
+
+def _spec(obj: Any) -> Any:
+    """A JSON description of one argument that prewarm can rebuild (see prewarm.worker)."""
+    if isinstance(obj, _Tensor):
+        return {"t": "tensor", "shape": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch."),
+                "device": str(obj.device), "requires_grad": bool(obj.requires_grad), "stride": list(obj.stride())}
+    if obj is None:
+        return {"t": "none"}
+    t = type(obj)
+    if t in (bool, int, float, str):
+        return {"t": t.__name__, "v": obj}
+    if t in (tuple, list):
+        return {"t": t.__name__, "items": [_spec(o) for o in obj]}
+    if t is dict:
+        return {"t": "dict", "items": {str(k): _spec(v) for k, v in obj.items()}}
+    return {"t": "object", "type": f"{t.__module__}.{t.__qualname__}"}
+
+
+def input_spec(args: tuple, kwargs: dict, grad: bool) -> dict:
+    return {"args": [_spec(a) for a in args], "kwargs": {k: _spec(v) for k, v in kwargs.items()}, "grad": grad}
+
+
+def signature_text(spec: dict) -> str:
+    """A short human line for one input spec: `(f32[8,32], i64[8]) grad` ."""
+    def one(s: dict) -> str:
+        t = s["t"]
+        if t == "tensor":
+            dims = ",".join(str(d) for d in s["shape"])
+            rg = "*" if s.get("requires_grad") else ""
+            dev = "" if s.get("device") in ("cpu", None) else "@" + s["device"]
+            return f"{_DTYPE_SHORT.get(s['dtype'], s['dtype'])}[{dims}]{rg}{dev}"
+        if t in ("tuple", "list"):
+            inner = ", ".join(one(i) for i in s["items"])
+            return f"({inner})" if t == "tuple" else f"[{inner}]"
+        if t == "dict":
+            return "{" + ", ".join(f"{k}: {one(v)}" for k, v in s["items"].items()) + "}"
+        if t == "none":
+            return "None"
+        if t == "object":
+            return s["type"]
+        return repr(s["v"])
+
+    parts = [one(a) for a in spec["args"]] + [f"{k}={one(v)}" for k, v in spec["kwargs"].items()]
+    return "(" + ", ".join(parts) + ")" + ("" if spec.get("grad", True) else " no_grad")
+
+
+_DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64",
+                "int32": "i32", "int8": "i8", "uint8": "u8", "bool": "b8"}
+
+
+def signature_hash(spec: dict, options: dict) -> str:
+    """16 hex chars over the canonical JSON of the inputs and the compile options."""
+    doc = json.dumps({"spec": spec, "options": options}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def jsonable_options(kwargs: dict) -> dict:
+    """torch.compile kwargs as JSON; what cannot be (a callable backend) becomes its name."""
+    def conv(v: Any) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): conv(x) for k, x in v.items()}
+        return f"<{getattr(v, '__module__', '?')}.{getattr(v, '__qualname__', type(v).__name__)}>"
+
+    return {k: conv(v) for k, v in sorted(kwargs.items())}
+
+
+# -- the spool writer --------------------------------------------------------------------------
+
+class Spool:
+    """Appends JSON lines to this process's own file in the spool directory.
+
+    Each append opens, locks (flock), checks the path still names the file it opened (the
+    ingester renames files away), writes one line and closes: new signatures are rare, so
+    this costs nothing that matters, and a line is never written into a file already taken.
+    """
+
+    def __init__(self, directory: str | None = None) -> None:
+        self._directory = directory
+        self._lock = threading.Lock()
+        self._warned = False
+        self.name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}{SPOOL_SUFFIX}"
+
+    @property
+    def directory(self) -> str:
+        if self._directory is None:
+            self._directory = spool_dir()
+        return self._directory
+
+    def append(self, doc: dict) -> None:
+        line = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+        try:
+            with self._lock:
+                self._write(line)
+        except OSError as e:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"cachemgr.record: cannot write the spool {self.directory}: {e}", stacklevel=3)
+
+    def _write(self, line: bytes) -> None:
+        import fcntl
+
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, self.name)
+        for _ in range(10):
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    same = os.stat(path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:  # not renamed away by an ingester between our open and our lock
+                    os.write(fd, line)
+                    return
+            finally:
+                os.close(fd)
+        raise OSError(f"spool file {path} keeps being taken away")
+
+
+_SPOOL: Spool | None = None
+
+
+def _default_spool() -> Spool:
+    global _SPOOL
+    if _SPOOL is None:
+        _SPOOL = Spool()
+    return _SPOOL
+
+
+# -- the recorder ------------------------------------------------------------------------------
+
+class Recorder:
+    """The state behind one recorded model: the seen set and what a new signature writes."""
+
+    def __init__(self, name: str, kind: str, options: dict, spool: Spool | None = None) -> None:
+        import torch
+
+        self.name, self.kind, self.options = name, kind, jsonable_options(options)
+        self.seen: set[tuple] = set()
+        self.spool = spool or _default_spool()
+        self._grad = torch.is_grad_enabled
+        self._lock = threading.Lock()
+
+    def observe(self, args: tuple, kwargs: dict) -> None:
+        """The per-call hook. Never raises into the workload."""
+        try:
+            grad = self._grad()
+            k = call_key(args, kwargs, grad)
+            if k in self.seen:
+                return
+            with self._lock:
+                if k in self.seen:
+                    return
+                self.seen.add(k)
+            self._new(args, kwargs, grad)
+        except Exception as e:  # noqa: BLE001 - recording must never break the model
+            warnings.warn(f"cachemgr.record({self.name}): not recorded: {type(e).__name__}: {e}", stacklevel=3)
+
+    def _new(self, args: tuple, kwargs: dict, grad: bool) -> None:
+        spec = input_spec(args, kwargs, grad)
+        self.spool.append({
+            "v": SPOOL_VERSION, "model": self.name, "kind": self.kind, "ts": time.time(),
+            "host": socket.gethostname(), "pid": os.getpid(),
+            "signature_hash": signature_hash(spec, self.options), "signature": signature_text(spec),
+            "spec": spec, "options": self.options,
+        })
+
+
+def compile(model: Any = None, *, name: str, spool: Spool | None = None, **torch_compile_kwargs: Any) -> Any:
+    """`torch.compile(model, **kwargs)` that also records each new input signature under `name`.
+
+    For an nn.Module it returns the compiled module itself (an OptimizedModule whose class is a
+    recording subclass, so attributes, state_dict and isinstance all work); for a function, a
+    wrapper. Without `model` it is a decorator: `@compile(name="f", dynamic=True)`.
+    """
+    if model is None:
+        return lambda fn: compile(fn, name=name, spool=spool, **torch_compile_kwargs)
+    if not name or not isinstance(name, str):
+        raise ValueError("cachemgr.record.compile needs name='model name'")
+    import torch
+
+    global _Tensor
+    _Tensor = torch.Tensor
+    compiled = torch.compile(model, **torch_compile_kwargs)
+    if isinstance(model, torch.nn.Module):
+        rec = Recorder(name, "module", torch_compile_kwargs, spool)
+        compiled._cachemgr_recorder = rec
+        compiled.__class__ = _recorded_class(type(compiled))
+        return compiled
+    rec = Recorder(name, "function", torch_compile_kwargs, spool)
+    observe = rec.observe
+
+    @functools.wraps(model)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        observe(args, kwargs)
+        return compiled(*args, **kwargs)
+
+    recorded._cachemgr_recorder = rec  # type: ignore[attr-defined]
+    return recorded
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _recorded_class(base: type) -> type:
+    """A subclass of the OptimizedModule class whose __call__ records first. Cheaper than a
+    forward pre-hook (which sends nn.Module down its slow path) and it runs outside dynamo."""
+    cls = _CLASSES.get(base)
+    if cls is None:
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            self._cachemgr_recorder.observe(args, kwargs)
+            return base.__call__(self, *args, **kwargs)
+
+        cls = type(f"Recorded{base.__name__}", (base,), {"__call__": __call__, "__module__": __name__})
+        globals()[cls.__name__] = cls  # picklable by name
+        _CLASSES[base] = cls
+    return cls
+
+
+def recorder_of(obj: Callable) -> Recorder | None:
+    return getattr(obj, "_cachemgr_recorder", None)

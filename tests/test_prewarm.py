@@ -1,0 +1,251 @@
+"""Prewarm end to end on CPU: a real workload records its shapes, `cachemgr prewarm` replays them
+into a fresh cache in worker processes, and a fresh process running the workload then misses
+nothing. Bad manifests, factories that do not import, shapes that raise or hang, and bundles from
+another torch each fail by name while the rest is still prewarmed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachemgr.prewarm import bundle
+from cachemgr.prewarm import manifest as mf
+from tests.conftest import PROGRAMS, Cli, subprocess_env
+
+pytestmark = pytest.mark.slow
+ENV = {"PYTHONPATH": os.pathsep.join((str(Path(__file__).resolve().parent.parent), str(PROGRAMS)))}
+
+MANIFEST = """
+[[model]]
+name = "mlp"
+factory = "prewarm_models:mlp"
+train = true
+
+[[model]]
+name = "head"
+factory = "prewarm_models:gelu_head"
+compile = { dynamic = false }
+
+[[model]]
+name = "gone"
+factory = "no_such_pkg.models:build"
+shapes = [["f32[2,3]"]]
+
+[[model]]
+name = "bad"
+factory = "prewarm_models:mlp"
+compile = { mode = "fastest" }
+
+[[model]]
+name = "broken"
+factory = "prewarm_models:broken"
+shapes = [["f32[2,3]"]]
+
+[[model]]
+name = "picky"
+factory = "prewarm_models:picky"
+compile = { dynamic = false }
+shapes = [["f32[2,4]"], ["f32[3,4]"], ["f32[5,4]"]]
+"""
+
+
+class ConfCli(Cli):
+    """The CLI with a config file (it names the spool the workload records into)."""
+
+    def __init__(self, cache_dir: Path, db_url: str, config: Path) -> None:
+        super().__init__(cache_dir, db_url)
+        self.config = config
+
+    def base(self) -> list[str]:
+        return [*super().base(), "--config", str(self.config)]
+
+
+def workload(cache_dir: Path, spool: Path) -> dict:
+    out = subprocess.run([sys.executable, str(PROGRAMS / "prewarm_models.py")], capture_output=True, text=True,
+                         timeout=900, env=subprocess_env(cache_dir, CACHEMGR_SPOOL_DIR=str(spool)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def proc_json(cli: Cli, *args: str, code: int, timeout: float = 900) -> tuple[dict, str]:
+    r = cli.proc(*args, "--json", timeout=timeout, env=ENV)
+    assert r.returncode == code, f"exit {r.returncode}\nstdout: {r.stdout[-3000:]}\nstderr: {r.stderr[-3000:]}"
+    return json.loads(r.stdout), r.stderr
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    base = tmp_path_factory.mktemp("prewarm")
+    (base / "m.toml").write_text(MANIFEST)
+    (base / "config.toml").write_text(f'spool_dir = "{base / "spool"}"\n')
+    first = workload(base / "orig-cache", base / "spool")  # the workload records its shapes
+    assert first["fxgraph_cache_miss"] > 0
+    cli = ConfCli(base / "fresh-cache", f"sqlite:///{base / 'idx.db'}", base / "config.toml")
+    doc, err = proc_json(cli, "prewarm", "--manifest", str(base / "m.toml"), "--verify", code=8)
+    return {"base": base, "cli": cli, "doc": doc, "stderr": err, "first": first}
+
+
+def test_fresh_process_of_the_workload_misses_nothing_after_prewarm(world):
+    doc = world["doc"]
+    pre = {(r["model"], r["index"]): r for r in doc["shapes"]}
+    assert {k for k in pre if k[0] in ("mlp", "head")} == {("mlp", 0), ("mlp", 1), ("mlp", 2),
+                                                          ("head", 0), ("head", 1), ("head", 2)}
+    assert all(pre[k]["ok"] and pre[k]["seconds"] > 0 for k in pre if k[0] in ("mlp", "head"))
+    assert sum(r["counters"]["fxgraph_cache_miss"] for r in doc["shapes"] if r["model"] in ("mlp", "head")) == \
+        world["first"]["fxgraph_cache_miss"]
+    assert pre[("mlp", 0)]["counters"]["autograd_cache_saved"] >= 1  # train = true ran the backward
+    ver = [r for r in doc["verify"]["shapes"] if r["model"] in ("mlp", "head")]
+    assert len(ver) == 6 and all(r["counters"]["fxgraph_cache_miss"] == 0 for r in ver)
+    assert sum(r["counters"]["fxgraph_cache_hit"] for r in ver) == world["first"]["fxgraph_cache_miss"]
+    again = workload(world["cli"].cache_dir, world["base"] / "spool-2")
+    assert again["fxgraph_cache_miss"] == 0 and again["autograd_cache_miss"] == 0
+    assert again["fxgraph_cache_hit"] == world["first"]["fxgraph_cache_miss"]
+    assert again["checksum"] == pytest.approx(world["first"]["checksum"])
+
+
+def test_every_failure_is_named_and_the_rest_still_prewarmed(world):
+    doc, err = world["doc"], world["stderr"]
+    failures = "\n".join(doc["failures"])
+    assert "model 'bad': field 'compile.mode': must be one of" in failures and "'fastest'" in failures
+    assert "model 'gone': field 'factory' 'no_such_pkg.models:build': cannot import module 'no_such_pkg.models'" \
+        in failures
+    assert "model 'broken'" in failures and "this factory is broken on purpose" in failures
+    picky = {r["index"]: r for r in doc["shapes"] if r["model"] == "picky"}
+    assert picky[0]["ok"] and picky[2]["ok"] and not picky[1]["ok"]
+    assert "ValueError: picky refuses batch 3" in picky[1]["error"]
+    assert "model 'picky' shape #1 (f32[3,4])" in failures
+    assert len(doc["failures"]) == 4
+    assert "cachemgr: error: 4 problem(s) during prewarm" in err
+
+
+def test_export_then_import_into_an_empty_cache_is_warm(world, tmp_path):
+    cli = world["cli"]
+    out = tmp_path / "cache.bundle"
+    doc, _ = proc_json(cli, "export", "--out", str(out), code=0)
+    h = bundle.read(str(out)).header
+    import torch
+
+    assert h["torch"] == torch.__version__ and h["artifacts"]["inductor"] >= world["first"]["fxgraph_cache_miss"]
+    target = Cli(tmp_path / "imported", cli.db_url)
+    imp, _ = proc_json(target, "import", str(out), code=0)
+    assert imp["ok"] and imp["artifacts"]["inductor"] == h["artifacts"]["inductor"]
+    counters = workload(tmp_path / "imported", tmp_path / "spool")
+    assert counters["fxgraph_cache_miss"] == 0 and counters["fxgraph_cache_hit"] > 0
+
+    # a bundle from another torch: refused by name, by import and by prewarm --bundle (which
+    # still prewarms the rest)
+    b = bundle.read(str(out))
+    other = tmp_path / "other.bundle"
+    bundle.write(str(other), {**b.header, "torch": "2.0.0+cu118"}, b.payload)
+    r = target.proc("import", str(other), env=ENV, timeout=300)
+    assert r.returncode == 9, r.stderr
+    assert "was built for torch 2.0.0+cu118 (this host: " in r.stderr and "refusing to import" in r.stderr
+    fresh = ConfCli(tmp_path / "fresh2", cli.db_url, cli.config)
+    doc, err = proc_json(fresh, "prewarm", "--manifest", str(world["base"] / "m.toml"), "--model", "head",
+                         "--bundle", str(other), code=8)
+    assert "torch 2.0.0+cu118" in doc["failures"][0]
+    assert [r["ok"] for r in doc["shapes"]] == [True, True, True]
+
+
+def test_two_cpu_workers_share_the_shapes_and_a_hang_times_out(world, tmp_path):
+    (tmp_path / "s.toml").write_text("""
+[[model]]
+name = "sleepy"
+factory = "prewarm_models:sleepy"
+compile = { backend = "eager", dynamic = false }
+shapes = [["f32[1,2]"], ["f32[2,2]"], ["f32[3,2]"], ["f32[4,2]"]]
+""")
+    cli = Cli(tmp_path / "c", world["cli"].db_url)
+    doc, _ = proc_json(cli, "prewarm", "--manifest", str(tmp_path / "s.toml"), "--devices", "cpu,cpu",
+                       "--timeout", "20", code=8)
+    res = {r["index"]: r for r in doc["shapes"]}
+    assert sorted(res) == [0, 1, 2, 3]
+    assert not res[1]["ok"] and "timed out after 20 s" in res[1]["error"]
+    assert res[0]["ok"] and res[2]["ok"] and res[3]["ok"]  # the shape after the hang ran in a new worker
+    assert res[0]["worker"] != res[1]["worker"] or res[0]["worker"] is None
+    assert res[0]["worker"] == res[2]["worker"] and res[3]["worker"] not in (res[0]["worker"], None)
+
+
+def test_manifest_errors_name_model_and_field(tmp_path):
+    m = mf.parse({"model": [
+        {"name": "a", "factory": "pkg.mod:fn", "shapes": [["f32[2,x]"]]},
+        {"name": "b", "factory": "nocolon"},
+        {"name": "c", "factory": "p:f", "compile": {"dynamic": "sometimes"}},
+        {"name": "d", "factory": "p:f", "device": "tpu"},
+        {"name": "e", "factory": "p:f", "colour": "red"},
+        {"name": "ok", "factory": "p:f", "shapes": [["bf16[4,8]*", 3], {"args": [{"shape": [2], "dtype": "int64"}]}]},
+    ]}, "x.toml")
+    msgs = dict(m.errors)
+    assert "model 'a': field 'shapes[0][0]': tensor spec must look like" in msgs["a"]
+    assert "model 'b': field 'factory': required, 'package.module:function'" in msgs["b"]
+    assert "field 'compile.dynamic'" in msgs["c"] and "field 'device'" in msgs["d"] and "field 'colour'" in msgs["e"]
+    (ok,) = m.models
+    assert ok.shapes[0]["args"][0] == {"t": "tensor", "shape": [4, 8], "dtype": "bfloat16", "device": None,
+                                       "requires_grad": True, "stride": [8, 1]}
+    assert ok.shapes[0]["args"][1] == {"t": "int", "v": 3}
+    (tmp_path / "bad.toml").write_text("[[model]\nname=")
+    with pytest.raises(mf.ManifestError, match="not valid TOML"):
+        mf.load(str(tmp_path / "bad.toml"))
+    with pytest.raises(mf.ManifestError, match="no \\[\\[model\\]\\] tables"):
+        mf.parse({}, "empty.toml")
+
+
+def test_bundle_header_checks():
+    host = {"torch": "2.11.0+cu128", "triton": "3.6.0", "gpu_arch": ["sm_90"]}
+    assert bundle.mismatches({"torch": "2.11.0+cu128", "triton": "3.6.0", "gpu_arch": ["sm_90"]}, host) == []
+    assert bundle.mismatches({"torch": "2.11.0+cu128", "triton": "3.5.0", "gpu_arch": ["sm_90"]}, host) == [
+        "Triton 3.5.0 (this host: 3.6.0)"]
+    assert bundle.mismatches({"torch": "2.11.0+cu128", "triton": "3.6.0", "gpu_arch": ["sm_80"]}, host) == [
+        "GPU architecture sm_80 (this host: sm_90)"]
+    cpu_host = {"torch": "2.11.0+cu128", "triton": None, "gpu_arch": None}
+    assert bundle.mismatches({"torch": "2.11.0+cu128", "triton": None, "gpu_arch": None}, cpu_host) == []
+
+
+def test_shapes_are_shared_in_order_and_automatic_dynamic_slices_lead_in_with_the_first():
+    from cachemgr.prewarm import worker
+
+    m = mf.parse({"model": [
+        {"name": "auto", "factory": "p:f", "shapes": [[f"f32[{b},4]"] for b in (1, 2, 3, 4, 5)]},
+        {"name": "static", "factory": "p:f", "compile": {"dynamic": False}, "shapes": [["f32[1,4]"], ["f32[2,4]"]]},
+        {"name": "rec", "factory": "p:f"},
+    ]}, "x.toml")
+    recorded = [{"model": "rec", "signature_hash": "h1", "signature": "(f32[9])", "spec": {"args": [], "kwargs": {}},
+                 "options": {"mode": "max-autotune"}}]
+    plans, errors = worker.plan(m, recorded)
+    assert errors == [] and [p.compile for p in plans] == [{}, {"dynamic": False}, {"mode": "max-autotune"}]
+    jobs = worker.distribute(plans, ["cuda:0", "cuda:1"])
+    a0, s0, r0 = jobs["cuda:0"]
+    a1, s1 = jobs["cuda:1"]
+    assert (a0.indices, a0.lead_in, a1.indices, a1.lead_in) == ([0, 2, 4], None, [1, 3], 0)
+    assert (s0.indices, s1.indices, s1.lead_in) == ([0], [1], None)  # explicit dynamic: no lead-in needed
+    assert r0.indices == [0]
+    rep = worker.distribute(plans, ["cuda:0", "cuda:1"], replicate=True)
+    assert [s.indices for s in rep["cuda:1"]] == [[0, 1, 2, 3, 4], [0, 1], [0]]
+    _, errors = worker.plan(mf.parse({"model": [{"name": "new", "factory": "p:f"}]}, "y.toml"), recorded)
+    assert "model 'new': field 'shapes': \"recorded\" but no shapes are recorded" in errors[0][1]
+
+
+def test_target_redis_fills_pytorchs_remote_cache(world, tmp_path):
+    redis = pytest.importorskip("redis")
+    url = "redis://127.0.0.1:6379/11"  # a database of this test's own: emptied first
+    redis.Redis.from_url(url).flushdb()
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(world["cli"].config.read_text() + f'redis_url = "{url}"\n')
+    cli = ConfCli(tmp_path / "local", world["cli"].db_url, cfg)
+    doc, _ = proc_json(cli, "prewarm", "--manifest", str(world["base"] / "m.toml"), "--model", "head",
+                       "--target", "redis", code=0)
+    assert [r["ok"] for r in doc["shapes"]] == [True, True, True]
+    # a process with an empty local cache finds the head's graphs in Redis
+    out = subprocess.run([sys.executable, str(PROGRAMS / "prewarm_models.py")], capture_output=True, text=True,
+                         timeout=900, env=subprocess_env(tmp_path / "empty", CACHEMGR_SPOOL_DIR=str(tmp_path / "s"),
+                                                         TORCHINDUCTOR_REDIS_URL=url,
+                                                         TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
+                                                         TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    counters = json.loads(out.stdout.strip().splitlines()[-1])
+    assert counters["fxgraph_cache_hit"] == 3  # the three head shapes; mlp was never prewarmed

@@ -1,0 +1,150 @@
+"""cachemgr.record and the spool ingest: real torch.compile (eager backend: no Inductor compile
+needed to see signatures), real spool files, a real SQLite index."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cachemgr.record as record  # noqa: E402
+from cachemgr.index.db import Database  # noqa: E402
+from cachemgr.prewarm.spool import TAKEN, ingest, list_shapes  # noqa: E402
+from tests.conftest import REPO, subprocess_env  # noqa: E402
+
+
+def spool_lines(d) -> list[dict]:
+    out = []
+    for p in sorted(os.listdir(d)):
+        with open(os.path.join(d, p)) as f:
+            out += [json.loads(x) for x in f if x.strip()]
+    return out
+
+
+@pytest.fixture
+def spool(tmp_path):
+    return record.Spool(str(tmp_path / "spool"))
+
+
+def test_module_records_each_distinct_signature_once(spool, tmp_path):
+    lin = torch.nn.Linear(4, 2)
+    m = record.compile(lin, name="lin", spool=spool, backend="eager")
+    assert isinstance(m, torch.nn.Module) and m.weight is lin.weight  # still the compiled module
+    for b in (2, 3, 2, 3, 5):
+        m(torch.randn(b, 4))
+    with torch.no_grad():
+        m(torch.randn(2, 4))
+    m(torch.randn(2, 4, requires_grad=True))
+    lines = spool_lines(spool.directory)
+    assert [ln["signature"] for ln in lines] == ["(f32[2,4])", "(f32[3,4])", "(f32[5,4])", "(f32[2,4]) no_grad",
+                                                 "(f32[2,4]*)"]
+    assert {ln["model"] for ln in lines} == {"lin"} and lines[0]["options"] == {"backend": "eager"}
+    assert len({ln["signature_hash"] for ln in lines}) == 5
+    t = lines[0]["spec"]["args"][0]
+    assert t == {"t": "tensor", "shape": [2, 4], "dtype": "float32", "device": "cpu", "requires_grad": False,
+                 "stride": [4, 1]}
+
+
+def test_function_decorator_nested_inputs_and_scalars(spool):
+    @record.compile(name="f", spool=spool, backend="eager", dynamic=False)
+    def f(xs, cfg, scale=1.0):
+        return xs[0] * scale + cfg["b"].sum()
+
+    a, b = torch.randn(3), torch.randn(2, dtype=torch.float64)
+    f([a, a], {"b": b}, scale=2.0)
+    f([a, a], {"b": b}, scale=2.0)  # seen
+    f([a, a], {"b": b}, scale=3.0)  # a new scalar value: dynamo specializes, so a new signature
+    f((a,), {"b": b[:1]}, scale=2.0)
+    lines = spool_lines(spool.directory)
+    assert [ln["signature"] for ln in lines] == [
+        "([f32[3], f32[3]], {b: f64[2]}, scale=2.0)", "([f32[3], f32[3]], {b: f64[2]}, scale=3.0)",
+        "((f32[3]), {b: f64[1]}, scale=2.0)"]
+    assert lines[0]["options"] == {"backend": "eager", "dynamic": False}
+    assert f.__name__ == "f"
+
+
+def test_a_spool_that_cannot_be_written_warns_once_and_never_breaks_the_model(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a dir")
+    m = record.compile(torch.nn.Linear(2, 2), name="x", spool=record.Spool(str(blocker / "spool")), backend="eager")
+    with pytest.warns(UserWarning, match="cannot write the spool"):
+        m(torch.randn(1, 2))
+        m(torch.randn(3, 2))
+    assert m(torch.randn(1, 2)).shape == (1, 2)
+
+
+def test_ingest_is_idempotent_and_collects_varied_dims(spool, tmp_path):
+    m = record.compile(torch.nn.Linear(4, 2), name="lin", spool=spool, backend="eager")
+    for b in (2, 3, 5):
+        m(torch.randn(b, 4))
+    db = Database(f"sqlite:///{tmp_path / 'idx.db'}")
+    r = ingest(db, spool.directory)
+    assert (r.files, r.lines, r.new_shapes) == (1, 3, 0 + 3)
+    assert os.listdir(spool.directory) == []
+    assert ingest(db, spool.directory).lines == 0  # nothing left: a second run changes nothing
+    # the same signatures from a second process add to count, not rows
+    m2 = record.compile(torch.nn.Linear(4, 2), name="lin", spool=record.Spool(spool.directory), backend="eager")
+    m2(torch.randn(2, 4))
+    r = ingest(db, spool.directory)
+    assert (r.new_shapes, r.updated_shapes) == (0, 1)
+    rows = list_shapes(db, "lin")
+    assert [x["signature"] for x in rows] == ["(f32[2,4])", "(f32[3,4])", "(f32[5,4])"]
+    assert [x["count"] for x in rows] == [2, 1, 1]
+    assert rows[0]["varied"] == ["args[0].0"]
+
+
+def test_ingest_recovers_a_crash_without_double_counting(spool, tmp_path):
+    m = record.compile(torch.nn.Linear(4, 2), name="lin", spool=spool, backend="eager")
+    m(torch.randn(2, 4))
+    m(torch.randn(3, 4))
+    db = Database(f"sqlite:///{tmp_path / 'idx.db'}")
+    path = os.path.join(spool.directory, spool.name)
+    with open(path, "rb") as f:
+        content = f.read()
+    ingest(db, spool.directory)
+    # crash after commit, before unlink: the taken file is still there, plus a torn line
+    with open(path + TAKEN, "wb") as f:
+        f.write(content + b'{"model": "lin", "sig')
+    r = ingest(db, spool.directory)
+    assert r.files == 1 and r.updated_shapes == 0 and len(r.bad_lines) == 1 and "not JSON" in r.bad_lines[0]
+    assert [x["count"] for x in list_shapes(db, "lin")] == [1, 1]
+    assert os.listdir(spool.directory) == []
+    # the recorder, still running, writes its next signature into a new file of the same name
+    m(torch.randn(7, 4))
+    assert ingest(db, spool.directory).new_shapes == 1
+
+
+def test_shapes_cli_ingests_and_lists(spool, tmp_path, cli_for):
+    m = record.compile(torch.nn.Linear(4, 2), name="ranker", spool=spool, backend="eager")
+    m(torch.randn(2, 4))
+    m(torch.randn(6, 4))
+    cli = cli_for(tmp_path / "cache")
+    env_flag = ["--config", str(_config(tmp_path, spool.directory))]
+    res = subprocess.run([sys.executable, "-m", "cachemgr", *cli.base(), *env_flag, "shapes", "--model", "ranker",
+                          "--json"], capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=120)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert [d["signature"] for d in doc] == ["(f32[2,4])", "(f32[6,4])"] and doc[0]["varied"] == ["args[0].0"]
+    res = subprocess.run([sys.executable, "-m", "cachemgr", *cli.base(), *env_flag, "shapes", "--model", "nope"],
+                         capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=120)
+    assert res.returncode == 0 and "no shapes recorded for model 'nope'" in res.stdout
+
+
+def _config(tmp_path, spool_dir: str):
+    p = tmp_path / "config.toml"
+    p.write_text(f'spool_dir = "{spool_dir}"\n')
+    return p
+
+
+def test_overhead_path_does_not_import_the_database():
+    # recording in a workload must not pull in SQLAlchemy (the hot path never touches the index)
+    code = ("import torch, cachemgr.record as r, sys; m = r.compile(torch.nn.Linear(2,2), name='a', backend='eager',"
+            " spool=r.Spool('/tmp/cachemgr-test-spool-unused')); m(torch.randn(1,2)); print('sqlalchemy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
