@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -157,24 +158,34 @@ def misses(r: dict) -> int:
     return r["fxgraph_cache_miss"] + r["autograd_cache_miss"]
 
 
+def repeated(a, cache: Path) -> dict:
+    """The workload `a.repeat` times on one cache: the median first-call time (fresh processes
+    on the same warm cache vary by 10-20 % run to run), the misses of the first run."""
+    runs = [run_workload(a, cache, cache.parent / "spool-x") for _ in range(a.repeat)]
+    first = dict(runs[0])
+    first["first_calls_s"] = statistics.median(r["first_calls_s"] for r in runs)
+    first["runs_s"] = [round(r["first_calls_s"], 2) for r in runs]
+    return first
+
+
 def single(a, work: Path) -> dict:
     m = write_manifest(work, a, a.device)
     cold = run_workload(a, work / "cold", work / "spool")  # also records the three shapes
-    warm = run_workload(a, work / "cold", work / "spool-x")
+    warm = repeated(a, work / "cold")
     pre_s, pre_doc = cachemgr(a, work, work / "prewarmed", "prewarm", "--manifest", str(m), "--devices", a.device,
                               "--json")
-    prewarmed = run_workload(a, work / "prewarmed", work / "spool-x")
+    prewarmed = repeated(a, work / "prewarmed")
     exp_s, _ = cachemgr(a, work, work / "cold", "export", "--out", str(work / "cache.bundle"), "--json")
     imp_s, imp_doc = cachemgr(a, work, work / "imported", "import", str(work / "cache.bundle"), "--json")
-    imported = run_workload(a, work / "imported", work / "spool-x")
+    imported = repeated(a, work / "imported")
     rows = {"cold": cold, "prewarmed": prewarmed, "imported": imported, "warm": warm}
     w = warm["first_calls_s"]
     print(f"resnet18 (width {a.width}, {a.image}x{a.image}) on {a.device}, batches {a.batches}; "
-          f"first calls of the three shapes, fresh process each")
+          f"first calls of the three shapes, fresh process each (median of {a.repeat} for the warm kinds)")
     print(f"{'cache':<12}{'first calls s':>14}{'x warm':>8}{'fx miss':>9}{'aot miss':>10}")
     for k, r in rows.items():
         print(f"{k:<12}{r['first_calls_s']:>14.2f}{r['first_calls_s'] / w:>8.2f}{r['fxgraph_cache_miss']:>9}"
-              f"{r['autograd_cache_miss']:>10}")
+              f"{r['autograd_cache_miss']:>10}  {' '.join(map(str, r.get('runs_s', [])))}")
     size = (work / "cache.bundle").stat().st_size
     print(f"prewarm took {pre_s:.1f} s ({len([s for s in pre_doc['shapes'] if s['ok']])} shapes); export {exp_s:.1f} s; "
           f"import {imp_s:.1f} s; bundle {size / 1e6:.1f} MB")
@@ -220,6 +231,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--image", type=int, default=224)
     ap.add_argument("--batches", help="comma-separated batch sizes (default 1,8,32; --quick 1,2,4; --devices 8 sizes)")
+    ap.add_argument("--repeat", type=int, default=3, help="fresh-process runs per warm cache (median)")
     ap.add_argument("--work", help="keep the caches here (default: a temporary directory)")
     ap.add_argument("--out", help="also write the figures as JSON here")
     a = ap.parse_args()

@@ -21,7 +21,12 @@ def run_scan(app, quiet_progress: bool = False):
         click.echo(f"cachemgr: {root} does not exist yet (nothing compiled on this host); index is empty", err=True)
         return ScanResult(root)
     with progress_bar("parsing entries", enabled=None if not quiet_progress else False) as progress:
-        return reconcile(app.db, app.cache_id, root, progress=progress)
+        result = reconcile(app.db, app.cache_id, root, progress=progress)
+    from cachemgr.prewarm.spool import ingest  # shapes cachemgr.record spooled (no torch)
+
+    for bad in ingest(app.db, app.settings.spool_dir).bad_lines:
+        click.echo(f"cachemgr: spool: skipped {bad}", err=True)
+    return result
 
 
 @click.command()

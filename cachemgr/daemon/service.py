@@ -28,6 +28,7 @@ from cachemgr.index.db import Database, redact
 from cachemgr.index.scan import check_root
 
 log = logging.getLogger("cachemgr.daemon")
+SPOOL_INTERVAL = 30.0  # seconds between spool ingests: recorded shapes reach the index this fast
 
 STOP_DEADLINE = 3.5  # seconds for jobs to finish after SIGTERM; systemd's stop timeout is longer
 TRIGGER_GAP = 5.0  # seconds between evictions started by crossing max_size / max_files
@@ -223,6 +224,7 @@ class Daemon:
                                     job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": 60})
         sched.add_job(self._evict_job, "interval", seconds=s.evict_interval, id="evict")
         sched.add_job(self._scan_job, "interval", seconds=s.scan_interval, id="scan")
+        sched.add_job(self._spool_job, "interval", seconds=SPOOL_INTERVAL, id="spool")
         sched.start()
         self.scheduler = sched
 
@@ -280,6 +282,20 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.scanned(r.seconds)
         w.check_watches()
+
+    def _spool_job(self) -> None:
+        """Move the shapes cachemgr.record spooled into the index (the workload never waits on it)."""
+        from cachemgr.prewarm.spool import ingest
+
+        try:
+            r = ingest(self.db, self.settings.spool_dir)
+        except CachemgrError as e:
+            log.error("spool ingest failed: %s", e)
+            return
+        if r.lines:
+            log.info("spool: %d recorded signatures ingested (%d new shapes)", r.lines, r.new_shapes)
+        for bad in r.bad_lines:
+            log.warning("spool: skipped %s", bad)
 
     def _on_overflow(self) -> None:
         """Events were lost: a full rescan soon, at most one a minute (a rescan is what heals)."""
