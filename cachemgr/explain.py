@@ -571,31 +571,6 @@ def summarize(misses: list[Miss]) -> list[SummaryLine]:
                   key=lambda s: (-s.graphs, -s.seconds, s.cause))
 
 
-def model_graphs(conn, model: str) -> set[str]:
-    """Graph keys of a model, through the input signatures the recorder wrote to `shapes`.
-
-    An fxgraph entry belongs to the model when its input signature holds every tensor
-    (dtype[shape]) of one recorded signature of the model, or has its signature hash.
-    """
-    rows = conn.execute(text("SELECT signature_hash, signature FROM shapes WHERE model = :m"), {"m": model}).fetchall()
-    if not rows:
-        known = conn.execute(text("SELECT COUNT(DISTINCT model) FROM shapes")).scalar() or 0
-        raise NotFound(f"no recorded shapes for model {model!r}" + (
-            f" ({known} other models are recorded: cachemgr shapes lists them)" if known else
-            " (the shapes table is empty: record the model with cachemgr.record, or use --graph KEY)"))
-    hashes = {h for h, _ in rows if h}
-    tensor_sets = [re.findall(r"[a-z]+\d*\[[^\]]*\]", sig or "") for _, sig in rows]
-    found: set[str] = set()
-    for gk, sh, sig in conn.execute(text("SELECT graph_key, signature_hash, signature FROM entries "
-                                         "WHERE kind = 'fxgraph' AND graph_key IS NOT NULL")):
-        if sh in hashes or any(ts and all(t in (sig or "") for t in ts) for ts in tensor_sets):
-            found.add(gk)
-    if not found:
-        raise NotFound(f"model {model!r} has {len(rows)} recorded signatures, but no fxgraph entry "
-                       "has those inputs")
-    return found
-
-
 def since_epoch(window: float | None) -> float:
     return 0.0 if window is None else time.time() - window
 
@@ -610,7 +585,6 @@ __all__ = [
     "diff",
     "explain_entry",
     "group_of",
-    "model_graphs",
     "nearest",
     "parse_input",
     "recent_misses",

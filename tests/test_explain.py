@@ -165,9 +165,9 @@ def test_explain_model_through_recorded_shapes(variants, cli_for, db_url):
     from sqlalchemy import create_engine, text
 
     engine = create_engine(db_url)
-    with engine.begin() as conn:  # what the recorder writes: one row per input signature seen
+    with engine.begin() as conn:  # what cachemgr.record writes: one row per call signature seen
         conn.execute(text("INSERT INTO shapes (model, signature_hash, signature, spec, options, count, first_seen, "
-                          "last_seen) VALUES ('ranker', 'x', 'f64[8, 16](16, 1)cpu', '[]', '{}', 1, 0, 0)"))
+                          "last_seen) VALUES ('ranker', 'x', '(f64[8,16])', '[]', '{}', 1, 0, 0)"))
     engine.dispose()
     doc = cli.json("explain", "--since", "1d", "--model", "ranker")
     assert [m["key"] for m in doc["misses"]] == [runs["dtype"][0]["key"]]

@@ -302,8 +302,9 @@ def test_push_by_model(cpu_cache, cli_for, redis_url, rconn, db_url):
     assert len(scaled) == 1
     db = Database(db_url)
     with db.engine.begin() as conn:
-        conn.execute(insert(Shape), [{"model": "ranker", "signature_hash": scaled[0]["signature_hash"],
-                                      "signature": scaled[0]["signature"], "spec": "{}", "options": "{}",
+        # the call signature cachemgr.record writes for scaled(torch.randn(6, 5))
+        conn.execute(insert(Shape), [{"model": "ranker", "signature_hash": "0123456789abcdef",
+                                      "signature": "(f32[6,5])", "spec": "{}", "options": "{}",
                                       "first_seen": time.time(), "last_seen": time.time()}])
     db.close()
     doc = json.loads(a("remote", "--redis", redis_url, "push", "--model", "ranker", "--json").stdout)

@@ -160,7 +160,9 @@ def explain(app, since: float, graph: str | None, model: str | None, summary: bo
             e, _ = X.resolve(conn, app.cache_id, graph)
             graphs = {e.graph_key}
         elif model:
-            graphs = X.model_graphs(conn, model)
+            from cachemgr.index.queries import model_graphs
+
+            graphs = model_graphs(conn, app.cache_id, model)
         misses = X.recent_misses(conn, app.cache_id, X.since_epoch(since), graphs=graphs)
     lines = X.summarize(misses)
     shown = misses[-limit:]

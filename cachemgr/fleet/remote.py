@@ -451,7 +451,7 @@ def push_items(conn, cache_id: int, model: str | None = None, graph: str | None 
     """
     from sqlalchemy import select
 
-    from cachemgr.index.models import Entry, EntryRef, Shape
+    from cachemgr.index.models import Entry, EntryRef
 
     e, r = Entry.__table__, EntryRef.__table__
     rows = conn.execute(
@@ -470,11 +470,10 @@ def push_items(conn, cache_id: int, model: str | None = None, graph: str | None 
             seeds = {row.ref for row in rows if row.ref == graph}
             what = f"graph {graph!r}"
         else:
-            sigs = set(conn.execute(select(Shape.signature_hash).where(Shape.model == model)).scalars())
-            if not sigs:
-                raise NotFound(f"no recorded shapes for model {model!r} (record them with cachemgr.record, "
-                               "or push one graph with --graph KEY)")
-            seeds = {row.ref for row in rows if row.kind == "fxgraph" and row.signature_hash in sigs}
+            from cachemgr.index.queries import model_graphs
+
+            graphs = model_graphs(conn, cache_id, model)
+            seeds = {row.ref for row in rows if row.kind == "fxgraph" and row.ref in graphs}
             what = f"model {model!r}"
         if not seeds:
             raise NotFound(f"no fxgraph or aotautograd entry for {what} in the index (run: cachemgr scan; "

@@ -7,6 +7,7 @@ sqlite3 alone (`stats_fast`): importing SQLAlchemy costs more than the whole que
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -212,6 +213,40 @@ def entry_detail(conn, root: str, cache_id: int, row) -> dict[str, Any]:
     ).scalars())) if names else []
     d["components"] = len(conn.execute(select(c.c.name).where(c.c.entry_id == row.id)).fetchall())
     return d
+
+
+def model_graphs(conn, cache_id: int, model: str) -> set[str]:
+    """Graph keys of a model, through the input signatures cachemgr.record wrote to `shapes`.
+
+    A recorded signature names the model's call inputs ('(f32[8,16])'); an fxgraph entry's
+    signature names the graph's inputs, parameters included ('f32[32, 16](16, 1)cpu; f32[8, 16]...').
+    An entry belongs to the model when it holds every recorded tensor (dtype[shape]) of one
+    signature. A graph that went dynamic (symbolic dims) no longer matches concrete shapes.
+    """
+    from sqlalchemy import text
+
+    from cachemgr.errors import NotFound
+
+    rows = conn.execute(text("SELECT signature FROM shapes WHERE model = :m"), {"m": model}).scalars().all()
+    if not rows:
+        known = conn.execute(text("SELECT COUNT(DISTINCT model) FROM shapes")).scalar() or 0
+        raise NotFound(f"no recorded shapes for model {model!r}" + (
+            f" ({known} other models are recorded: cachemgr shapes lists them)" if known else
+            " (the shapes table is empty: record the model with cachemgr.record, or use --graph KEY)"))
+    tensor_sets = [set(_TENSOR.findall((sig or "").replace(" ", ""))) for sig in rows]
+    found: set[str] = set()
+    for gk, sig in conn.execute(text("SELECT graph_key, signature FROM entries WHERE cache_id = :c AND "
+                                     "kind = 'fxgraph' AND graph_key IS NOT NULL"), {"c": cache_id}):
+        have = set(_TENSOR.findall((sig or "").replace(" ", "")))
+        if any(ts and ts <= have for ts in tensor_sets):
+            found.add(gk)
+    if not found:
+        raise NotFound(f"model {model!r} has {len(rows)} recorded signatures, but no fxgraph entry "
+                       "has those inputs (run: cachemgr scan)")
+    return found
+
+
+_TENSOR = re.compile(r"[a-z]+\d*\[[^\]]*\]")
 
 
 def _iso(ts: float | None) -> str | None:
