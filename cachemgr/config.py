@@ -179,16 +179,21 @@ def load(config_file: str | None = None, flags: Mapping[str, Any] | None = None,
     return Settings(**values, sources=sources, config_file=path)
 
 
-def _read_toml(path: str) -> dict[str, Any]:
+def read_toml(path: str, what: str, error: type[UsageError]) -> dict[str, Any]:
+    """A TOML file as a dict; a missing, unreadable or malformed file is one `error` line."""
     try:
         with open(path, "rb") as f:
-            doc = tomllib.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
+        raise error(f"{what} {path} does not exist") from None
     except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        raise error(f"cannot read {what} {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        raise error(f"{what} {path}: not valid TOML: {e}") from None
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    doc = read_toml(path, "config file", ConfigError)
     flat = dict(doc.pop("cachemgr", {})) if isinstance(doc.get("cachemgr"), dict) else {}
     flat.update(doc)
     return flat

@@ -21,6 +21,19 @@ FIXTURE_NAME = "shared/fixtures/inductor-cache-h200-torch2.11.tgz"
 GPU_FIXTURE = next((p / FIXTURE_NAME for p in REPO.parents if (p / FIXTURE_NAME).exists()), REPO.parent / FIXTURE_NAME)
 
 
+# Run the CLI in-process with the given argv, then fail if torch was imported on the way.
+NO_TORCH_PROGRAM = """
+import sys
+from cachemgr.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    assert e.code == 0, e.code
+assert "torch" not in sys.modules, "torch was imported"
+print("ok")
+"""
+
+
 def subprocess_env(cache_dir: Path | str | None = None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEMGR_", "TORCHINDUCTOR_"))}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

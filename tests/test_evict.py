@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cachemgr import layout
-from conftest import REPO, run_program, subprocess_env
+from conftest import NO_TORCH_PROGRAM, REPO, run_program, subprocess_env
 
 HOUR = 3600
 
@@ -482,22 +482,12 @@ def test_purge_corrupt(aged_cpu, cli_for):
     assert [e["key"] for e in r["entries"]] == [str(bad.relative_to(aged_cpu))] and not bad.exists()
 
 
-EVICT_WITHOUT_TORCH = """
-import sys
-from cachemgr.cli import main
-try:
-    main(sys.argv[1:])
-except SystemExit as e:
-    assert e.code == 0, e.code
-assert "torch" not in sys.modules, "torch was imported"
-print("ok")
-"""
 
 
 @pytest.mark.parametrize("args", [["evict", "--max-size", "1MB"], ["purge", "--kind", "triton", "--yes"]])
 def test_evict_never_imports_torch(aged_gpu, db_url, args):
     base = ["--cache-dir", str(aged_gpu), "--db", db_url]
-    out = subprocess.run([sys.executable, "-c", EVICT_WITHOUT_TORCH, *base, *args], env=subprocess_env(),
+    out = subprocess.run([sys.executable, "-c", NO_TORCH_PROGRAM, *base, *args], env=subprocess_env(),
                          capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cachemgr import layout
-from conftest import REPO, subprocess_env
+from conftest import NO_TORCH_PROGRAM, REPO, subprocess_env
 
 
 def disk_counts(root: Path) -> tuple[int, int]:
@@ -164,16 +164,7 @@ def test_hostile_pickle_executes_nothing(cpu_cache, cli_for, tmp_path):
     assert cli.json("stats")["corrupt"] == 6
 
 
-INSPECT_WITHOUT_TORCH = """
-import sys
-from cachemgr.cli import main
-try:
-    main(sys.argv[1:])
-except SystemExit as e:
-    assert e.code == 0, e.code
-assert "torch" not in sys.modules, "torch was imported"
-print("ok")
-"""
+INSPECT_WITHOUT_TORCH = NO_TORCH_PROGRAM
 
 
 @pytest.mark.parametrize("args", [["scan"], ["stats"], ["stats", "--json"], ["ls", "--json"], ["show", "fxgraph"]])

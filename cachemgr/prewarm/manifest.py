@@ -18,7 +18,6 @@ still load. Only a file that is not TOML at all fails as a whole.
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,16 +73,9 @@ class Manifest:
 
 
 def load(path: str) -> Manifest:
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except FileNotFoundError:
-        raise ManifestError(f"manifest {path} does not exist") from None
-    except OSError as e:
-        raise ManifestError(f"cannot read manifest {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ManifestError(f"manifest {path}: not valid TOML: {e}") from None
-    return parse(doc, path)
+    from cachemgr.config import read_toml
+
+    return parse(read_toml(path, "manifest", ManifestError), path)
 
 
 def parse(doc: dict, path: str = "<manifest>") -> Manifest:
