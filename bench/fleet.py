@@ -30,7 +30,8 @@ sys.path.insert(0, str(REPO))
 
 from cachemgr import layout  # noqa: E402
 from cachemgr.index.db import Database  # noqa: E402
-from cachemgr.index.scan import describe, reconcile  # noqa: E402
+from cachemgr.index.describe import describe_all  # noqa: E402
+from cachemgr.index.scan import reconcile  # noqa: E402
 
 FIXTURE = next((p / "shared/fixtures/inductor-cache-h200-torch2.11.tgz" for p in REPO.parents
                 if (p / "shared/fixtures/inductor-cache-h200-torch2.11.tgz").exists()), None)
@@ -84,8 +85,7 @@ def parse_only(root: str) -> tuple[float, int]:
     """What both backends pay before any SQL: the walk and reading every new entry."""
     t0 = time.perf_counter()
     disk = list(layout.walk(root))
-    for d in disk:
-        describe(root, d)
+    describe_all(root, disk)
     return time.perf_counter() - t0, len(disk)
 
 
