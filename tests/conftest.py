@@ -51,6 +51,19 @@ def run_program(cache_dir: Path, *args: str, timeout: float = 600, **env: str) -
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def isolated_state_dir(tmp_path_factory):
+    """No test may touch the user's own index ($XDG_STATE_HOME/cachemgr) or spool."""
+    state = tmp_path_factory.mktemp("xdg-state")
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(state)
+    yield state
+    if old is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = old
+
+
 @pytest.fixture(scope="session")
 def cpu_cache_master(tmp_path_factory) -> Path:
     """A real cache written by torch.compile on CPU (training step with dynamic batch,
