@@ -1,3 +1,4 @@
 from cachemgr.cli import main
 
-main()
+if __name__ == "__main__":  # not when multiprocessing workers import it
+    main()
