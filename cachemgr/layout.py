@@ -183,11 +183,6 @@ def stat_entry(root: str, c: Classified) -> DiskEntry | None:
     return e if e.files else None
 
 
-def fxgraph_dir(graph_key: str) -> str:
-    """Where Inductor keeps the entries of one graph key."""
-    return f"fxgraph/{graph_key[1:3]}/{graph_key}"
-
-
 def default_cache_dir() -> str:
     """Inductor's own default: <tmpdir>/torchinductor_<user> (torch/_inductor/runtime/cache_dir_utils.py)."""
     import getpass

@@ -80,7 +80,6 @@ def class_name(obj: Any) -> str:
 # -- hash components ----------------------------------------------------------------------------
 
 VALUE_CHARS = 200  # short value kept per component (inputs 4x); the graph code ('gm') is kept whole
-PARTS = ("code", "inputs", "options", "environment")
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import json
 import sys
 
 import torch
-from torch._dynamo.utils import counters
+from cache_counters import cache_counters
 
 
 def main_fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -51,10 +51,7 @@ def main() -> None:
         done += 1
     print(json.dumps({
         "iterations": done,
-        "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
-        "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
-        "autograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
-        "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"],
+        **cache_counters(),
     }))
 
 

@@ -11,7 +11,7 @@ import argparse
 import json
 
 import torch
-from torch._dynamo.utils import counters
+from cache_counters import cache_counters
 
 
 class MLP(torch.nn.Module):
@@ -61,10 +61,7 @@ def main() -> None:
             assert torch.allclose(y, scaled(x), atol=1e-5)
             checksum += float(y.sum())
     print(json.dumps({
-        "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
-        "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
-        "autograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
-        "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"],
+        **cache_counters(),
         "checksum": checksum,
     }))
 

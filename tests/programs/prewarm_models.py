@@ -65,7 +65,7 @@ def sleepy():
 
 def main() -> None:
     import cachemgr.record
-    from torch._dynamo.utils import counters
+    from cache_counters import cache_counters
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="4,8,16")
@@ -81,10 +81,7 @@ def main() -> None:
         with torch.no_grad():
             checksum += float(head(torch.randn(b, 8), 0.5).sum())
     print(json.dumps({
-        "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
-        "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
-        "autograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
-        "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"],
+        **cache_counters(),
         "checksum": checksum,
     }))
 
