@@ -1,7 +1,8 @@
 """Benchmark: scan a 100,000-file cache against `find` over the same tree, in one run.
 
 Prints, as ratios to `find ROOT -type f -printf '%s\\n'`: the first `cachemgr scan`, a rescan with
-nothing changed, and `cachemgr stats --json`; and the peak RSS of each cachemgr process.
+nothing changed (directory mtimes: no directory is read), the same with `--full` (every file
+stat'ed), and `cachemgr stats --json`; and the peak RSS of each cachemgr process.
 Targets (issue 2): first scan <= 2x find, rescan <= 1.2x, stats < 0.2 s, peak RSS < 150 MB.
 
     python bench/scan.py [--files 100000] [--keep DIR]
@@ -66,12 +67,15 @@ def main() -> None:
     first = json.loads(out)
     t_rescan, rss_rescan, out = best_of(3, [*cm, "scan", "--json"], env)
     again = json.loads(out)
+    t_full, rss_full, out = best_of(3, [*cm, "scan", "--full", "--json"], env)
+    full = json.loads(out)
     t_stats, rss_stats, out = best_of(5, [*cm, "stats", "--json"], env)
     stats = json.loads(out)
     t_python, _, _ = best_of(5, [sys.executable, "-c", "pass"], env)
 
     assert stats["bytes"] == find_bytes, (stats["bytes"], find_bytes)
     assert again["added"] == again["changed"] == again["removed"] == 0
+    assert full["added"] == full["changed"] == full["removed"] == 0
     mb = 1 << 20
     print(f"tree: {stats['files']} files, {stats['entries']} entries, {find_bytes / mb:.0f} MiB "
           f"({stats['by_kind']['fxgraph']['files']} fxgraph files); index bytes == find bytes")
@@ -80,6 +84,8 @@ def main() -> None:
     print(f"{'cachemgr scan (first)':28} {t_scan:8.3f} {t_scan / t_find:7.2f} {rss_scan / mb:7.0f}MB  <= 2x, < 150 MB"
           f"  ({first['added']} entries added)")
     print(f"{'cachemgr scan (unchanged)':28} {t_rescan:8.3f} {t_rescan / t_find:7.2f} {rss_rescan / mb:7.0f}MB  <= 1.2x")
+    print(f"{'cachemgr scan --full (unch.)':28} {t_full:8.3f} {t_full / t_find:7.2f} {rss_full / mb:7.0f}MB  "
+          "(stats every file)")
     print(f"{'cachemgr stats --json':28} {t_stats:8.3f} {t_stats / t_find:7.2f} {rss_stats / mb:7.0f}MB  < 0.2 s")
     print(f"{'python -c pass (floor)':28} {t_python:8.3f} {t_python / t_find:7.2f}")
 

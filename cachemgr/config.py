@@ -102,7 +102,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("policy", _policy, lambda env: "lru", "eviction policy: lru or cost"),
     Option("grace", parse_duration, lambda env: 60.0, "never delete files younger than this (since write or last access)"),
     Option("evict_interval", parse_duration, lambda env: 300.0, "daemon: run eviction this often"),
-    Option("scan_interval", parse_duration, lambda env: 3600.0, "daemon: full reconcile this often"),
+    Option("scan_interval", parse_duration, lambda env: 3600.0, "daemon: reconcile the whole tree this often (heals lost events)"),
     Option("debounce", parse_duration, lambda env: 0.3, "daemon: quiet period before applying a batch of file events"),
     Option("max_wait", parse_duration, lambda env: 1.0, "daemon: apply a batch at the latest after this long"),
     Option("metrics", _metrics, lambda env: "off", "daemon: Prometheus endpoint HOST:PORT (a bare PORT binds 127.0.0.1), or off"),

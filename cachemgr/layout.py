@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import os
 import re
+import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -90,20 +92,62 @@ class DiskEntry:
 
 
 def walk(root: str, subtree: str = "") -> Iterator[DiskEntry]:
-    """Every entry under `root` (or under `root/subtree`), grouped as `classify` groups files.
+    """Every entry under `root` (or under `root/subtree`), grouped as `classify` groups files."""
+    yield from walk_dirs(root, subtree).entries.values()
 
-    One os.scandir pass; each file is stat'ed once (lstat: symlinks are skipped, not followed).
-    Inside a Triton kernel directory (most of the files of a GPU cache) every file belongs to
-    the directory's entry, so those files skip classification. Unreadable directories are
-    skipped, so a scan never fails on one bad corner.
+
+@dataclass(slots=True)
+class DirWalk:
+    """What `walk_dirs` found: the entries of the directories it listed, and every directory's mtime."""
+
+    entries: dict[str, DiskEntry]  # entry key -> entry, for entries whose home is in `listed`
+    listed: set[str]  # directories read (new or changed since `known`): their entries are all in `entries`
+    mtimes: dict[str, int]  # every directory seen -> st_mtime_ns (RACY where it may still change unseen)
+
+
+RACY = -1  # a directory mtime too recent to trust: the next walk reads the directory again
+RACY_NS = 2_000_000_000  # file systems with coarse timestamps (1 s) can hide a change within this
+
+
+def walk_dirs(root: str, subtree: str = "", known: dict[str, int] | None = None) -> DirWalk:
+    """Walk `root` (or `root/subtree`), reading only directories whose mtime differs from `known`.
+
+    A directory's mtime moves whenever a name in it is created, removed or renamed, and Inductor
+    and Triton only ever write by renaming a finished file into place: so a directory whose mtime
+    is what it was when it was last read still holds the same entries, and is not read again (its
+    known subdirectories are still checked). Each directory is lstat'ed before it is listed, so a
+    change made while it is listed moves its mtime past the one recorded. Files in listed
+    directories are stat'ed once each (lstat: symlinks are skipped, not followed). A Triton kernel
+    directory is one entry: it is read whole or not at all. Unreadable directories are skipped, so
+    a walk never fails on one bad corner. With `known` empty every directory is read.
     """
-    entries: dict[str, DiskEntry] = {}
-    sub = subtree.strip("/")
-    stack: list[tuple[str, str, DiskEntry | None]] = [
-        (os.path.join(root, sub) if sub else root, sub + "/" if sub else "", _kernel_entry(entries, sub))
-    ]
+    known = known or {}
+    children: dict[str, list[str]] = {}
+    for d in known:
+        if d:
+            children.setdefault(d.rpartition("/")[0], []).append(d)
+    racy_after = time.time_ns() - RACY_NS
+    out = DirWalk({}, set(), {})
+    entries = out.entries
+    stack: list[tuple[str, DiskEntry | None]] = [(subtree.strip("/"), None)]  # (dir, kernel entry it is in)
     while stack:
-        path, rel, kernel = stack.pop()
+        rel, kernel = stack.pop()
+        path = os.path.join(root, rel) if rel else root
+        if kernel is None:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue  # gone: its entries leave the index
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            m = st.st_mtime_ns
+            out.mtimes[rel] = m if m < racy_after else RACY
+            if known.get(rel) == m:
+                stack.extend((child, None) for child in children.get(rel, ()))
+                continue
+            out.listed.add(rel)
+            kernel = _kernel_entry(entries, rel)
+        prefix = rel + "/" if rel else ""
         try:
             it = os.scandir(path)
         except OSError:
@@ -115,8 +159,7 @@ def walk(root: str, subtree: str = "") -> Iterator[DiskEntry]:
                     continue  # is_transient, inlined: this loop runs once per file
                 try:
                     if d.is_dir(follow_symlinks=False):
-                        child = rel + name
-                        stack.append((d.path, child + "/", kernel or _kernel_entry(entries, child)))
+                        stack.append((prefix + name, kernel))
                         continue
                     if not d.is_file(follow_symlinks=False):
                         continue
@@ -125,31 +168,29 @@ def walk(root: str, subtree: str = "") -> Iterator[DiskEntry]:
                     continue  # vanished between listing and stat: an eviction or a rename
                 e = kernel
                 if e is None:
-                    c = classify(rel + name)
+                    c = classify(prefix + name)
                     if c is None:
                         continue
                     e = entries.get(c.key)
                     if e is None:
                         e = entries[c.key] = DiskEntry(c.kind, c.key, c.ref)
-                e.bytes += st.st_size
-                e.files += 1
-                if st.st_mtime > e.mtime:
-                    e.mtime = st.st_mtime
-                if st.st_atime > e.atime:
-                    e.atime = st.st_atime
-                e.paths.append(rel + name)
-    yield from entries.values()
+                e.add(prefix + name, st)
+    return out
+
+
+def home_dir(key: str, kind: str) -> str:
+    """The directory whose listing holds an entry: a kernel directory is its own home."""
+    return key if kind == "triton" else key.rpartition("/")[0]
 
 
 def _kernel_entry(entries: dict[str, DiskEntry], rel: str) -> DiskEntry | None:
-    """The entry of a Triton kernel directory triton/<device>/<hash> (or of a path inside one)."""
+    """The entry of a Triton kernel directory triton/<device>/<hash>, None for any other directory."""
     parts = rel.split("/")
-    if len(parts) < 3 or parts[0] != "triton" or any(is_transient(p) for p in parts):
+    if len(parts) != 3 or parts[0] != "triton" or any(is_transient(p) for p in parts):
         return None
-    key = "/".join(parts[:3])
-    e = entries.get(key)
+    e = entries.get(rel)
     if e is None:
-        e = entries[key] = DiskEntry("triton", key, parts[2])
+        e = entries[rel] = DiskEntry("triton", rel, parts[2])
     return e
 
 

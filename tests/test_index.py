@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -104,20 +107,83 @@ def test_gpu_fixture_links(gpu_cache, cli_for):
     assert [r["kind"] for r in shown["references"]] == ["triton"] and shown["references"][0]["present"]
 
 
+def age_dirs(root: Path, seconds: float = 3600) -> None:
+    """Set every directory's mtime back: a scan then trusts them (a just-moved mtime is read again)."""
+    t = time.time() - seconds
+    for d in [root, *(p for p in root.rglob("*") if p.is_dir() and not p.is_symlink())]:
+        os.utime(d, (t, t))
+
+
+# Scan in a fresh process and report whether SQLAlchemy was imported on the way.
+SCAN_PROGRAM = """
+import json, sys
+from cachemgr.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    assert e.code == 0, e.code
+print(json.dumps({"sqlalchemy": "sqlalchemy" in sys.modules}))
+"""
+
+
 def test_rescan_reconciles_changes(cpu_cache, cli_for):
+    age_dirs(cpu_cache)
     cli = cli_for(cpu_cache)
     first = cli.json("scan")
     again = cli.json("scan")
     assert again["added"] == again["changed"] == again["removed"] == 0
     assert again["unchanged"] == first["added"]
+    # An unchanged tree is answered from directory mtimes alone, without importing SQLAlchemy.
+    out = subprocess.run([sys.executable, "-c", SCAN_PROGRAM, *cli.base(), "scan", "--json"],
+                         capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    *scanned, probe = out.stdout.strip().splitlines()
+    assert json.loads("\n".join(scanned))["unchanged"] == first["added"]
+    assert json.loads(probe) == {"sqlalchemy": False}
+
     victim = next(cpu_cache.glob("fxgraph/*/*/*"))
     victim.unlink()
-    grown = next(cpu_cache.glob("??/c*.py"))
-    grown.write_text(grown.read_text() + "\n# edited\n")
+    rewritten = next(cpu_cache.glob("??/c*.py"))  # as Inductor writes: a finished file renamed into place
+    tmp = rewritten.with_name(f".{os.getpid()}.1.tmp")
+    tmp.write_text(rewritten.read_text() + "\n# rewritten\n")
+    os.replace(tmp, rewritten)
     (cpu_cache / "other.bin").write_bytes(b"x" * 100)
     r = cli.json("scan")
     assert (r["added"], r["changed"], r["removed"]) == (1, 1, 1)
     assert cli.json("stats")["bytes"] == find_bytes(cpu_cache)
+
+    # A file edited in place leaves its directory's mtime alone: only --full stats every file.
+    age_dirs(cpu_cache)
+    assert cli.json("scan")["changed"] == 0  # the directories the last scan saw move are read once more
+    edited = next(p for p in cpu_cache.glob("??/c*.py") if p.parent != rewritten.parent)
+    with open(edited, "a") as f:
+        f.write("# edited in place\n")
+    assert cli.json("scan")["changed"] == 0
+    full = cli.json("scan", "--full")
+    assert (full["added"], full["changed"], full["removed"]) == (0, 1, 0)
+    assert cli.json("stats")["bytes"] == find_bytes(cpu_cache)
+
+
+def test_rescan_sees_new_and_removed_directories(gpu_cache, cli_for):
+    age_dirs(gpu_cache)
+    cli = cli_for(gpu_cache)
+    first = cli.json("scan")
+    kernel = next(gpu_cache.glob("triton/0/*"))
+    copy = kernel.with_name(kernel.name[:-4] + "ZZZZ")
+    shutil.copytree(kernel, copy)  # a new kernel directory (Triton renames it into place whole)
+    gone = next(gpu_cache.glob("triton/0/*"))
+    while gone in (kernel, copy):
+        gone = next(p for p in gpu_cache.glob("triton/0/*") if p not in (kernel, copy))
+    shutil.rmtree(gone)
+    shutil.rmtree(next(gpu_cache.glob("fxgraph/*")))  # a whole <2ch> folder of graphs
+    r = cli.json("scan")
+    assert r["added"] == 1 and r["removed"] >= 2 and r["changed"] == 0
+    assert r["unchanged"] == first["added"] - r["removed"]
+    keys = {e["key"] for e in cli.json("ls")}
+    assert copy.relative_to(gpu_cache).as_posix() in keys
+    assert gone.relative_to(gpu_cache).as_posix() not in keys
+    assert keys == {e.key for e in layout.walk(str(gpu_cache))}
+    assert cli.json("stats")["bytes"] == find_bytes(gpu_cache)
 
 
 def test_transient_files_are_not_entries(cpu_cache, cli_for):

@@ -21,7 +21,9 @@ dry_run_option = click.option("--dry-run", is_flag=True, help="Show what would g
 def _scan(app) -> None:
     from cachemgr.cli.inspect import run_scan
 
-    run_scan(app, quiet_progress=True)  # plan from the disk as it is, not as it was
+    # Plan from the disk as it is, not as it was: every file stat'ed (full), so access times that
+    # moved without a directory changing (hits on a host without the daemon) count too.
+    run_scan(app, quiet_progress=True, full=True)
 
 
 def _print_plan(p, verb: str) -> None:

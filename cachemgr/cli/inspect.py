@@ -9,41 +9,62 @@ from cachemgr.errors import NotFound
 from cachemgr.layout import KINDS
 
 
-def run_scan(app, quiet_progress: bool = False):
+def run_scan(app, quiet_progress: bool = False, full: bool = False):
     import os
+    import time
 
-    from cachemgr.index.scan import ScanResult, reconcile
+    from cachemgr.index.result import ScanResult, check_root
+    from cachemgr.prewarm import spool  # shapes cachemgr.record spooled (no torch)
 
-    root = app.settings.cache_dir
-    if app.settings.sources["cache_dir"] == "default" and not os.path.exists(root):
+    s = app.settings
+    root = s.cache_dir
+    if s.sources["cache_dir"] == "default" and not os.path.exists(root):
         # Inductor's default directory appears with the first compile: nothing to index yet.
         # A directory the user named (flag, env, config) that is missing stays an error.
         click.echo(f"cachemgr: {root} does not exist yet (nothing compiled on this host); index is empty", err=True)
         return ScanResult(root)
-    with progress_bar("parsing entries", enabled=None if not quiet_progress else False) as progress:
-        result = reconcile(app.db, app.cache_id, root, progress=progress)
-    from cachemgr.prewarm.spool import ingest  # shapes cachemgr.record spooled (no torch)
+    check_root(root)
+    result = None
+    if s.db.startswith("sqlite:///") and not full:  # nothing changed? answered without SQLAlchemy
+        from cachemgr.index.queries import rescan_fast
+        from cachemgr.index.revision import HEAD_REVISION
 
-    for bad in ingest(app.db, app.settings.spool_dir).bad_lines:
-        click.echo(f"cachemgr: spool: skipped {bad}", err=True)
+        t0 = time.monotonic()
+        unchanged = rescan_fast(s.db[len("sqlite:///"):], HEAD_REVISION, s.host, root)
+        if unchanged is not None:
+            result = ScanResult(root, unchanged=unchanged, seconds=time.monotonic() - t0)
+    if result is None:
+        from cachemgr.index.scan import reconcile
+
+        with progress_bar("parsing entries", enabled=None if not quiet_progress else False) as progress:
+            result = reconcile(app.db, app.cache_id, root, progress=progress, full=full)
+    if spool.waiting(s.spool_dir):
+        for bad in spool.ingest(app.db, s.spool_dir).bad_lines:
+            click.echo(f"cachemgr: spool: skipped {bad}", err=True)
     return result
 
 
 @click.command()
+@click.option("--full", is_flag=True,
+              help="Read every directory and stat every file, even where a directory's mtime says nothing "
+                   "changed (for file systems without reliable directory mtimes, or files rewritten in place).")
 @json_option
 @pass_app
-def scan(app, as_json: bool) -> None:
+def scan(app, full: bool, as_json: bool) -> None:
     """Reconcile the index with the cache directory and print what changed.
 
     New and changed entries are parsed (without importing torch); removed ones leave the index.
-    A rescan of an unchanged tree only stats files. Corrupt entries are reported, never fatal.
+    A rescan reads only the directories whose mtime moved since the last scan (torch writes every
+    cache file by renaming it into place, which moves its directory's mtime), so an unchanged tree
+    costs a stat per directory. Corrupt entries are reported, never fatal.
 
     \b
     Example:
         cachemgr --cache-dir /var/cache/inductor scan
         cachemgr scan --json | jq .added
+        cachemgr scan --full             # stat every file, trust no directory mtime
     """
-    r = run_scan(app)
+    r = run_scan(app, full=full)
     if as_json:
         emit_json(r.as_dict())
         return

@@ -193,7 +193,8 @@ class Daemon:
             check_root(s.cache_dir)
             from cachemgr.index.scan import reconcile
 
-            r = reconcile(self.db, self.cache_id, s.cache_dir)
+            # full: every file stat'ed, since anything may have happened while no daemon watched
+            r = reconcile(self.db, self.cache_id, s.cache_dir, full=True)
             log.info("full scan: %d added, %d changed, %d removed, %d unchanged (%.2f s)", len(r.added),
                      len(r.changed), len(r.removed), r.unchanged, r.seconds)
             if self.metrics is not None:
@@ -275,10 +276,10 @@ class Daemon:
         try:
             r = w.request_scan("").result(timeout=max(600.0, self.settings.scan_interval))
         except (CachemgrError, TimeoutError) as e:
-            log.error("full scan failed: %s", e)
+            log.error("rescan failed: %s", e)
             return
-        log.info("full scan: %d added, %d changed, %d removed, %d unchanged (%.2f s)", len(r.added),
-                 len(r.changed), len(r.removed), r.unchanged, r.seconds)
+        log.info("rescan (directories whose mtime moved): %d added, %d changed, %d removed, %d unchanged (%.2f s)",
+                 len(r.added), len(r.changed), len(r.removed), r.unchanged, r.seconds)
         if self.metrics is not None:
             self.metrics.scanned(r.seconds)
         w.check_watches()

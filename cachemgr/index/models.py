@@ -88,6 +88,17 @@ class Entry(Base):
     refs: Mapped[list[EntryRef]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
 
 
+class Dir(Base):
+    """A directory's mtime when the scanner last read it: while it stays the same, the directory
+    holds the same names, and a rescan does not read it again (cachemgr.layout.walk_dirs)."""
+
+    __tablename__ = "dirs"
+
+    cache_id: Mapped[int] = mapped_column(ForeignKey("caches.id", ondelete="CASCADE"), primary_key=True)
+    path: Mapped[str] = mapped_column(String(1024), primary_key=True)  # relative to the root, "" is the root
+    mtime_ns: Mapped[int] = mapped_column(BigInteger)  # -1: too recent to trust, read it again
+
+
 class EntryRef(Base):
     """Entry `entry_id` needs the entry of `kind` whose ref (or alias) is `ref`."""
 

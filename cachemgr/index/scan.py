@@ -7,51 +7,25 @@ file and reads none.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from sqlalchemy import bindparam, delete, insert, select, update
+from sqlalchemy import bindparam, delete, func, insert, or_, select, update
 
 from cachemgr import layout, parse
-from cachemgr.errors import CacheDirError
 from cachemgr.index.db import Database
 from cachemgr.index.describe import Described, Parts, describe_all
-from cachemgr.index.models import Cache, ComponentSet, ComponentSetItem, Entry, EntryComponentSet, EntryRef, Event
+from cachemgr.index.models import (
+    Cache, ComponentSet, ComponentSetItem, Dir, Entry, EntryComponentSet, EntryRef, Event,
+)
+from cachemgr.index.result import ScanResult, check_root
 
-ENTRIES, REFS, EVENTS = Entry.__table__, EntryRef.__table__, Event.__table__
+ENTRIES, REFS, EVENTS, DIRS = Entry.__table__, EntryRef.__table__, Event.__table__, Dir.__table__
 SETS, SET_ITEMS, ENTRY_SETS = ComponentSet.__table__, ComponentSetItem.__table__, EntryComponentSet.__table__
 CHUNK = 500  # rows per IN (...) list: well under SQLite's and PostgreSQL's parameter limits
 
 Progress = Callable[[int, int], None]  # (done, total) while parsing entries
-
-
-@dataclass(frozen=True)
-class ScanResult:
-    root: str
-    added: list[str] = field(default_factory=list)
-    changed: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)
-    unchanged: int = 0
-    corrupt: list[tuple[str, str]] = field(default_factory=list)  # (key, reason) of new/changed
-    seconds: float = 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "root": self.root, "added": len(self.added), "changed": len(self.changed),
-            "removed": len(self.removed), "unchanged": self.unchanged,
-            "corrupt": [{"key": k, "reason": r} for k, r in self.corrupt], "seconds": round(self.seconds, 3),
-        }
-
-
-def check_root(root: str) -> None:
-    if not os.path.exists(root):
-        raise CacheDirError(f"cache directory {root} does not exist (set --cache-dir or TORCHINDUCTOR_CACHE_DIR)")
-    if not os.path.isdir(root):
-        raise CacheDirError(f"cache directory {root} is not a directory")
-    if not os.access(root, os.R_OK | os.X_OK):
-        raise CacheDirError(f"cache directory {root} is not readable by this user")
 
 
 _PARSED_COLUMNS = (
@@ -61,27 +35,58 @@ _PARSED_COLUMNS = (
 
 
 def reconcile(
-    db: Database, cache_id: int, root: str, subtree: str = "", progress: Progress | None = None
+    db: Database, cache_id: int, root: str, subtree: str = "", progress: Progress | None = None,
+    full: bool = False,
 ) -> ScanResult:
-    """Bring the index rows of `root` (or of one subtree) in line with the disk, in one transaction."""
+    """Bring the index rows of `root` (or of one subtree) in line with the disk, in one transaction.
+
+    Only directories whose mtime moved since the last scan are read (`layout.walk_dirs`); `full`
+    reads every directory and stats every file, for file systems whose directory mtimes cannot be
+    trusted, or to pick up files rewritten in place.
+    """
     t0 = time.monotonic()
     check_root(root)
-    prefix = subtree.strip("/") + "/" if subtree else ""
-    disk = {d.key: d for d in layout.walk(root, subtree.strip("/"))}
-
+    sub = subtree.strip("/")
+    prefix = sub + "/" if sub else ""
     with db.engine.connect() as conn:
-        q = select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id)
-        if prefix:
-            q = q.where(ENTRIES.c.key.startswith(prefix, autoescape=True))
-        known = {r.key: r for r in conn.execute(q)}
-        prepared = prepare(conn, cache_id, root, disk, known, progress)
+        q = select(DIRS.c.path, DIRS.c.mtime_ns).where(DIRS.c.cache_id == cache_id)
+        if sub:
+            q = q.where(or_(DIRS.c.path == sub, DIRS.c.path.startswith(prefix, autoescape=True)))
+        stored = dict(conn.execute(q).all())
+        walked = layout.walk_dirs(root, sub, None if full else stored)
+        stale = walked.listed | {d for d in stored if d not in walked.mtimes}
+        known = {}
+        if stale:
+            q = select(*KNOWN_COLUMNS, ENTRIES.c.kind).where(ENTRIES.c.cache_id == cache_id)
+            if prefix:
+                q = q.where(ENTRIES.c.key.startswith(prefix, autoescape=True))
+            known = {r.key: r for r in conn.execute(q)
+                     if r.key in walked.entries or layout.home_dir(r.key, r.kind) in stale}
+        q = select(func.count()).select_from(ENTRIES).where(ENTRIES.c.cache_id == cache_id)
+        indexed = conn.execute(q.where(ENTRIES.c.key.startswith(prefix, autoescape=True)) if prefix else q).scalar()
+        prepared = prepare(conn, cache_id, root, walked.entries, known, progress)
     with db.engine.begin() as conn:
         corrupt = write(conn, cache_id, prepared)
+        _write_dirs(conn, cache_id, stored, walked.mtimes)
         if not prefix:
             conn.execute(update(Cache.__table__).where(Cache.__table__.c.id == cache_id).values(last_scan=prepared.now))
     p = prepared
-    return ScanResult(root, p.added, p.changed, p.removed, len(disk) - len(p.added) - len(p.changed), corrupt,
+    return ScanResult(root, p.added, p.changed, p.removed, indexed - len(p.changed) - len(p.removed), corrupt,
                       time.monotonic() - t0)
+
+
+def _write_dirs(conn, cache_id: int, stored: dict[str, int], seen: dict[str, int]) -> None:
+    """Record the mtime each directory had when it was read; forget directories that are gone."""
+    gone = [d for d in stored if d not in seen]
+    for chunk in _chunks(gone):
+        conn.execute(delete(DIRS).where(DIRS.c.cache_id == cache_id, DIRS.c.path.in_(chunk)))
+    new = [{"cache_id": cache_id, "path": d, "mtime_ns": m} for d, m in seen.items() if d not in stored]
+    if new:
+        conn.execute(insert(DIRS), new)
+    moved = [{"b_path": d, "b_mtime": m} for d, m in seen.items() if d in stored and stored[d] != m]
+    if moved:
+        conn.execute(update(DIRS).where(DIRS.c.cache_id == cache_id, DIRS.c.path == bindparam("b_path"))
+                     .values(mtime_ns=bindparam("b_mtime")), moved)
 
 
 KNOWN_COLUMNS = (ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.bytes, ENTRIES.c.files, ENTRIES.c.mtime, ENTRIES.c.last_access)

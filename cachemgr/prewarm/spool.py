@@ -21,11 +21,10 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from sqlalchemy import select
-
-from cachemgr.index.db import Database
-from cachemgr.index.models import Shape
+if TYPE_CHECKING:  # SQLAlchemy is imported where rows are written: a scan with an empty spool needs none of it
+    from cachemgr.index.db import Database
 
 SPOOL_SUFFIX = ".jsonl"  # cachemgr.record.SPOOL_SUFFIX (not imported: record is the workload's module)
 TAKEN = ".ingesting"
@@ -49,12 +48,7 @@ class IngestResult:
 def ingest(db: Database, spool_dir: str) -> IngestResult:
     """Move every spool file's lines into the index. Safe to call concurrently and after a crash."""
     t0 = time.monotonic()
-    try:
-        names = sorted(os.listdir(spool_dir))
-    except FileNotFoundError:
-        return IngestResult()
-    leftovers = [n for n in names if n.endswith(SPOOL_SUFFIX + TAKEN)]
-    fresh = [n for n in names if n.endswith(SPOOL_SUFFIX) and not n.startswith(".")]
+    leftovers, fresh = _spooled(spool_dir)
     totals = {"files": 0, "lines": 0, "new": 0, "updated": 0}
     bad: list[str] = []
     for name, recovering in [(n, True) for n in leftovers] + [(n, False) for n in fresh]:
@@ -75,6 +69,21 @@ def ingest(db: Database, spool_dir: str) -> IngestResult:
         totals["updated"] += done[2]
     return IngestResult(totals["files"], totals["lines"], totals["new"], totals["updated"], bad,
                         time.monotonic() - t0)
+
+
+def waiting(spool_dir: str) -> bool:
+    """Whether the spool holds anything to ingest."""
+    return any(_spooled(spool_dir))
+
+
+def _spooled(spool_dir: str) -> tuple[list[str], list[str]]:
+    """(files a crashed ingest left taken, fresh files), by name."""
+    try:
+        names = sorted(os.listdir(spool_dir))
+    except FileNotFoundError:
+        return [], []
+    leftovers = [n for n in names if n.endswith(SPOOL_SUFFIX + TAKEN)]
+    return leftovers, [n for n in names if n.endswith(SPOOL_SUFFIX) and not n.startswith(".")]
 
 
 def _ingest_file(db: Database, path: str, recovering: bool, bad: list[str]) -> tuple[int, int, int] | None:
@@ -117,6 +126,10 @@ def _parse_lines(name: str, raw: bytes, bad: list[str]) -> list[dict]:
 
 
 def _upsert(db: Database, lines: list[dict], recovering: bool) -> tuple[int, int]:
+    from sqlalchemy import select
+
+    from cachemgr.index.models import Shape
+
     if not lines:
         return 0, 0
     new = updated = 0
@@ -149,6 +162,10 @@ def _upsert(db: Database, lines: list[dict], recovering: bool) -> tuple[int, int
 
 def list_shapes(db: Database, model: str | None = None) -> list[dict]:
     """Recorded shapes, per model in first-seen order (the order prewarm replays them in)."""
+    from sqlalchemy import select
+
+    from cachemgr.index.models import Shape
+
     with db.session() as s:
         q = select(Shape).order_by(Shape.model, Shape.first_seen, Shape.id)
         if model is not None:
