@@ -81,7 +81,7 @@ class DiskEntry:
     files: int = 0
     mtime: float = 0.0
     atime: float = 0.0
-    paths: list[str] = field(default_factory=list)  # relative paths of its regular files
+    paths: list[str] = field(default_factory=list)  # relative paths of its regular files (if kept)
 
     def add(self, relpath: str, st: os.stat_result) -> None:
         self.bytes += st.st_size
@@ -109,7 +109,9 @@ RACY = -1  # a directory mtime too recent to trust: the next walk reads the dire
 RACY_NS = 2_000_000_000  # file systems with coarse timestamps (1 s) can hide a change within this
 
 
-def walk_dirs(root: str, subtree: str = "", known: dict[str, int] | None = None) -> DirWalk:
+def walk_dirs(
+    root: str, subtree: str = "", known: dict[str, int] | None = None, keep_paths: bool = True
+) -> DirWalk:
     """Walk `root` (or `root/subtree`), reading only directories whose mtime differs from `known`.
 
     A directory's mtime moves whenever a name in it is created, removed or renamed, and Inductor
@@ -119,7 +121,8 @@ def walk_dirs(root: str, subtree: str = "", known: dict[str, int] | None = None)
     change made while it is listed moves its mtime past the one recorded. Files in listed
     directories are stat'ed once each (lstat: symlinks are skipped, not followed). A Triton kernel
     directory is one entry: it is read whole or not at all. Unreadable directories are skipped, so
-    a walk never fails on one bad corner. With `known` empty every directory is read.
+    a walk never fails on one bad corner. With `known` empty every directory is read. Without
+    `keep_paths` the entries' `paths` stay empty (a large scan needs only the totals).
     """
     known = known or {}
     children: dict[str, list[str]] = {}
@@ -174,7 +177,14 @@ def walk_dirs(root: str, subtree: str = "", known: dict[str, int] | None = None)
                     e = entries.get(c.key)
                     if e is None:
                         e = entries[c.key] = DiskEntry(c.kind, c.key, c.ref)
-                e.add(prefix + name, st)
+                e.bytes += st.st_size
+                e.files += 1
+                if st.st_mtime > e.mtime:
+                    e.mtime = st.st_mtime
+                if st.st_atime > e.atime:
+                    e.atime = st.st_atime
+                if keep_paths:
+                    e.paths.append(prefix + name)
     return out
 
 

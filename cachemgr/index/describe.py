@@ -51,10 +51,11 @@ def describe(root: str, d: layout.DiskEntry, sent: set[str]) -> Described:
         elif d.kind == "autotune":
             refs = parse.autotune_refs(read_noatime(os.path.join(root, d.key)))
         elif d.kind == "code":
-            main_cpp = next((x for x in d.paths if x.endswith(".main.cpp")), None)
-            if main_cpp:
-                source = read_noatime(os.path.join(root, main_cpp)).decode("utf-8", "replace")
+            try:  # the C++ source of a kernel module names the kernel's own hash
+                source = read_noatime(os.path.join(root, d.key + ".main.cpp")).decode("utf-8", "replace")
                 row["alias"] = parse.cpp_source_ref(source)
+            except FileNotFoundError:
+                pass
     except OSError as e:
         row["corrupt"] = f"unreadable: {e.strerror}"
     parts: Parts = {}

@@ -24,6 +24,7 @@ from cachemgr.index.result import ScanResult, check_root
 ENTRIES, REFS, EVENTS, DIRS = Entry.__table__, EntryRef.__table__, Event.__table__, Dir.__table__
 SETS, SET_ITEMS, ENTRY_SETS = ComponentSet.__table__, ComponentSetItem.__table__, EntryComponentSet.__table__
 CHUNK = 500  # rows per IN (...) list: well under SQLite's and PostgreSQL's parameter limits
+BULK = 2000  # entry rows per INSERT ... RETURNING (SQLAlchemy splits it under the parameter limits)
 
 Progress = Callable[[int, int], None]  # (done, total) while parsing entries
 
@@ -53,7 +54,7 @@ def reconcile(
         if sub:
             q = q.where(or_(DIRS.c.path == sub, DIRS.c.path.startswith(prefix, autoescape=True)))
         stored = dict(conn.execute(q).all())
-        walked = layout.walk_dirs(root, sub, None if full else stored)
+        walked = layout.walk_dirs(root, sub, None if full else stored, keep_paths=False)
         stale = walked.listed | {d for d in stored if d not in walked.mtimes}
         known = {}
         if stale:
@@ -161,16 +162,11 @@ def write(conn, cache_id: int, p: Prepared) -> list[tuple[str, str]]:
                 for k in p.changed
             ],
         )
-    new_rows = []
-    for k in p.added:
-        d, row = disk[k], described[k].row
-        new_rows.append({
-            "cache_id": cache_id, "key": k, "kind": d.kind, "ref": d.ref, "bytes": d.bytes, "files": d.files,
-            "mtime": d.mtime, "first_seen": now, "last_access": max(d.atime, d.mtime), "hit_count": 0,
-            **{c: row.get(c) for c in ("alias", *_PARSED_COLUMNS)},
-        })
-    ids = _insert_returning_ids(conn, new_rows)
-    ids.update({k: known[k].id for k in p.changed})
+    ids = {k: known[k].id for k in p.changed}
+    returning = insert(ENTRIES).returning(ENTRIES.c.id, ENTRIES.c.key)
+    for chunk in _chunks(p.added, BULK):  # rows built a chunk at a time: a first scan's peak memory stays flat
+        ids.update((key, eid) for eid, key in conn.execute(returning, [_new_row(cache_id, disk[k], described[k].row, now)
+                                                                        for k in chunk]))
     refs, entry_sets, events, corrupt = [], [], [], []
     sets = ComponentSets(conn)
     for k in p.added + p.changed:
@@ -226,24 +222,12 @@ class ComponentSets:
         self.pending.clear()
 
 
-def _insert_returning_ids(conn, rows: list[dict]) -> dict[str, int]:
-    """Insert entry rows; map key -> id. One executemany, then one select for the ids."""
-    if not rows:
-        return {}
-    conn.execute(insert(ENTRIES), rows)
-    cache_id = rows[0]["cache_id"]
-    keys = [r["key"] for r in rows]
-    out: dict[str, int] = {}
-    if len(keys) > CHUNK * 4:  # cheaper to read the cache's ids whole than to page through IN lists
-        wanted = set(keys)
-        for eid, key in conn.execute(select(ENTRIES.c.id, ENTRIES.c.key).where(ENTRIES.c.cache_id == cache_id)):
-            if key in wanted:
-                out[key] = eid
-        return out
-    for chunk in _chunks(keys):
-        out.update((k, i) for i, k in conn.execute(
-            select(ENTRIES.c.id, ENTRIES.c.key).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk))))
-    return out
+def _new_row(cache_id: int, d: layout.DiskEntry, row: dict, now: float) -> dict:
+    return {
+        "cache_id": cache_id, "key": d.key, "kind": d.kind, "ref": d.ref, "bytes": d.bytes, "files": d.files,
+        "mtime": d.mtime, "first_seen": now, "last_access": max(d.atime, d.mtime), "hit_count": 0,
+        **{c: row.get(c) for c in ("alias", *_PARSED_COLUMNS)},
+    }
 
 
 def _chunks(items: list, n: int = CHUNK) -> Iterable[list]:
