@@ -1,4 +1,4 @@
-from cachemgr.cli import main
+if __name__ == "__main__":  # not when multiprocessing workers import it (they need none of the CLI)
+    from cachemgr.cli import main
 
-if __name__ == "__main__":  # not when multiprocessing workers import it
     main()

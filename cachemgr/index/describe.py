@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachemgr import layout, parse
 
+PICKLED = ("fxgraph", "aotautograd")  # the kinds whose parsing costs: pickles of up to megabytes each
 PARALLEL_MIN_BYTES = 64 << 20  # below this much pickle to read, worker start-up costs more than it saves
 
 Parts = dict[str, tuple[str, list[parse.Component] | None]]  # part -> (digest, items or None if sent before)
@@ -83,32 +84,33 @@ def _worker(args: tuple[str, layout.DiskEntry]) -> tuple[str, Described]:
 
 def describe_all(root: str, entries: list[layout.DiskEntry],
                  progress: Callable[[int, int], None] | None = None) -> dict[str, Described]:
-    """Describe every entry; parse pickles in one worker process per core when there is a lot."""
-    heavy = sum(d.bytes for d in entries if d.kind in ("fxgraph", "aotautograd"))
+    """Describe every entry. When there is a lot of pickle to read, fxgraph and AOTAutograd entries
+    are parsed by one worker process per core while this process describes the rest: only the
+    pickles cross the process boundary, not the many small entries."""
+    heavy = [d for d in entries if d.kind in PICKLED]
     workers = min(os.cpu_count() or 1, 8)
     out: dict[str, Described] = {}
-    done = 0
+    sent: set[str] = set()
 
-    def results() -> Iterable[tuple[str, Described]]:
-        if heavy < PARALLEL_MIN_BYTES or workers < 2:
-            sent: set[str] = set()
-            return ((d.key, describe(root, d, sent)) for d in entries)
-        # spawn, not fork: the daemon has threads (observer, scheduler) a fork would copy mid-lock
-        pool = multiprocessing.get_context("spawn").Pool(workers)
-        pool_results = pool.imap(_worker, ((root, d) for d in entries), chunksize=16)
-        return _closing(pool, pool_results)
-
-    for key, described in results():
+    def done(key: str, described: Described) -> None:
         out[key] = described
-        done += 1
         if progress:
-            progress(done, len(entries))
-    return out
+            progress(len(out), len(entries))
 
-
-def _closing(pool, it: Iterable) -> Iterable:
+    if workers < 2 or sum(d.bytes for d in heavy) < PARALLEL_MIN_BYTES:
+        for d in entries:
+            done(d.key, describe(root, d, sent))
+        return out
+    # spawn, not fork: the daemon has threads (observer, scheduler) a fork would copy mid-lock
+    pool = multiprocessing.get_context("spawn").Pool(workers)
     try:
-        yield from it
+        parsed = pool.imap_unordered(_worker, ((root, d) for d in heavy), chunksize=4)
+        for d in entries:
+            if d.kind not in PICKLED:
+                done(d.key, describe(root, d, sent))
+        for key, described in parsed:
+            done(key, described)
     finally:
         pool.terminate()
         pool.join()
+    return out
