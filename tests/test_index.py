@@ -126,6 +126,26 @@ print(json.dumps({"sqlalchemy": "sqlalchemy" in sys.modules}))
 """
 
 
+def test_parallel_parse_matches_serial(gpu_cache, tmp_path, monkeypatch):
+    """The worker-process path of a large first scan describes every entry as one process does."""
+    from cachemgr.index import describe
+
+    entries = [e for e in layout.walk(str(gpu_cache)) if e.kind != "lock"]
+    serial = describe.describe_all(str(gpu_cache), entries)
+    monkeypatch.setattr(describe, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(describe.os, "cpu_count", lambda: 2)
+    ticks = []
+    parallel = describe.describe_all(str(gpu_cache), entries, lambda done, total: ticks.append((done, total)))
+    assert ticks[-1] == (len(entries), len(entries))
+    assert parallel.keys() == serial.keys()
+    for key, d in serial.items():
+        p = parallel[key]
+        assert (p.row, p.refs) == (d.row, d.refs), key
+        assert {part: digest for part, (digest, _) in p.parts.items()} == \
+            {part: digest for part, (digest, _) in d.parts.items()}, key
+    assert sum(e.kind == "fxgraph" for e in entries) == 6
+
+
 def test_rescan_reconciles_changes(cpu_cache, cli_for):
     age_dirs(cpu_cache)
     cli = cli_for(cpu_cache)
