@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cachemgr import layout
-from conftest import NO_TORCH_PROGRAM, REPO, subprocess_env
+from conftest import NO_TORCH_PROGRAM, REPO, run_program, subprocess_env
 
 
 def disk_counts(root: Path) -> tuple[int, int]:
@@ -181,6 +181,20 @@ def test_rescan_reconciles_changes(cpu_cache, cli_for):
     assert cli.json("scan")["changed"] == 0
     full = cli.json("scan", "--full")
     assert (full["added"], full["changed"], full["removed"]) == (0, 1, 0)
+    assert cli.json("stats")["bytes"] == find_bytes(cpu_cache)
+
+
+@pytest.mark.slow
+def test_rescan_after_real_compile_matches_full_scan(cpu_cache, cli_for):
+    """What a real torch.compile writes moves directory mtimes: the quick rescan finds all of it."""
+    age_dirs(cpu_cache)
+    cli = cli_for(cpu_cache)
+    cli("scan")
+    run_program(cpu_cache, "--batches", "3,5")  # new static shapes: new graphs, modules, kernels
+    quick = cli.json("scan")
+    assert quick["added"] > 0 and quick["corrupt"] == []
+    full = cli.json("scan", "--full")
+    assert (full["added"], full["changed"], full["removed"]) == (0, 0, 0)
     assert cli.json("stats")["bytes"] == find_bytes(cpu_cache)
 
 
