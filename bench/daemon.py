@@ -31,6 +31,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 
@@ -114,7 +115,7 @@ def write_entry(src: Path, dst: Path, key: str, paths: list[str], i: int) -> str
     new_key = layout.classify(renamed(paths[0], key, i)).key
     if c.kind == "triton":  # Triton: tmp.pid_<pid>_<uuid>/ then os.replace to the kernel dir
         final = dst / new_key
-        tmp = final.parent / f"tmp.pid_{os.getpid()}_{i}"
+        tmp = final.parent / f"tmp.pid_{os.getpid()}_{uuid.uuid4().hex}"  # unique per write, as Triton's
         tmp.mkdir(parents=True, exist_ok=True)
         for p in paths:
             shutil.copyfile(src / p, tmp / Path(p).name)

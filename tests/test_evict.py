@@ -154,12 +154,15 @@ def test_max_age_takes_only_old_groups(aged_cpu, cli_for):
     assert_index_matches_disk(cli, aged_cpu)
 
 
-def test_min_free(aged_gpu, cli_for):
+def test_min_free(aged_gpu, cli_for, db_url):
     cli = cli_for(aged_gpu)
     cli("scan")
     assert cli.json("evict", "--min-free", "0%")["evicted"] == 0
     r = cli.json("evict", "--min-free", "99%")  # cannot be met: everything evictable goes
     assert r["evicted"] > 0 and disk(aged_gpu) == {}
+    conn = sqlite3.connect(db_path(db_url))  # the hash components of evicted graphs went with them
+    assert conn.execute("SELECT COUNT(*) FROM component_sets").fetchone() == (0,)
+    assert conn.execute("SELECT COUNT(*) FROM component_set_items").fetchone() == (0,)
 
 
 def test_no_limit_is_a_usage_error(aged_cpu, cli_for):

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -218,6 +219,24 @@ def test_rescan_sees_new_and_removed_directories(gpu_cache, cli_for):
     assert gone.relative_to(gpu_cache).as_posix() not in keys
     assert keys == {e.key for e in layout.walk(str(gpu_cache))}
     assert cli.json("stats")["bytes"] == find_bytes(gpu_cache)
+
+
+def test_component_sets_live_as_long_as_their_entries(gpu_cache, cli_for, db_url):
+    cli = cli_for(gpu_cache)
+    cli("scan")
+    conn = sqlite3.connect(db_url.split(":///", 1)[1])
+    count = lambda: conn.execute("SELECT COUNT(*) FROM component_sets").fetchone()[0]  # noqa: E731
+    shared = count()
+    assert shared > 0
+    graphs = sorted(gpu_cache.glob("fxgraph/*/*/*"))
+    graphs[0].unlink()  # one graph gone: the sets it shared with the others stay
+    cli("scan")
+    assert 0 < count() <= shared
+    for p in [*graphs[1:], *gpu_cache.glob("aotautograd/*/*")]:
+        p.unlink()
+    cli("scan")
+    assert count() == 0
+    assert conn.execute("SELECT COUNT(*) FROM component_set_items").fetchone() == (0,)
 
 
 def test_transient_files_are_not_entries(cpu_cache, cli_for):

@@ -334,6 +334,20 @@ def _keep_watches_on_overflow() -> None:
 
     InotifyWatchGroup._move_watches = _move_watches
 
+    # Re-adding a watch that a directory has already (its create event handled after a walk that
+    # watched it) made watchdog format a warning around repr(Watch), which holds the repr of the
+    # whole watch group: every watched path, twice. Over a 100,000-file cache that is tens of ms
+    # per re-add on the inotify thread, holding the GIL. service.py filters the warning anyway.
+    from watchdog.observers.inotify_c import InotifyFD
+
+    if hasattr(InotifyFD, "_get_or_create_watch"):
+        def _add_callback(self, path, mask, callback, id_):  # noqa: ANN001, ANN202 - watchdog's signature
+            watch = self._get_or_create_watch(path, mask)
+            watch.callbacks[id_] = callback
+            return watch.wd
+
+        InotifyFD._add_callback = _add_callback
+
     # Pairing a rename's IN_MOVED_TO with its IN_MOVED_FROM scans the pending-event queue from
     # its oldest end; when a burst of renames (every write_atomic is one) queues thousands of
     # events, each rename costs the whole queue: quadratic, and the inotify thread held the GIL
@@ -352,6 +366,30 @@ def _keep_watches_on_overflow() -> None:
             return None
 
         DelayedQueue._index_and_item = _index_and_item
+
+        # The emitter takes events from the head of that queue. When the head was a rename's
+        # IN_MOVED_FROM it slept out the whole pairing delay (0.5 s), although the IN_MOVED_TO
+        # that pairs it, and takes it out of the queue, came microseconds later: every event
+        # behind it waited too, so under a stream of renames events reached the handler in
+        # 0.5 s steps. Wait on the queue's condition instead (put() notifies, and the pair is
+        # put right after the removal) and look at the head again; an unpaired move still
+        # waits its full delay.
+        def get(self):  # noqa: ANN001, ANN202 - watchdog's signature
+            with self._not_empty:
+                while True:
+                    while not self._queue and not self._closed:
+                        self._not_empty.wait()
+                    if self._closed:
+                        return None
+                    head, inserted, delay = self._queue[0]
+                    left = inserted + self.delay - time.monotonic() if delay else 0
+                    if left > 0:
+                        self._not_empty.wait(left)
+                        continue
+                    self._queue.popleft()
+                    return head
+
+        DelayedQueue.get = get
 
 
 _keep_watches_on_overflow()

@@ -24,12 +24,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import func, insert, select, update
 
 from cachemgr import layout
 from cachemgr.evict.policy import Plan, Unit
 from cachemgr.index.db import Database
 from cachemgr.index.models import Cache, Entry, Event
+from cachemgr.index.scan import delete_entries
 
 ENTRIES, EVENTS, CACHES = Entry.__table__, Event.__table__, Cache.__table__
 BATCH = 500  # units per transaction
@@ -297,8 +298,7 @@ class Executor:
                    "bytes": sum(st.st_size for _, st in f.paths), "seconds": e.compile_seconds}
                   for u, _, files in moved for e, f in zip(u.entries, files)]
         with self.db.engine.begin() as conn:
-            for i in range(0, len(ids), 500):
-                conn.execute(delete(ENTRIES).where(ENTRIES.c.id.in_(ids[i:i + 500])))
+            delete_entries(conn, ids)
             conn.execute(insert(EVENTS), events)
             conn.execute(update(CACHES).where(CACHES.c.id == self.cache_id).values(last_eviction=time.time()))
 

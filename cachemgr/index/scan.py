@@ -48,32 +48,40 @@ def reconcile(
     t0 = time.monotonic()
     check_root(root)
     sub = subtree.strip("/")
-    prefix = sub + "/" if sub else ""
     with db.engine.connect() as conn:
         q = select(DIRS.c.path, DIRS.c.mtime_ns).where(DIRS.c.cache_id == cache_id)
         if sub:
-            q = q.where(or_(DIRS.c.path == sub, DIRS.c.path.startswith(prefix, autoescape=True)))
+            q = q.where(or_(DIRS.c.path == sub, below(conn, DIRS.c.path, sub)))
         stored = dict(conn.execute(q).all())
         walked = layout.walk_dirs(root, sub, None if full else stored, keep_paths=False)
         stale = walked.listed | {d for d in stored if d not in walked.mtimes}
         known = {}
         if stale:
             q = select(*KNOWN_COLUMNS, ENTRIES.c.kind).where(ENTRIES.c.cache_id == cache_id)
-            if prefix:
-                q = q.where(ENTRIES.c.key.startswith(prefix, autoescape=True))
+            if sub:
+                q = q.where(below(conn, ENTRIES.c.key, sub))
             known = {r.key: r for r in conn.execute(q)
                      if r.key in walked.entries or layout.home_dir(r.key, r.kind) in stale}
         q = select(func.count()).select_from(ENTRIES).where(ENTRIES.c.cache_id == cache_id)
-        indexed = conn.execute(q.where(ENTRIES.c.key.startswith(prefix, autoescape=True)) if prefix else q).scalar()
+        indexed = conn.execute(q.where(below(conn, ENTRIES.c.key, sub)) if sub else q).scalar()
         prepared = prepare(conn, cache_id, root, walked.entries, known, progress)
     with db.engine.begin() as conn:
         corrupt = write(conn, cache_id, prepared)
         _write_dirs(conn, cache_id, stored, walked.mtimes)
-        if not prefix:
+        if not sub:
             conn.execute(update(Cache.__table__).where(Cache.__table__.c.id == cache_id).values(last_scan=prepared.now))
     p = prepared
     return ScanResult(root, p.added, p.changed, p.removed, indexed - len(p.changed) - len(p.removed), corrupt,
                       time.monotonic() - t0)
+
+
+def below(conn, column, sub: str):
+    """`column` (a '/'-separated path) is inside the folder `sub`. SQLite runs LIKE 'sub/%' as a
+    scan of every row; the same set as a range ('0' sorts right after '/') uses the index.
+    PostgreSQL keeps LIKE: under a non-C collation '/' and '0' need not be neighbours."""
+    if conn.dialect.name == "sqlite":
+        return (column > sub + "/") & (column < sub + "0")
+    return column.startswith(sub + "/", autoescape=True)
 
 
 def _write_dirs(conn, cache_id: int, stored: dict[str, int], seen: dict[str, int]) -> None:
@@ -139,16 +147,15 @@ def prepare(conn, cache_id: int, root: str, disk: dict[str, layout.DiskEntry], k
 def write(conn, cache_id: int, p: Prepared) -> list[tuple[str, str]]:
     """Apply a prepared diff inside the caller's transaction; return the corrupt (key, reason)s."""
     disk, known, described, now = p.disk, p.known, p.described, p.now
-    removed_ids = [known[k].id for k in p.removed]
-    for chunk in _chunks(removed_ids):
-        conn.execute(delete(ENTRIES).where(ENTRIES.c.id.in_(chunk)))
+    delete_entries(conn, [known[k].id for k in p.removed])
+    changed_ids = [known[k].id for k in p.changed]
+    replaced = _sets_of(conn, changed_ids)  # component sets the changed entries had: kept while still used
     if p.touched:
         conn.execute(
             update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(last_access=bindparam("b_last_access")),
             p.touched,
         )
     if p.changed:
-        changed_ids = [known[k].id for k in p.changed]
         for chunk in _chunks(changed_ids):
             conn.execute(delete(REFS).where(REFS.c.entry_id.in_(chunk)))
             conn.execute(delete(ENTRY_SETS).where(ENTRY_SETS.c.entry_id.in_(chunk)))
@@ -168,7 +175,7 @@ def write(conn, cache_id: int, p: Prepared) -> list[tuple[str, str]]:
         ids.update((key, eid) for eid, key in conn.execute(returning, [_new_row(cache_id, disk[k], described[k].row, now)
                                                                         for k in chunk]))
     refs, entry_sets, events, corrupt = [], [], [], []
-    sets = ComponentSets(conn)
+    sets = ComponentSets(conn, {digest for k in p.added + p.changed for digest, _ in described[k].parts.values()})
     for k in p.added + p.changed:
         desc, eid = described[k], ids[k]
         refs.extend({"entry_id": eid, "kind": kind, "ref": ref} for kind, ref in desc.refs)
@@ -189,18 +196,44 @@ def write(conn, cache_id: int, p: Prepared) -> list[tuple[str, str]]:
     for table, rows in ((REFS, refs), (ENTRY_SETS, entry_sets), (EVENTS, events)):
         if rows:
             conn.execute(insert(table), rows)
-    if p.removed or p.changed:  # component sets no entry uses any more
-        conn.execute(delete(SETS).where(SETS.c.id.not_in(select(ENTRY_SETS.c.set_id))))
+    _drop_unused_sets(conn, replaced)
     return corrupt
+
+
+def delete_entries(conn, ids: list[int]) -> None:
+    """Delete entry rows (their refs and component-set links go with them: ON DELETE CASCADE)
+    and the component sets no other entry uses any more."""
+    sets = _sets_of(conn, ids)
+    for chunk in _chunks(ids):
+        conn.execute(delete(ENTRIES).where(ENTRIES.c.id.in_(chunk)))
+    _drop_unused_sets(conn, sets)
+
+
+def _sets_of(conn, entry_ids: list[int]) -> set[int]:
+    out: set[int] = set()
+    for chunk in _chunks(entry_ids):
+        out.update(conn.execute(select(ENTRY_SETS.c.set_id).where(ENTRY_SETS.c.entry_id.in_(chunk))).scalars())
+    return out
+
+
+def _drop_unused_sets(conn, set_ids: set[int]) -> None:
+    """Of these component sets, delete those no entry links to (only these are looked at: an
+    index of many thousand sets is not scanned for each batch)."""
+    for chunk in _chunks(sorted(set_ids)):
+        conn.execute(delete(SETS).where(
+            SETS.c.id.in_(chunk), ~select(ENTRY_SETS.c.set_id).where(ENTRY_SETS.c.set_id == SETS.c.id).exists()))
 
 
 class ComponentSets:
     """Deduplicated component sets: an entry's components split by part, each part stored once
     per distinct content (digest) and shared by every entry that has the same one."""
 
-    def __init__(self, conn) -> None:
+    def __init__(self, conn, digests: set[str]) -> None:
+        """`digests`: those the entries about to be written have; the index's other sets stay unread."""
         self.conn = conn
-        self.known = {d: i for d, i in conn.execute(select(SETS.c.digest, SETS.c.id))}
+        self.known: dict[str, int] = {}
+        for chunk in _chunks(sorted(digests)):
+            self.known.update(conn.execute(select(SETS.c.digest, SETS.c.id).where(SETS.c.digest.in_(chunk))).all())
         self.pending: list[tuple[str, list[parse.Component]]] = []
 
     def ids_for(self, parts: Parts) -> dict[str, int]:
