@@ -1,8 +1,9 @@
 """Reconcile the index with the directory: new, changed and removed entries.
 
-The bulk path is SQLAlchemy Core over the ORM's tables (executemany), not ORM objects: a
-100,000-file cache must scan at the speed of `find`. A rescan of an unchanged tree stats every
-file and reads none.
+The bulk path is SQLAlchemy Core over the ORM's tables (executemany), not ORM objects. A rescan
+reads only the directories whose mtime moved since they were last read (the `dirs` table), so an
+unchanged tree costs one stat per directory; `full` stats every file. Files are never read
+except those of new and changed entries.
 """
 
 from __future__ import annotations
