@@ -153,7 +153,8 @@ def walk_dirs(
         prefix = rel + "/" if rel else ""
         try:
             it = os.scandir(path)
-        except OSError:
+        except OSError:  # unreadable: its mtime is not recorded, so it is read again once it can be
+            out.mtimes.pop(rel, None)
             continue
         with it:
             for d in it:
