@@ -25,7 +25,7 @@ from cachemgr.index.result import ScanResult, check_root
 ENTRIES, REFS, EVENTS, DIRS = Entry.__table__, EntryRef.__table__, Event.__table__, Dir.__table__
 SETS, SET_ITEMS, ENTRY_SETS = ComponentSet.__table__, ComponentSetItem.__table__, EntryComponentSet.__table__
 CHUNK = 500  # rows per IN (...) list: well under SQLite's and PostgreSQL's parameter limits
-BULK = 2000  # entry rows per INSERT ... RETURNING (SQLAlchemy splits it under the parameter limits)
+BULK = 2000  # entry rows per executemany
 
 Progress = Callable[[int, int], None]  # (done, total) while parsing entries
 
@@ -170,11 +170,10 @@ def write(conn, cache_id: int, p: Prepared) -> list[tuple[str, str]]:
                 for k in p.changed
             ],
         )
-    ids = {k: known[k].id for k in p.changed}
-    returning = insert(ENTRIES).returning(ENTRIES.c.id, ENTRIES.c.key)
     for chunk in _chunks(p.added, BULK):  # rows built a chunk at a time: a first scan's peak memory stays flat
-        ids.update((key, eid) for eid, key in conn.execute(returning, [_new_row(cache_id, disk[k], described[k].row, now)
-                                                                        for k in chunk]))
+        conn.execute(insert(ENTRIES), [_new_row(cache_id, disk[k], described[k].row, now) for k in chunk])
+    ids = _ids_of(conn, cache_id, p.added)
+    ids.update({k: known[k].id for k in p.changed})
     refs, entry_sets, events, corrupt = [], [], [], []
     sets = ComponentSets(conn, {digest for k in p.added + p.changed for digest, _ in described[k].parts.values()})
     for k in p.added + p.changed:
@@ -254,6 +253,21 @@ class ComponentSets:
         if rows:
             self.conn.execute(insert(SET_ITEMS), rows)
         self.pending.clear()
+
+
+def _ids_of(conn, cache_id: int, keys: list[str]) -> dict[str, int]:
+    """key -> id of entries just inserted. (INSERT ... RETURNING with many rows is several times
+    slower than this on psycopg, and so are many IN lists there: past a few lists, read the
+    cache's ids whole.)"""
+    if len(keys) > CHUNK * 4:
+        wanted = set(keys)
+        return {key: eid for eid, key in conn.execute(
+            select(ENTRIES.c.id, ENTRIES.c.key).where(ENTRIES.c.cache_id == cache_id)) if key in wanted}
+    out: dict[str, int] = {}
+    for chunk in _chunks(keys):
+        out.update((k, i) for i, k in conn.execute(
+            select(ENTRIES.c.id, ENTRIES.c.key).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk))))
+    return out
 
 
 def _new_row(cache_id: int, d: layout.DiskEntry, row: dict, now: float) -> dict:
