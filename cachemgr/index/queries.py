@@ -7,7 +7,6 @@ rescan of an unchanged tree (`rescan_fast`).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import time
@@ -60,43 +59,42 @@ def stats_from_rows(root: str, kind_rows: list, activity_rows: list, pins: int, 
     }
 
 
-@contextlib.contextmanager
 def _sqlite_index(sqlite_path: str, head: str, host: str, root: str, write: bool = False):
-    """(stdlib sqlite3 connection, cache row) of a current, scanned index; None otherwise."""
+    """(stdlib sqlite3 connection, cache row) of a current, scanned index, or None. The caller
+    closes the connection."""
     import sqlite3
 
     if not os.path.exists(sqlite_path):
-        yield None
-        return
+        return None
     try:
         conn = sqlite3.connect(f"file:{sqlite_path}?mode={'rw' if write else 'ro'}", uri=True, timeout=30)
     except sqlite3.Error:
-        yield None
-        return
+        return None
     try:
-        if conn.execute("SELECT version_num FROM alembic_version").fetchone() != (head,):
-            yield None
-            return
-        cache = conn.execute(CACHE_SQL, {"host": host, "root": root}).fetchone()
-        yield None if cache is None or cache[1] is None else (conn, cache)
+        if conn.execute("SELECT version_num FROM alembic_version").fetchone() == (head,):
+            cache = conn.execute(CACHE_SQL, {"host": host, "root": root}).fetchone()
+            if cache is not None and cache[1] is not None:
+                return conn, cache
     except sqlite3.Error:
-        yield None
-    finally:
-        conn.close()
+        pass
+    conn.close()
+    return None
 
 
 def stats_fast(sqlite_path: str, head: str, host: str, root: str, window: float) -> dict[str, Any] | None:
     """stats over stdlib sqlite3, read-only; None when the index is missing, old, or never scanned."""
     import sqlite3
 
-    with _sqlite_index(sqlite_path, head, host, root) as found:
-        if found is None:
-            return None
-        conn, cache = found
-        try:
-            return _stats(lambda sql, p: conn.execute(sql, p).fetchall(), cache, root, window)
-        except sqlite3.Error:
-            return None
+    found = _sqlite_index(sqlite_path, head, host, root)
+    if found is None:
+        return None
+    conn, cache = found
+    try:
+        return _stats(lambda sql, p: conn.execute(sql, p).fetchall(), cache, root, window)
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
 
 
 def rescan_fast(sqlite_path: str, head: str, host: str, root: str) -> int | None:
@@ -110,20 +108,22 @@ def rescan_fast(sqlite_path: str, head: str, host: str, root: str) -> int | None
 
     from cachemgr.layout import walk_dirs
 
-    with _sqlite_index(sqlite_path, head, host, root, write=True) as found:
-        if found is None:
+    found = _sqlite_index(sqlite_path, head, host, root, write=True)
+    if found is None:
+        return None
+    conn, (cache_id, _, _) = found
+    try:
+        stored = dict(conn.execute("SELECT path, mtime_ns FROM dirs WHERE cache_id = ?", (cache_id,)))
+        walked = walk_dirs(root, "", stored) if stored else None
+        if walked is None or walked.listed or len(walked.mtimes) != len(stored):
             return None
-        conn, (cache_id, _, _) = found
-        try:
-            stored = dict(conn.execute("SELECT path, mtime_ns FROM dirs WHERE cache_id = ?", (cache_id,)))
-            walked = walk_dirs(root, "", stored) if stored else None
-            if walked is None or walked.listed or len(walked.mtimes) != len(stored):
-                return None
-            with conn:
-                conn.execute("UPDATE caches SET last_scan = ? WHERE id = ?", (time.time(), cache_id))
-            return conn.execute("SELECT COUNT(*) FROM entries WHERE cache_id = ?", (cache_id,)).fetchone()[0]
-        except sqlite3.Error:
-            return None
+        with conn:
+            conn.execute("UPDATE caches SET last_scan = ? WHERE id = ?", (time.time(), cache_id))
+        return conn.execute("SELECT COUNT(*) FROM entries WHERE cache_id = ?", (cache_id,)).fetchone()[0]
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
 
 
 def stats(conn, host: str, root: str, window: float) -> dict[str, Any] | None:
