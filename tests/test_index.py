@@ -147,6 +147,31 @@ def test_parallel_parse_matches_serial(gpu_cache, tmp_path, monkeypatch):
     assert sum(e.kind == "fxgraph" for e in entries) == 6
 
 
+
+UNGUARDED = """
+import os, sys
+from cachemgr import layout
+from cachemgr.index import describe
+describe.PARALLEL_MIN_BYTES = 0
+describe.os.cpu_count = lambda: 2
+entries = [e for e in layout.walk(sys.argv[1]) if e.kind in describe.PICKLED]
+out = describe.describe_all(sys.argv[1], entries)
+print(len(out), sum(bool(d.row.get("graph_key")) for d in out.values()), len(entries))
+"""
+
+
+def test_parallel_parse_survives_an_unguarded_main(gpu_cache, tmp_path):
+    """A library caller whose script has no `if __name__ == "__main__"` kills every spawned worker
+    (the script re-runs in it): the parse finishes in-process instead of respawning workers forever."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    p = subprocess.run([sys.executable, str(script), str(gpu_cache)], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    described, with_graph_key, pickled = map(int, p.stdout.split()[-3:])
+    assert described == pickled > 0
+    assert with_graph_key == 6
+
 def test_rescan_reconciles_changes(cpu_cache, cli_for):
     age_dirs(cpu_cache)
     cli = cli_for(cpu_cache)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from cachemgr import layout, parse
@@ -77,16 +79,17 @@ def describe(root: str, d: layout.DiskEntry, sent: set[str]) -> Described:
 _worker_sent: set[str] = set()
 
 
-def _worker(args: tuple[str, layout.DiskEntry]) -> tuple[str, Described]:
-    root, d = args
-    return d.key, describe(root, d, _worker_sent)
+def _worker(root: str, chunk: list[layout.DiskEntry]) -> list[tuple[str, Described]]:
+    return [(d.key, describe(root, d, _worker_sent)) for d in chunk]
 
 
 def describe_all(root: str, entries: list[layout.DiskEntry],
                  progress: Callable[[int, int], None] | None = None) -> dict[str, Described]:
     """Describe every entry. When there is a lot of pickle to read, fxgraph and AOTAutograd entries
     are parsed by one worker process per core while this process describes the rest: only the
-    pickles cross the process boundary, not the many small entries."""
+    pickles cross the process boundary, not the many small entries. If the workers cannot run
+    (a caller's unguarded `__main__` re-runs in each spawned worker and kills it), the rest are
+    parsed here: a broken pool fails once instead of respawning workers forever."""
     heavy = [d for d in entries if d.kind in PICKLED]
     workers = min(os.cpu_count() or 1, 8)
     out: dict[str, Described] = {}
@@ -102,15 +105,20 @@ def describe_all(root: str, entries: list[layout.DiskEntry],
             done(d.key, describe(root, d, sent))
         return out
     # spawn, not fork: the daemon has threads (observer, scheduler) a fork would copy mid-lock
-    pool = multiprocessing.get_context("spawn").Pool(workers)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
     try:
-        parsed = pool.imap_unordered(_worker, ((root, d) for d in heavy), chunksize=4)
+        futures = [pool.submit(_worker, root, heavy[i : i + 4]) for i in range(0, len(heavy), 4)]
         for d in entries:
             if d.kind not in PICKLED:
                 done(d.key, describe(root, d, sent))
-        for key, described in parsed:
-            done(key, described)
+        try:
+            for f in as_completed(futures):
+                for key, described in f.result():
+                    done(key, described)
+        except BrokenProcessPool:
+            for d in heavy:
+                if d.key not in out:
+                    done(d.key, describe(root, d, sent))
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
     return out
