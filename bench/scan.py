@@ -2,7 +2,8 @@
 
 Prints, as ratios to `find ROOT -type f -printf '%s\\n'`: the first `cachemgr scan`, a rescan with
 nothing changed (directory mtimes: no directory is read), the same with `--full` (every file
-stat'ed), and `cachemgr stats --json`; and the peak RSS of each cachemgr process.
+stat'ed), and `cachemgr stats --json`; and the peak RSS of each cachemgr process. Floors for comparison:
+`python -c pass`, and a bare os.scandir walk (with and without a bulk SQLite insert per file).
 Targets (issue 2): first scan <= 2x find, rescan <= 1.2x, stats < 0.2 s, peak RSS < 150 MB.
 
     python bench/scan.py [--files 100000] [--keep DIR]
@@ -34,6 +35,30 @@ def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, int, str]:
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{' '.join(cmd)} failed: {err.decode()[-2000:]}")
     return elapsed, ru.ru_maxrss * 1024, out.decode()
+
+
+# The issue's yardstick, run here: a bare os.scandir walk that lstats every file, then the same
+# with a bulk SQLite insert of one row per file. No classification, no parsing, no ORM: the
+# floor a Python scan stands on, against the same `find`.
+BARE_WALK = """
+import os, sqlite3, sys
+rows, stack = [], [sys.argv[1]]
+while stack:
+    with os.scandir(stack.pop()) as it:
+        for d in it:
+            if d.is_dir(follow_symlinks=False):
+                stack.append(d.path)
+            else:
+                st = d.stat(follow_symlinks=False)
+                rows.append((d.path, st.st_size, st.st_mtime))
+if len(sys.argv) > 2:
+    db = sqlite3.connect(sys.argv[2])
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("CREATE TABLE IF NOT EXISTS f (path TEXT PRIMARY KEY, size INTEGER, mtime REAL)")
+    db.execute("DELETE FROM f")
+    db.executemany("INSERT INTO f VALUES (?, ?, ?)", rows)
+    db.commit()
+"""
 
 
 def best_of(n: int, cmd: list[str], env: dict[str, str]) -> tuple[float, int, str]:
@@ -72,6 +97,8 @@ def main() -> None:
     t_stats, rss_stats, out = best_of(5, [*cm, "stats", "--json"], env)
     stats = json.loads(out)
     t_python, _, _ = best_of(5, [sys.executable, "-c", "pass"], env)
+    t_walk, _, _ = best_of(3, [sys.executable, "-c", BARE_WALK, str(root)], env)
+    t_walk_db, _, _ = best_of(3, [sys.executable, "-c", BARE_WALK, str(root), str(base / "bare.db")], env)
 
     assert stats["bytes"] == find_bytes, (stats["bytes"], find_bytes)
     assert again["added"] == again["changed"] == again["removed"] == 0
@@ -88,6 +115,8 @@ def main() -> None:
           "(stats every file)")
     print(f"{'cachemgr stats --json':28} {t_stats:8.3f} {t_stats / t_find:7.2f} {rss_stats / mb:7.0f}MB  < 0.2 s")
     print(f"{'python -c pass (floor)':28} {t_python:8.3f} {t_python / t_find:7.2f}")
+    print(f"{'bare scandir walk (floor)':28} {t_walk:8.3f} {t_walk / t_find:7.2f}")
+    print(f"{'  + sqlite insert per file':28} {t_walk_db:8.3f} {t_walk_db / t_find:7.2f}")
 
 
 if __name__ == "__main__":

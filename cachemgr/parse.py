@@ -14,7 +14,7 @@ import io
 import pickle
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 MAX_PICKLE_BYTES = 1 << 30  # larger entries are recorded as corrupt instead of being loaded
 
@@ -82,8 +82,7 @@ def class_name(obj: Any) -> str:
 VALUE_CHARS = 200  # short value kept per component (inputs 4x); the graph code ('gm') is kept whole
 
 
-@dataclass(frozen=True, slots=True)
-class Component:
+class Component(NamedTuple):  # a tuple: hashed and compared in C, as the digest memo below needs
     name: str  # e.g. 'gm', 'example_inputs[0]', 'inductor_config[max_autotune]', 'torch_version'
     hash: str
     value: str
@@ -136,22 +135,34 @@ def components_of(debug_lines: Any) -> list[Component]:
     return list(out.values())
 
 
+# The options part (hundreds of inductor_config values) is the same in most entries of a cache:
+# its digest is computed once per distinct set of components.
+_DIGESTS: dict[tuple[Component, ...], str] = {}
+
+
+def _sha256_of(items: tuple[Component, ...]) -> str:
+    """sha256 hex over the sorted 'name=hash' pairs of some components."""
+    digest = _DIGESTS.get(items)
+    if digest is None:
+        if len(_DIGESTS) > 10_000:
+            _DIGESTS.clear()
+        joined = "\n".join(sorted([c.name + "=" + c.hash for c in items]))
+        digest = _DIGESTS[items] = hashlib.sha256(joined.encode()).hexdigest()
+    return digest
+
+
 def part_digests(components: list[Component]) -> dict[str, tuple[str, list[Component]]]:
     """Split components by part; each part gets a digest of its (name, hash) pairs."""
     by_part: dict[str, list[Component]] = {}
     for c in components:
         by_part.setdefault(c.part, []).append(c)
-    out = {}
-    for part, items in by_part.items():
-        joined = "\n".join(sorted([c.name + "=" + c.hash for c in items]))
-        out[part] = (part[0] + hashlib.sha256(joined.encode()).hexdigest()[:31], items)
-    return out
+    return {part: (part[0] + _sha256_of(tuple(items))[:31], items) for part, items in by_part.items()}
 
 
 def options_hash(components: list[Component]) -> str | None:
     """Hash over the compile options: every fx_kwargs[...] and inductor_config[...] component."""
-    parts = sorted(f"{c.name}={c.hash}" for c in components if c.name.startswith(("fx_kwargs[", "inductor_config[")))
-    return short_hash("\n".join(parts)) if parts else None
+    options = tuple(c for c in components if c.part == "options")
+    return _sha256_of(options)[:16] if options else None
 
 
 def short_hash(text: str) -> str:

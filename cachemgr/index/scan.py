@@ -92,7 +92,7 @@ def _write_dirs(conn, cache_id: int, stored: dict[str, int], seen: dict[str, int
         conn.execute(delete(DIRS).where(DIRS.c.cache_id == cache_id, DIRS.c.path.in_(chunk)))
     new = [{"cache_id": cache_id, "path": d, "mtime_ns": m} for d, m in seen.items() if d not in stored]
     if new:
-        conn.execute(insert(DIRS), new)
+        insert_rows(conn, DIRS, new)
     moved = [{"b_path": d, "b_mtime": m} for d, m in seen.items() if d in stored and stored[d] != m]
     if moved:
         conn.execute(update(DIRS).where(DIRS.c.cache_id == cache_id, DIRS.c.path == bindparam("b_path"))
@@ -171,7 +171,7 @@ def write(conn, cache_id: int, p: Prepared) -> list[tuple[str, str]]:
             ],
         )
     for chunk in _chunks(p.added, BULK):  # rows built a chunk at a time: a first scan's peak memory stays flat
-        conn.execute(insert(ENTRIES), [_new_row(cache_id, disk[k], described[k].row, now) for k in chunk])
+        insert_rows(conn, ENTRIES, [_new_row(cache_id, disk[k], described[k].row, now) for k in chunk])
     ids = _ids_of(conn, cache_id, p.added)
     ids.update({k: known[k].id for k in p.changed})
     refs, entry_sets, events, corrupt = [], [], [], []
@@ -194,8 +194,7 @@ def write(conn, cache_id: int, p: Prepared) -> list[tuple[str, str]]:
             known_graphs.add(gk)
     sets.flush()
     for table, rows in ((REFS, refs), (ENTRY_SETS, entry_sets), (EVENTS, events)):
-        if rows:
-            conn.execute(insert(table), rows)
+        insert_rows(conn, table, rows)
     _drop_unused_sets(conn, replaced)
     return corrupt
 
@@ -250,9 +249,23 @@ class ComponentSets:
     def flush(self) -> None:
         rows = [{"set_id": self.known[d], "name": c.name, "hash": c.hash, "value": c.value}
                 for d, items in self.pending for c in items]
-        if rows:
-            self.conn.execute(insert(SET_ITEMS), rows)
+        insert_rows(self.conn, SET_ITEMS, rows)
         self.pending.clear()
+
+
+def insert_rows(conn, table, rows: list[dict]) -> None:
+    """INSERT many rows, all with the keys of the first. On SQLite the rows go to the driver's
+    executemany as tuples: SQLAlchemy's per-row parameter processing cost more than SQLite's own
+    inserts (a first scan of 100,000 files spent 0.5 s in it)."""
+    if not rows:
+        return
+    if conn.dialect.name != "sqlite":
+        conn.execute(insert(table), rows)
+        return
+    names = list(rows[0])
+    quote = conn.dialect.identifier_preparer.quote
+    sql = f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, names))}) VALUES ({', '.join('?' * len(names))})"
+    conn.exec_driver_sql(sql, [tuple([r[n] for n in names]) for r in rows])
 
 
 def _ids_of(conn, cache_id: int, keys: list[str]) -> dict[str, int]:
