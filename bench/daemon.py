@@ -27,7 +27,6 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -36,61 +35,23 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+from synth import extract_fixture, renamed  # noqa: E402
 
 from cachemgr import layout  # noqa: E402
 
-FIXTURE = "shared/fixtures/inductor-cache-h200-torch2.11.tgz"
-B32 = "abcdefghijklmnopqrstuvwxyz234567"
 HOST = "bench"
-
-
-def tag(i: int, width: int = 6) -> str:
-    out = ""
-    for _ in range(width):
-        out, i = B32[i % 32] + out, i // 32
-    return out
-
-
-def fixture_path() -> Path:
-    for p in REPO.parents:
-        if (p / FIXTURE).exists():
-            return p / FIXTURE
-    sys.exit(f"fixture {FIXTURE} not found above {REPO}")
 
 
 def load_entries(dst: Path) -> tuple[Path, dict[str, list[str]]]:
     """Extract the fixture; its entries as {entry key: [relative file paths]} (no locks/transients)."""
-    with tarfile.open(fixture_path()) as t:
-        t.extractall(dst, filter="data")
-    (root,) = [p for p in dst.iterdir() if p.is_dir()]
+    root = extract_fixture(dst)
     entries: dict[str, list[str]] = defaultdict(list)
     for e in layout.walk(str(root)):
         if e.kind != "lock":
             entries[e.key] = e.paths
     return root, dict(entries)
-
-
-def renamed(path: str, key: str, i: int) -> str:
-    """`path` of entry `key` with the key's hash part replaced by copy number i (same length)."""
-    t = tag(i)
-    kind = layout.classify(path).kind
-    parts = path.split("/")
-    if kind == "fxgraph":
-        parts[2] = parts[2][: -len(t)] + t
-    elif kind in ("aotautograd",):
-        parts[1] = parts[1][: -len(t)] + t
-    elif kind == "triton":
-        parts[2] = parts[2][: -len(t)] + t
-    elif kind == "code":
-        stem = key.split("/")[1]
-        parts[1] = stem[: -len(t)] + t + parts[1][len(stem):]
-    elif kind == "autotune":
-        h = parts[1].removesuffix(".best_config")
-        parts[1] = h[: -len(t)] + t + ".best_config"
-    else:
-        parts[-1] = f"{t}-{parts[-1]}"
-    return "/".join(parts)
 
 
 def build(src: Path, entries: dict[str, list[str]], dst: Path, files: int) -> int:
@@ -99,7 +60,7 @@ def build(src: Path, entries: dict[str, list[str]], dst: Path, files: int) -> in
     while n < files:
         for key, paths in entries.items():
             for p in paths:
-                out = dst / renamed(p, key, i)
+                out = dst / renamed(p, i)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 os.link(src / p, out)
                 n += 1
@@ -109,10 +70,10 @@ def build(src: Path, entries: dict[str, list[str]], dst: Path, files: int) -> in
     return i
 
 
-def write_entry(src: Path, dst: Path, key: str, paths: list[str], i: int) -> str:
+def write_entry(src: Path, dst: Path, paths: list[str], i: int) -> str:
     """Write one new entry as Inductor does (temp name, then rename); return its new entry key."""
     c = layout.classify(paths[0])
-    new_key = layout.classify(renamed(paths[0], key, i)).key
+    new_key = layout.classify(renamed(paths[0], i)).key
     if c.kind == "triton":  # Triton: tmp.pid_<pid>_<uuid>/ then os.replace to the kernel dir
         final = dst / new_key
         tmp = final.parent / f"tmp.pid_{os.getpid()}_{uuid.uuid4().hex}"  # unique per write, as Triton's
@@ -122,7 +83,7 @@ def write_entry(src: Path, dst: Path, key: str, paths: list[str], i: int) -> str
         os.replace(tmp, final)
         return new_key
     for p in paths:  # write_atomic: .<pid>.<tid>.tmp beside the target, then rename
-        out = dst / renamed(p, key, i)
+        out = dst / renamed(p, i)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.parent / f".{os.getpid()}.{i}.tmp"
         shutil.copyfile(src / p, tmp)
@@ -269,8 +230,8 @@ def burst(a, src: Path, entries: dict[str, list[str]], cache: Path, dbfile: Path
     t = threading.Thread(target=poll)
     t.start()
     for n in range(a.burst):
-        key, paths = items[n % len(items)]
-        new_key = write_entry(src, cache, key, paths, copies + 1 + n // len(items))
+        _, paths = items[n % len(items)]
+        new_key = write_entry(src, cache, paths, copies + 1 + n // len(items))
         written[new_key] = last[0] = time.monotonic()
     done.set()
     t.join()

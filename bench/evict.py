@@ -20,15 +20,15 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from sqlalchemy import insert, select  # noqa: E402
+from synth import extract_fixture, renamed, renamed_key, tag  # noqa: E402
 
 from cachemgr import layout  # noqa: E402
 from cachemgr.evict import Limits, evict  # noqa: E402
@@ -36,46 +36,9 @@ from cachemgr.index.db import Database  # noqa: E402
 from cachemgr.index.models import Entry, EntryRef  # noqa: E402
 from cachemgr.index.scan import reconcile  # noqa: E402
 
-FIXTURE = next((p / "shared/fixtures/inductor-cache-h200-torch2.11.tgz" for p in REPO.parents
-                if (p / "shared/fixtures/inductor-cache-h200-torch2.11.tgz").exists()), None)
-LOWER, UPPER, HEX = "abcdefghijklmnopqrstuvwxyz234567", "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", "0123456789abcdef"
 
-
-def tag(name: str, copy: int) -> str:
-    """`name` with its last 4 characters replaced by the copy number, in the name's own alphabet."""
-    if name.startswith("src-") or all(c in HEX for c in name):
-        alpha = HEX
-    elif name.isupper() or any(c.isupper() for c in name):
-        alpha = UPPER
-    else:
-        alpha = LOWER
-    digits, n = [], copy
-    for _ in range(4):
-        digits.append(alpha[n % len(alpha)])
-        n //= len(alpha)
-    return name[:-4] + "".join(reversed(digits))
-
-
-def renamed_path(rel: str, copy: int) -> str:
-    parts = rel.split("/")
-    top = parts[0]
-    if top == "fxgraph":
-        parts[2] = tag(parts[2], copy)
-    elif top == "aotautograd":
-        parts[1] = tag(parts[1], copy)
-    elif top == "triton":
-        parts[2] = tag(parts[2], copy)
-    elif len(parts) == 2:
-        stem, dot, ext = parts[1].partition(".")
-        parts[1] = tag(stem, copy) + dot + ext
-    return "/".join(parts)
-
-
-def build(work: Path, files: int) -> tuple[Path, Database, int, int]:
-    src_parent = work / "fixture"
-    with tarfile.open(FIXTURE) as t:
-        t.extractall(src_parent, filter="data")
-    (src,) = [p for p in src_parent.iterdir() if p.is_dir()]
+def build(work: Path, files: int, fixture: Path | None) -> tuple[Path, Database, int, int]:
+    src = extract_fixture(work / "fixture", fixture)
     template = Database(f"sqlite:///{work / 'template.db'}")
     tcid = template.cache_id("bench", str(src))
     reconcile(template, tcid, str(src))
@@ -87,7 +50,7 @@ def build(work: Path, files: int) -> tuple[Path, Database, int, int]:
         for rel in fixture_files:
             m = os.lstat(src / rel).st_mtime
             for base in (root, work / "twin"):  # written twice: copying one would read it (atime)
-                dst = base / renamed_path(rel, c)
+                dst = base / renamed(rel, c)
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src / rel, dst)
                 os.utime(dst, (m, m))  # as old as the fixture: past the grace period
@@ -104,7 +67,7 @@ def build(work: Path, files: int) -> tuple[Path, Database, int, int]:
             for row in rows:
                 row = dict(row)
                 row.pop("id")
-                row.update(cache_id=cid, key=_key(row["key"], row["kind"], c), ref=row["ref"] and tag(row["ref"], c),
+                row.update(cache_id=cid, key=renamed_key(row["key"], row["kind"], c), ref=row["ref"] and tag(row["ref"], c),
                            alias=row["alias"] and tag(row["alias"], c),
                            graph_key=row["graph_key"] and tag(row["graph_key"], c), last_access=row["mtime"])
                 new_rows.append(row)
@@ -112,19 +75,12 @@ def build(work: Path, files: int) -> tuple[Path, Database, int, int]:
         ids = {k: i for i, k in conn.execute(select(e.c.id, e.c.key).where(e.c.cache_id == cid))}
         key_of = {row["id"]: row for row in rows}
         conn.execute(insert(r), [
-            {"entry_id": ids[_key(key_of[eid]["key"], key_of[eid]["kind"], c)], "kind": kind, "ref": tag(ref, c)}
+            {"entry_id": ids[renamed_key(key_of[eid]["key"], key_of[eid]["kind"], c)], "kind": kind, "ref": tag(ref, c)}
             for c in range(copies) for eid, kind, ref in refs
         ])
     check = reconcile(db, cid, str(root))
     assert not (check.added or check.changed or check.removed), check.as_dict()
     return root, db, cid, copies * len(fixture_files)
-
-
-def _key(key: str, kind: str, copy: int) -> str:
-    if kind == "code":  # 'xx/c<hash>': an entry key without the file extension
-        folder, stem = key.split("/")
-        return f"{folder}/{tag(stem, copy)}"
-    return renamed_path(key, copy)
 
 
 def main() -> None:
@@ -134,15 +90,11 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--fixture", default=None, help="the fixture .tgz (default: ../shared/fixtures/...)")
     args = ap.parse_args()
-    global FIXTURE
-    FIXTURE = Path(args.fixture) if args.fixture else FIXTURE
     files = 10_000 if args.quick else args.files
-    if FIXTURE is None:
-        sys.exit("shared fixture inductor-cache-h200-torch2.11.tgz not found")
     work = Path(tempfile.mkdtemp(prefix="bench-evict-", dir=args.dir))
     try:
         t = time.perf_counter()
-        root, db, cid, n = build(work, files)
+        root, db, cid, n = build(work, files, Path(args.fixture) if args.fixture else None)
         twin = work / "twin"
         print(f"built {n} files ({sum(1 for _ in layout.walk(str(root)))} entries) x2 in {time.perf_counter() - t:.1f} s")
 

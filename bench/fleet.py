@@ -14,54 +14,23 @@ Target: PostgreSQL within 2x of SQLite.
 from __future__ import annotations
 
 import argparse
-import base64
-import hashlib
 import os
 import shutil
 import sys
-import tarfile
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+from synth import extract_fixture, fixture_path, renamed  # noqa: E402
 
 from cachemgr import layout  # noqa: E402
 from cachemgr.index.db import Database  # noqa: E402
 from cachemgr.index.describe import describe_all  # noqa: E402
 from cachemgr.index.scan import reconcile  # noqa: E402
-
-FIXTURE = next((p / "shared/fixtures/inductor-cache-h200-torch2.11.tgz" for p in REPO.parents
-                if (p / "shared/fixtures/inductor-cache-h200-torch2.11.tgz").exists()), None)
-
-
-def new_hash(*parts: str, n: int = 51) -> str:
-    digest = hashlib.sha256("/".join(parts).encode()).digest() * 2
-    return base64.b32encode(digest).decode().lower()[:n]
-
-
-def renamed(e: layout.DiskEntry, copy: int) -> list[tuple[str, str]]:
-    """(source relpath, target relpath) of every file of entry `e` under a new key."""
-    out = []
-    for p in e.paths:
-        parts = p.split("/")
-        if e.kind == "fxgraph":
-            k = "f" + new_hash(str(copy), parts[2])
-            out.append((p, f"fxgraph/{k[1:3]}/{k}/{parts[3]}"))
-        elif e.kind == "aotautograd":
-            out.append((p, f"aotautograd/a{new_hash(str(copy), parts[1])}/{parts[2]}"))
-        elif e.kind == "triton":
-            out.append((p, "/".join(["triton", parts[1], new_hash(str(copy), parts[2], n=52).upper(), *parts[3:]])))
-        elif e.kind == "code":
-            stem, ext = parts[1].split(".", 1)
-            s = "c" + new_hash(str(copy), stem)
-            out.append((p, f"{s[1:3]}/{s}.{ext}"))
-        elif e.kind == "autotune":
-            h = hashlib.sha256(f"{copy}/{parts[1]}".encode()).hexdigest()
-            out.append((p, f"{h[:2]}/{h}.best_config"))
-    return out
 
 
 def build_tree(src: Path, dst: Path, entries: int) -> int:
@@ -71,8 +40,8 @@ def build_tree(src: Path, dst: Path, entries: int) -> int:
         for e in fixture:
             if made >= entries:
                 break
-            for s, t in renamed(e, copy):
-                target = dst / t
+            for s in e.paths:
+                target = dst / renamed(s, copy)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.link(src / s, target)
                 files += 1
@@ -127,17 +96,14 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where to build the tree (default: a temp dir)")
     args = ap.parse_args()
     n = 5000 if args.quick else args.entries
-    if FIXTURE is None:
-        sys.exit("bench/fleet.py: the shared fixture inductor-cache-h200-torch2.11.tgz is missing")
+    fixture_path()  # exits with a message when the shared fixture is missing
     import psycopg
 
     work = Path(tempfile.mkdtemp(prefix="cachemgr-bench-fleet-", dir=args.workdir))
     dbname = f"cachemgr_bench_{uuid.uuid4().hex[:8]}"
     admin = f"postgresql://{args.pg}/test"
     try:
-        with tarfile.open(FIXTURE) as t:
-            t.extractall(work / "src", filter="data")
-        (src,) = [p for p in (work / "src").iterdir() if p.is_dir()]
+        src = extract_fixture(work / "src")
         root = work / "cache"
         t0 = time.perf_counter()
         files = build_tree(src, root, n)

@@ -9,54 +9,70 @@ from __future__ import annotations
 
 import os
 import shutil
-import string
 import tarfile
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE_NAME = "shared/fixtures/inductor-cache-h200-torch2.11.tgz"
-_B36 = string.digits + string.ascii_lowercase
 
 
 def fixture_path() -> Path:
     for p in REPO.parents:
         if (p / FIXTURE_NAME).exists():
             return p / FIXTURE_NAME
-    raise SystemExit(f"cannot find {FIXTURE_NAME} beside the checkout")
+    raise SystemExit(f"cannot find the shared fixture {FIXTURE_NAME} above {REPO}")
 
 
-def extract_fixture(dst: Path) -> Path:
-    with tarfile.open(fixture_path()) as t:
+def extract_fixture(dst: Path, tgz: Path | None = None) -> Path:
+    """Extract the shared fixture (or another cache .tgz) under `dst`; return its cache root."""
+    with tarfile.open(tgz or fixture_path()) as t:
         t.extractall(dst, filter="data")
     (root,) = [p for p in dst.iterdir() if p.is_dir()]
     return root
 
 
-def _tag(i: int, width: int = 4) -> str:
-    out = ""
-    for _ in range(width):
-        i, r = divmod(i, 36)
-        out = _B36[r] + out
-    return out
+LOWER, UPPER, HEX = "abcdefghijklmnopqrstuvwxyz234567", "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", "0123456789abcdef"
 
 
-def _renamed(rel: str, i: int) -> str:
-    """The fixture path `rel` under replica i's keys, in the same layout."""
+def tag(name: str, copy: int) -> str:
+    """`name` with its last 4 characters replaced by the copy number, in the name's own alphabet
+    (Inductor's base32 keys, Triton's upper-case hashes, sha256 hex), so replicas look real."""
+    if name.startswith("src-") or all(c in HEX for c in name):
+        alpha = HEX
+    elif any(c.isupper() for c in name):
+        alpha = UPPER
+    else:
+        alpha = LOWER
+    digits, n = [], copy
+    for _ in range(4):
+        digits.append(alpha[n % len(alpha)])
+        n //= len(alpha)
+    return name[:-4] + "".join(reversed(digits))
+
+
+def renamed(rel: str, copy: int) -> str:
+    """The fixture path `rel` under copy number `copy`'s keys, in the same layout. Every file of
+    one entry lands in the same new entry (a module's .py/.cpp/.so share their stem)."""
     parts = rel.split("/")
-    t = _tag(i)
-    if parts[0] == "fxgraph":  # fxgraph/<2ch>/<key>/<file>
-        parts[2] = parts[2][:-4] + t
-        parts[3] = parts[3][:-4] + t
-    elif parts[0] == "aotautograd":  # aotautograd/<key>/<file>
-        parts[1] = parts[1][:-4] + t
-        parts[2] = parts[2][:-4] + t
-    elif parts[0] == "triton":  # triton/<dev>/<hash>/<file>
-        parts[2] = parts[2][:-4] + t.upper()
-    else:  # <2ch>/c<hash>.<ext> or <2ch>/<sha>.best_config
+    if parts[0] in ("fxgraph", "triton") and len(parts) > 3:  # fxgraph/<2ch>/<key>/<file>, triton/<dev>/<hash>/...
+        parts[2] = tag(parts[2], copy)
+    elif parts[0] == "aotautograd" and len(parts) > 2:  # aotautograd/<key>/<file>
+        parts[1] = tag(parts[1], copy)
+    else:  # <2ch>/c<hash>.<ext>, <2ch>/<sha>.best_config, anything else: the file's stem
         stem, dot, ext = parts[-1].partition(".")
-        parts[-1] = stem[:-4] + t + dot + ext
+        parts[-1] = tag(stem, copy) + dot + ext
     return "/".join(parts)
+
+
+def renamed_key(key: str, kind: str, copy: int) -> str:
+    """An entry key (or a directory) under copy number `copy`'s keys."""
+    if kind == "code":  # '<2ch>/c<hash>': an entry key without the file extension
+        folder, stem = key.split("/")
+        return f"{folder}/{tag(stem, copy)}"
+    if kind == "triton":  # the kernel directory itself
+        return renamed(key + "/x", copy)[:-2]
+    return renamed(key, copy)
 
 
 def build_tree(dst: Path, files: int = 100_000) -> int:
@@ -72,7 +88,7 @@ def build_tree(dst: Path, files: int = 100_000) -> int:
         for rel in rels:
             if count >= files:
                 break
-            new = _renamed(rel, i)
+            new = renamed(rel, i)
             out = dst / new
             parent = str(out.parent)
             if parent not in made:

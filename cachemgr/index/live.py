@@ -18,11 +18,11 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import bindparam, insert, or_, select, update
+from sqlalchemy import bindparam, insert, select, update
 
 from cachemgr import layout
 from cachemgr.index.db import Database
-from cachemgr.index.scan import ENTRIES, EVENTS, KNOWN_COLUMNS, _chunks, below, check_root, prepare, write
+from cachemgr.index.scan import ENTRIES, EVENTS, KNOWN_COLUMNS, _chunks, at_or_below, check_root, prepare, write
 
 GUARDED = ("fxgraph", "aotautograd")  # kinds whose lookups try candidates in order
 
@@ -75,7 +75,7 @@ def apply_batch(db: Database, cache_id: int, root: str, paths: Iterable[str] = (
                 select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk))))
         for sub in (s for s in subtrees if s not in exact):
             known.update((r.key, r) for r in conn.execute(select(*KNOWN_COLUMNS).where(
-                ENTRIES.c.cache_id == cache_id, or_(ENTRIES.c.key == sub, below(conn, ENTRIES.c.key, sub)))))
+                ENTRIES.c.cache_id == cache_id, at_or_below(conn, ENTRIES.c.key, sub))))
         prepared = prepare(conn, cache_id, root, disk, known)
     hits = _hits(reads, new_dirs={k.rsplit("/", 1)[0] for k in prepared.added})
     now = time.time()

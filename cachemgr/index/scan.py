@@ -52,7 +52,7 @@ def reconcile(
     with db.engine.connect() as conn:
         q = select(DIRS.c.path, DIRS.c.mtime_ns).where(DIRS.c.cache_id == cache_id)
         if sub:
-            q = q.where(or_(DIRS.c.path == sub, below(conn, DIRS.c.path, sub)))
+            q = q.where(at_or_below(conn, DIRS.c.path, sub))
         stored = dict(conn.execute(q).all())
         walked = layout.walk_dirs(root, sub, None if full else stored, keep_paths=False)
         stale = walked.listed | {d for d in stored if d not in walked.mtimes}
@@ -83,6 +83,11 @@ def below(conn, column, sub: str):
     if conn.dialect.name == "sqlite":
         return (column > sub + "/") & (column < sub + "0")
     return column.startswith(sub + "/", autoescape=True)
+
+
+def at_or_below(conn, column, sub: str):
+    """`column` is the folder `sub` itself or a path inside it."""
+    return or_(column == sub, below(conn, column, sub))
 
 
 def _write_dirs(conn, cache_id: int, stored: dict[str, int], seen: dict[str, int]) -> None:
