@@ -189,6 +189,40 @@ def walk_dirs(
     return out
 
 
+# Top-level folders only Inductor and Triton make (and <2ch>/ folders of generated modules).
+_OWN_FOLDERS = frozenset({"fxgraph", "aotautograd", "triton", "precompiled_headers", "aoti_eager", "autoheuristic"})
+
+
+def foreign_root(root: str) -> str | None:
+    """Why `root` is not an Inductor cache directory that files may be deleted from, or None.
+
+    Eviction takes unreferenced files as orphans, so pointed at `/` or a home directory by
+    mistake it would empty it. A cache dir holds at least one folder Inductor or Triton made
+    (from the first compile on), or nothing yet.
+    """
+    real = os.path.realpath(root)
+    if os.path.dirname(real) == real:
+        return f"{root} is the file system root"
+    try:
+        names = [n for n in os.listdir(real) if not is_transient(n)]
+    except OSError:
+        return None  # missing or unreadable: check_root says so
+    if not names or any(n in _OWN_FOLDERS or _TWO_CHAR.match(n) and _holds_modules(os.path.join(real, n))
+                        for n in names):
+        return None
+    shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+    return (f"{root} does not look like an Inductor cache directory: none of fxgraph/, aotautograd/, "
+            f"triton/ or <2ch>/ module folders, but {shown}")
+
+
+def _holds_modules(folder: str) -> bool:
+    try:
+        with os.scandir(folder) as it:
+            return any(_CODE_NAME.match(d.name) or d.name.endswith(".best_config") for d in it)
+    except OSError:
+        return False
+
+
 def home_dir(key: str, kind: str) -> str:
     """The directory whose listing holds an entry: a kernel directory is its own home."""
     return key if kind == "triton" else key.rpartition("/")[0]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cachemgr import layout
+from cachemgr.errors import UnsafePath
 from conftest import NO_TORCH_PROGRAM, REPO, run_program, subprocess_env
 
 HOUR = 3600
@@ -259,6 +260,9 @@ def test_grace_counts_access_not_only_write(aged_cpu, cli_for):
     cli = cli_for(aged_cpu)
     cli.json("evict", "--max-size", "0")
     assert victim.exists()
+    # everything held back by the grace period: said so, not "within the limits"
+    out = cli("evict", "--max-size", "0", "--grace", "30d").stdout
+    assert "nothing can be evicted now" in out and "in use within the grace period)" in out, out
 
 
 HOLD_LOCK = """
@@ -352,6 +356,36 @@ def test_executor_refuses_paths_leaving_the_root(aged_cpu, db_url, tmp_path):
     assert victim.read_text() == "keep me"
 
 
+def test_a_directory_that_is_no_cache_is_never_emptied(tmp_path, cli_for, db_url):
+    """--cache-dir pointed at a home or project directory by mistake: evict and purge refuse it
+    (exit 7, one line) before scanning, dry run or not, and the library path refuses it too."""
+    from cachemgr.evict import Limits, evict
+    from cachemgr.index.db import Database
+
+    home = tmp_path / "home"
+    (home / "projects" / "app").mkdir(parents=True)
+    (home / "projects" / "app" / "main.py").write_text("print('mine')\n")
+    (home / "go").mkdir()  # a two-character folder that holds no Inductor modules
+    (home / "notes.txt").write_text("keep me")
+    age_files(home, 30 * 86400)
+    before = disk(home)
+    cli = cli_for(home)
+    for args in (["evict", "--max-size", "0"], ["evict", "--max-size", "0", "--dry-run"],
+                 ["purge", "--all", "--yes"]):
+        r = cli(*args, code=7)
+        assert "does not look like an Inductor cache directory" in r.stderr
+        assert "notes.txt" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    db = Database(db_url)
+    cid = db.cache_id("testhost", str(home))
+    with pytest.raises(UnsafePath):
+        evict(db, cid, str(home), Limits(max_size=0, grace=0))
+    assert disk(home) == before
+    assert layout.foreign_root("/") == "/ is the file system root"
+    assert layout.foreign_root(str(tmp_path / "empty-yet")) is None  # missing: check_root's business
+    (tmp_path / "fresh").mkdir()
+    assert layout.foreign_root(str(tmp_path / "fresh")) is None  # nothing compiled yet
+
+
 # -- crashes ---------------------------------------------------------------------------------------
 
 
@@ -426,6 +460,17 @@ def test_pins_survive_eviction_and_purge(aged_cpu, cli_for):
     assert "already pinned" in cli("pin", fx["graph_key"]).stdout
     pinned = cli.json("ls", "--pinned")
     assert [e["key"] for e in pinned] == [fx["key"]] or fx["key"] in [e["key"] for e in pinned]
+    assert {e["pin_reason"] for e in pinned} == {"production model"}
+    assert cli.json("show", fx["key"])["pin_reason"] == "production model"
+    # a prefix of several entries names none of them: refused, nothing pinned, shown or purged
+    prefix = fx["key"][: len("fxgraph/") + 1]
+    many = [e for e in cli.json("ls") if e["key"].startswith(prefix)]
+    if len(many) < 2:
+        prefix, many = "fxgraph/", cli.json("ls", "--kind", "fxgraph")
+    assert len(many) >= 2
+    for args in (["purge", "--key", prefix, "--yes"], ["show", prefix], ["pin", prefix]):
+        assert "is a prefix of" in cli(*args, code=2).stderr
+    assert all((aged_cpu / e["key"]).exists() for e in many if e["kind"] == "fxgraph")
     r = cli.json("evict", "--max-size", "0")
     assert r["evicted"] > 0 and any(s["reason"] == "pinned" for s in r["skipped"])
     assert (aged_cpu / fx["key"]).exists()

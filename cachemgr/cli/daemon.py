@@ -8,9 +8,10 @@ from cachemgr.cli.common import DURATION, SIZE, emit_json, json_option, pass_app
 
 
 @click.command()
-@click.option("--max-size", type=SIZE, help="Size cap enforced as soon as the index crosses it (20GiB).")
+@click.option("--max-size", type=SIZE,
+              help="Size cap enforced as soon as the index crosses it, e.g. 20GiB (default: none).")
 @click.option("--max-files", type=click.IntRange(min=0), help="File-count cap.")
-@click.option("--policy", type=click.Choice(["lru", "cost"]), help="Eviction policy.")
+@click.option("--policy", type=click.Choice(["lru", "cost"]), help="Eviction policy (default: lru).")
 @click.option("--grace", type=DURATION, help="Never delete files younger than this since write or last access.")
 @click.option("--evict-interval", type=DURATION, help="Run eviction this often (default 5m).")
 @click.option("--scan-interval", type=DURATION, help="Full reconcile this often; heals dropped events (default 1h).")

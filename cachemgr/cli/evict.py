@@ -20,10 +20,15 @@ dry_run_option = click.option("--dry-run", is_flag=True, help="Show what would g
 
 def _scan(app) -> None:
     from cachemgr.cli.inspect import run_scan
+    from cachemgr.evict.execute import refuse_foreign_root
 
+    refuse_foreign_root(app.settings.cache_dir)  # before walking all of `/` to plan its deletion
     # Plan from the disk as it is, not as it was: every file stat'ed (full), so access times that
     # moved without a directory changing (hits on a host without the daemon) count too.
     run_scan(app, quiet_progress=True, full=True)
+
+
+HELD = {"grace": "in use within the grace period", "pinned": "pinned"}  # why a wanted entry was kept
 
 
 def _print_plan(p, verb: str) -> None:
@@ -51,12 +56,13 @@ def _print_result(r, cache_dir: str) -> None:
 
 
 @click.command()
-@click.option("--max-size", type=SIZE, help="Size cap (20GiB); evicts down to low_water (90%) of it.")
-@click.option("--max-age", type=DURATION, help="Evict what was not accessed for this long (14d).")
+@click.option("--max-size", type=SIZE, help="Size cap, e.g. 20GiB; evicts down to low_water (90%) of it.")
+@click.option("--max-age", type=DURATION, help="Evict what was not accessed for this long, e.g. 14d.")
 @click.option("--max-files", type=click.IntRange(min=0), help="File-count cap (inode quotas).")
-@click.option("--min-free", metavar="SIZE|PCT", help="Free-space floor on the cache's file system (10% or 50GiB).")
+@click.option("--min-free", metavar="SIZE|PCT", help="Free-space floor on the cache's file system, e.g. 10% or 50GiB.")
 @click.option("--policy", type=click.Choice(["lru", "cost"]),
-              help="lru: least recently used first; cost: keep what is expensive to recompile per byte.")
+              help="lru (the default): least recently used first; cost: keep what is expensive to "
+                   "recompile per byte.")
 @grace_option
 @dry_run_option
 @json_option
@@ -67,7 +73,8 @@ def evict(app, max_size, max_age, max_files, min_free, policy, grace, dry_run, a
     Limits come from the flags, else the config file / CACHEMGR_* environment. Orphans go first,
     then modules and Triton kernels a kept graph recreates on its next hit, then whole graphs
     (with their kernels and builds) by policy. Pinned entries, files used within the grace period
-    and entries under a held lock are never taken.
+    and entries under a held lock are never taken. With --dry-run, `evicted` and `freed_*` say what
+    a real run would take now; nothing is deleted.
 
     \b
     Example:
@@ -86,7 +93,14 @@ def evict(app, max_size, max_age, max_files, min_free, policy, grace, dry_run, a
     now = time.time()
     p, rows = make_plan(app.db, app.cache_id, s.cache_dir, limits, s.policy, now)
     if not as_json:
-        if not p.units:
+        if not p.units and p.skipped:
+            held: dict[str, int] = {}
+            for _, why in p.skipped:
+                held[why] = held.get(why, 0) + 1
+            click.echo(f"nothing can be evicted now: {human_size(p.total_bytes)} in {p.total_files} files is over "
+                       "the limits, but the entries it would take are kept ("
+                       + ", ".join(f"{n} {HELD.get(why, why)}" for why, n in sorted(held.items())) + ")")
+        elif not p.units:
             click.echo(f"nothing to evict: {human_size(p.total_bytes)} in {p.total_files} files is within the limits")
         _print_plan(p, "evict")
     r = carry_out(app.db, app.cache_id, s.cache_dir, p, rows, limits.grace, dry_run, now)
@@ -224,10 +238,8 @@ def pin(app, key: str, reason: str | None, force: bool) -> None:
         found = find_entries(conn, app.cache_id, key)
         exact = any(key in (r.key, r.graph_key, r.ref) for r in found)
         if not exact:
-            if len(found) == 1:
-                key = found[0].key  # a unique prefix: pin the entry it names
-            elif found:
-                raise UsageError(f"{key!r} is a prefix of {len(found)} entries: give more of it")
+            if found:
+                key = found[0].key  # a unique prefix (find_entries refuses others): pin the entry it names
             elif not force:
                 raise NotFound(f"no entry {key!r} in the index of {app.settings.cache_dir} "
                                "(run: cachemgr scan; or pin it anyway with --force)")

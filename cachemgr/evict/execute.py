@@ -1,11 +1,13 @@
 """Carry out a Plan: the only code in cachemgr that deletes files.
 
-Per unit: find its files on disk now, refuse any path that leaves the root (symlinks included:
-a symlink is never followed and never deleted), keep the unit whole if any file of it (or of an
-entry that bundles it) was written or read within the grace period, or if a lock that guards it
-is held. Then rename its files into `<root>/.cachemgr-trash/<run>/` (same file system, so the
-rename is atomic and the file leaves Inductor's view at once), delete its index rows and record
-'evict' events in one transaction, and only then unlink the trash.
+Nothing is deleted under a directory that does not look like an Inductor cache (`/`, a home
+directory named by mistake: eviction takes unreferenced files as orphans). Per unit: find its
+files on disk now, refuse any path that leaves the root (symlinks included: a symlink is never
+followed and never deleted), keep the unit whole if any file of it (or of an entry that bundles
+it) was written or read within the grace period, or if a lock that guards it is held. Then
+rename its files into `<root>/.cachemgr-trash/<run>/` (same file system, so the rename is atomic
+and the file leaves Inductor's view at once), delete its index rows and record 'evict' events in
+one transaction, and only then unlink the trash.
 
 A kill -9 at any point leaves a state the next scan repairs: before the commit the rows point at
 files that are no longer where the index says (scan drops them: the trash is a dotdir, never
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import func, insert, select, update
 
 from cachemgr import layout
+from cachemgr.errors import UnsafePath
 from cachemgr.evict.policy import Plan, Unit
 from cachemgr.index.db import Database
 from cachemgr.index.models import Cache, Entry, Event
@@ -36,6 +39,13 @@ ENTRIES, EVENTS, CACHES = Entry.__table__, Event.__table__, Cache.__table__
 BATCH = 500  # units per transaction
 UNLINK_THREADS = 4
 Hook = Callable[[str], None]  # crash-test hook: called with 'renamed' / 'committed' per batch
+
+
+def refuse_foreign_root(root: str) -> None:
+    """Raise UnsafePath unless `root` looks like an Inductor cache directory (layout.foreign_root)."""
+    reason = layout.foreign_root(root)
+    if reason:
+        raise UnsafePath(f"{reason}: refusing to delete anything under it")
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ class _Files:
 class Executor:
     def __init__(self, db: Database, cache_id: int, root: str, grace: float, now: float | None = None,
                  hook: Hook | None = None) -> None:
+        refuse_foreign_root(root)
         self.db, self.cache_id, self.grace, self.hook = db, cache_id, grace, hook
         self.root = os.path.realpath(root)
         self.now = time.time() if now is None else now
@@ -308,8 +319,6 @@ class Executor:
         base = os.path.join(self.root, layout.TRASH_DIR)
         os.makedirs(base, exist_ok=True)
         if not self._dir_ok(layout.TRASH_DIR):
-            from cachemgr.errors import UnsafePath
-
             raise UnsafePath(f"{base} is not a plain directory inside the cache root: refusing to evict")
         # one eviction at a time per cache: what is left in the trash belongs to a run that died
         self._lock_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)  # flock on the dir itself

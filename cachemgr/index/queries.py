@@ -195,36 +195,44 @@ def list_entries(conn, cache_id: int, f: Filters) -> list[dict[str, Any]]:
     return out
 
 
-def entry_dict(m, pins: set[str]) -> dict[str, Any]:
+def entry_dict(m, pins: dict[str, str | None]) -> dict[str, Any]:
     d = {n: m[n] for n in ENTRY_FIELDS}
     d["path"] = d["key"]
-    d["pinned"] = is_pinned(m, pins)
+    pin = next((k for k in (m["key"], m["graph_key"], m["ref"]) if k and k in pins), None)
+    d["pinned"] = pin is not None
+    d["pin_reason"] = pins[pin] if pin is not None else None
     return d
 
 
-def is_pinned(m, pins: set[str]) -> bool:
+def is_pinned(m, pins: dict[str, str | None]) -> bool:
     return bool(pins) and (m["key"] in pins or (m["graph_key"] or "") in pins or (m["ref"] or "") in pins)
 
 
-def pin_keys(conn, cache_id: int) -> set[str]:
+def pin_keys(conn, cache_id: int) -> dict[str, str | None]:
+    """Pinned keys (entry keys, graph keys or refs) -> the reason given."""
     from sqlalchemy import select
 
     from cachemgr.index.models import Pin
 
-    return set(conn.execute(select(Pin.key).where(Pin.cache_id == cache_id)).scalars())
+    return dict(conn.execute(select(Pin.key, Pin.reason).where(Pin.cache_id == cache_id)).all())
 
 
 def find_entries(conn, cache_id: int, key: str) -> list:
-    """Entries named by KEY: an entry key, a graph key / ref, or a unique prefix of an entry key."""
+    """Entries named by KEY: an entry key, a graph key / ref (every entry of it), or a unique prefix
+    of an entry key. A prefix of several entries is a usage error: never act on all of them."""
     from sqlalchemy import or_, select
 
+    from cachemgr.errors import UsageError
     from cachemgr.index.models import Entry
 
     t = Entry.__table__
     base = select(t).where(t.c.cache_id == cache_id)
     rows = conn.execute(base.where(or_(t.c.key == key, t.c.graph_key == key, t.c.ref == key)).order_by(t.c.key)).fetchall()
     if not rows and len(key) >= 4:
-        rows = conn.execute(base.where(t.c.key.startswith(key, autoescape=True)).order_by(t.c.key).limit(50)).fetchall()
+        rows = conn.execute(base.where(t.c.key.startswith(key, autoescape=True)).order_by(t.c.key).limit(51)).fetchall()
+        if len(rows) > 1:
+            n = len(rows) if len(rows) <= 50 else "more than 50"
+            raise UsageError(f"{key!r} is a prefix of {n} entries (e.g. {rows[0].key}): give more of it")
     return rows
 
 
@@ -301,14 +309,16 @@ def _iso(ts: float | None) -> str | None:
 
 
 def add_pin(conn, cache_id: int, key: str, reason: str | None, now: float) -> bool:
-    """Pin `key` (entry key, graph key or ref); False when it was pinned already (reason updated)."""
+    """Pin `key` (entry key, graph key or ref); False when it was pinned already (then a reason
+    given replaces the old one; none given keeps it)."""
     from sqlalchemy import insert, select, update
 
     from cachemgr.index.models import Pin
 
     t = Pin.__table__
     if conn.execute(select(t.c.id).where(t.c.cache_id == cache_id, t.c.key == key)).first():
-        conn.execute(update(t).where(t.c.cache_id == cache_id, t.c.key == key).values(reason=reason))
+        if reason is not None:
+            conn.execute(update(t).where(t.c.cache_id == cache_id, t.c.key == key).values(reason=reason))
         return False
     conn.execute(insert(t).values(cache_id=cache_id, key=key, reason=reason, created=now))
     return True
