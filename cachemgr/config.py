@@ -63,8 +63,8 @@ def _metrics(v: Any) -> str:
         v = "127.0.0.1:" + v.lstrip(":")
     if v != "off":
         host, _, port = v.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError("must be 'off' or HOST:PORT, e.g. 127.0.0.1:9464")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("must be 'off' or HOST:PORT (port 1-65535), e.g. 127.0.0.1:9464")
     return v
 
 

@@ -17,6 +17,9 @@ _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400
 _NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+MAX_SIZE = (1 << 63) - 1
+
+
 def parse_size(text: str | int) -> int:
     """Bytes from '20GiB', '500MB', '1.5G' or a plain integer."""
     if isinstance(text, int):
@@ -25,7 +28,10 @@ def parse_size(text: str | int) -> int:
     unit = match and match.group(2).lower()
     if not match or unit not in _SIZE_UNITS:
         raise UsageError(f"invalid size {text!r}: use a number with B, KB, MB, GB, KiB, MiB, GiB, TiB")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    n = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if n > MAX_SIZE:  # a database integer holds 8 bytes
+        raise UsageError(f"invalid size {text!r}: larger than 8 EiB")
+    return n
 
 
 def parse_duration(text: str | int | float) -> float:

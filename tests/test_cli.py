@@ -7,6 +7,8 @@ import pytest
 
 @pytest.mark.parametrize("args,code,message", [
     (["ls", "--larger-than", "12XB"], 2, "invalid size '12XB'"),
+    (["ls", "--larger-than", "99999999999999999999999TiB"], 2, "larger than 8 EiB"),
+    (["daemon", "--metrics", "99999"], 2, "(port 1-65535)"),
     (["ls", "--older-than", "soon"], 2, "invalid duration 'soon'"),
     (["ls", "--kind", "bogus"], 2, "'bogus' is not one of"),
     (["stats", "--window", "1y"], 2, "invalid duration"),
@@ -33,6 +35,29 @@ def test_bad_db_url(cpu_cache, cli_for):
     assert r.returncode == 5 and "Traceback" not in r.stderr and r.stderr.startswith("cachemgr: error: cannot open the index")
 
 
+def test_a_database_failure_mid_command_is_one_line(gpu_cache, cli_for, db_url):
+    """The index refuses a write half-way (here a trigger; in life a read-only file, a full disk or
+    a lost race twice over): one line and exit 5, no SQL dump. An index a newer cachemgr migrated
+    says so."""
+    import sqlite3
+
+    cli = cli_for(gpu_cache)
+    cli("scan")
+    path = db_url.split(":///", 1)[1]
+    with sqlite3.connect(path) as c:
+        c.execute("CREATE TRIGGER refuse BEFORE INSERT ON entries BEGIN SELECT RAISE(ABORT, 'disk quota exceeded'); END")
+    (gpu_cache / "zz").mkdir()
+    (gpu_cache / "zz" / ("cz" + "q" * 50 + ".py")).write_text("# a new generated module\n")
+    r = cli.proc("scan")
+    assert r.returncode == 5 and r.stderr == "cachemgr: error: index database: disk quota exceeded\n", r.stderr
+    with sqlite3.connect(path) as c:
+        c.execute("DROP TRIGGER refuse")
+        c.execute("UPDATE alembic_version SET version_num = 'zzzz9999'")
+    r = cli.proc("stats")
+    assert r.returncode == 5 and "was written by a newer cachemgr (schema revision zzzz9999)" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_stats_scans_a_never_scanned_cache(cpu_cache, cli_for):
     cli = cli_for(cpu_cache)
     r = cli("stats", "--json")
@@ -50,6 +75,8 @@ def test_human_output(gpu_cache, cli_for):
     out = cli("ls", "--kind", "fxgraph", "--sort", "cost").stdout
     assert "fxgraph/" in out and "cuda:0" in out
     assert "needs triton" in cli("show", cli.json("ls", "--kind", "fxgraph")[0]["key"]).stdout
+    piped = cli("ls").stdout.splitlines()  # not a terminal: whole keys, first on their line, to paste
+    assert {line.split()[0] for line in piped[1:]} == {e["key"] for e in cli.json("ls")}
     assert "no entries match" in cli("ls", "--larger-than", "1TiB").stdout
 
 
@@ -95,3 +122,18 @@ def test_default_cache_dir_not_created_yet_is_empty(tmp_path):
     r = subprocess.run([sys.executable, "-m", "cachemgr", "--cache-dir", str(tmp_path / "typo"), "scan"], env=env,
                        capture_output=True, text=True)
     assert r.returncode == 4
+
+
+def test_readme_lists_every_setting():
+    """The README's settings table names every option `config show` knows, and nothing else."""
+    import re
+
+    from conftest import REPO
+
+    from cachemgr import config
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Settings"):]
+    section = section[: section.index("\n## ", 1)]
+    listed = re.findall(r"^\| `(\w+)`", section, re.MULTILINE)
+    assert sorted(listed) == sorted(o.name for o in config.OPTIONS) and len(set(listed)) == len(listed)

@@ -172,6 +172,33 @@ def test_parallel_parse_survives_an_unguarded_main(gpu_cache, tmp_path):
     assert described == pickled > 0
     assert with_graph_key == 6
 
+def test_a_scan_racing_another_writer_reads_again_instead_of_failing(gpu_cache, db_url, monkeypatch):
+    """Another process indexes the same new entries between this scan's read and its write (two
+    scans at once, or the daemon): the write meets their rows, rolls back, and the scan reads again."""
+    from sqlalchemy import text as sa_text
+
+    from cachemgr.index import scan
+    from cachemgr.index.db import Database
+
+    db, other = Database(db_url), Database(db_url)
+    cid = db.cache_id("testhost", str(gpu_cache))
+    real_prepare, raced = scan.prepare, []
+
+    def prepare_then_lose_the_race(*args, **kw):
+        prepared = real_prepare(*args, **kw)
+        if not raced:
+            raced.append(None)  # (the other writer's own prepare must not race again)
+            raced[0] = scan.reconcile(other, cid, str(gpu_cache))  # it commits first
+        return prepared
+
+    monkeypatch.setattr(scan, "prepare", prepare_then_lose_the_race)
+    r = scan.reconcile(db, cid, str(gpu_cache))
+    assert len(raced[0].added) == 262 and not r.added and r.unchanged == 262
+    with db.engine.connect() as conn:
+        n, total = conn.execute(sa_text("SELECT COUNT(*), SUM(bytes) FROM entries WHERE cache_id = :c"), {"c": cid}).one()
+    assert (n, total) == (262, find_bytes(gpu_cache))
+
+
 def test_rescan_reconciles_changes(cpu_cache, cli_for):
     age_dirs(cpu_cache)
     cli = cli_for(cpu_cache)
@@ -311,11 +338,13 @@ def test_hostile_pickle_executes_nothing(cpu_cache, cli_for, tmp_path):
 INSPECT_WITHOUT_TORCH = NO_TORCH_PROGRAM
 
 
-@pytest.mark.parametrize("args", [["scan"], ["stats"], ["stats", "--json"], ["ls", "--json"], ["show", "fxgraph"]])
+@pytest.mark.parametrize("args", [["scan"], ["stats"], ["stats", "--json"], ["ls", "--json"], ["show", "FXGRAPH"]])
 def test_inspection_never_imports_torch(cpu_cache, db_url, args):
     base = ["--cache-dir", str(cpu_cache), "--db", db_url]
     env = subprocess_env()
     subprocess.run([sys.executable, "-m", "cachemgr", *base, "scan"], env=env, check=True, capture_output=True)
+    fx = next(cpu_cache.glob("fxgraph/*/*/*")).relative_to(cpu_cache).as_posix()
+    args = [fx if a == "FXGRAPH" else a for a in args]  # an fxgraph entry: its parse is the torch-shaped part
     out = subprocess.run([sys.executable, "-c", INSPECT_WITHOUT_TORCH, *base, *args], env=env,
                          capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr

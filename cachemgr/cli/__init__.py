@@ -14,7 +14,7 @@ import click
 
 from cachemgr import __version__
 from cachemgr.cli.common import App
-from cachemgr.errors import CachemgrError
+from cachemgr.errors import CachemgrError, DatabaseError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -80,9 +80,15 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # noqa: BLE001 - the one boundary where a bug becomes a message
         if os.environ.get("CACHEMGR_DEBUG"):
             raise
-        click.echo(f"cachemgr: internal error: {type(e).__name__}: {e} (set CACHEMGR_DEBUG=1 for a traceback)",
-                   err=True)
-        code = 70
+        if type(e).__module__.startswith("sqlalchemy."):  # the index failed mid-command: read-only, full, ...
+            orig = str(getattr(e, "orig", None) or e).strip()
+            click.echo(f"cachemgr: error: index database: {orig.splitlines()[0] if orig else type(e).__name__}",
+                       err=True)
+            code = DatabaseError.exit_code
+        else:
+            click.echo(f"cachemgr: internal error: {type(e).__name__}: {e} (set CACHEMGR_DEBUG=1 for a traceback)",
+                       err=True)
+            code = 70
     finally:
         if app is not None:
             app.close()

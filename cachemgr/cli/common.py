@@ -88,7 +88,8 @@ def emit_json(doc: Any) -> None:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
-    """A table for people (rich), sized to the terminal; plain columns when piped."""
+    """A table for people (rich), sized to the terminal. Piped, nothing is cut: keys stay whole,
+    to be pasted into `show` or `pin`."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -100,7 +101,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | No
         t.add_row(*(Text("" if v is None else str(v)) for v in r))  # Text: '[s0, 32]' is not markup
     if title:
         click.echo(title)
-    Console(soft_wrap=False).print(t)
+    if sys.stdout.isatty():
+        Console(soft_wrap=False).print(t)
+        return
+    console = Console(soft_wrap=False, width=1 << 16)
+    with console.capture() as out:
+        console.print(t)
+    click.echo("\n".join(line.rstrip() for line in out.get().splitlines()))
 
 
 def human_size(n: int | None) -> str:
@@ -111,10 +118,11 @@ def age(ts: float | None) -> str:
     return "-" if ts is None else format_duration(time.time() - ts)
 
 
-def short(text: str | None, width: int) -> str:
+def short(text: str | None, width: int | None) -> str:
+    """`text` cut to `width` characters with an ellipsis (whole when width is None)."""
     if not text:
         return ""
-    return text if len(text) <= width else text[: width - 1] + "…"
+    return text if width is None or len(text) <= width else text[: width - 1] + "…"
 
 
 @contextmanager

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
-from cachemgr.cli.common import DURATION, SIZE, age, emit_json, human_size, json_option, pass_app, progress_bar, short, table
+from cachemgr.cli.common import (
+    DURATION,
+    SIZE,
+    age,
+    emit_json,
+    human_size,
+    json_option,
+    pass_app,
+    progress_bar,
+    short,
+    table,
+)
 from cachemgr.errors import NotFound
 from cachemgr.layout import KINDS
 
@@ -193,8 +206,9 @@ def ls(app, kind, older_than, larger_than, graph, pinned, corrupt, sort, limit, 
         click.echo("no entries match" + ("" if any((kind, older_than, larger_than, graph, pinned, corrupt))
                                          else f" (is {app.settings.cache_dir} scanned? run: cachemgr scan)"))
         return
+    cut = 44 if sys.stdout.isatty() else None  # piped: whole keys, to paste into show or pin
     table(("key", "kind", "bytes", "idle", "hits", "compile", "signature"), [
-        (short(r["key"], 44) + (" [pin]" if r["pinned"] else "") + (" [corrupt]" if r["corrupt"] else ""),
+        (short(r["key"], cut) + (" [pin]" if r["pinned"] else "") + (" [corrupt]" if r["corrupt"] else ""),
          r["kind"], human_size(r["bytes"]), age(r["last_access"]), r["hit_count"],
          "" if r["compile_seconds"] is None else f"{r['compile_seconds']:.2f}s", short(r["signature"], 40))
         for r in rows
@@ -245,7 +259,7 @@ def show(app, key: str, as_json: bool) -> None:
         emit_json(docs[0] if len(docs) == 1 else docs)
         return
     for d in docs:
-        for field in ("key", "kind", "bytes", "files", "hit_count", "pinned", "graph_key", "signature",
+        for field in ("key", "kind", "bytes", "files", "hit_count", "pinned", "pin_reason", "graph_key", "signature",
                       "signature_hash", "options_hash", "guards", "device_types", "compile_seconds",
                       "torch_version", "corrupt"):
             if d[field] not in (None, ""):

@@ -78,6 +78,7 @@ class Database:
             return
         from alembic import command
         from alembic.config import Config
+        from alembic.util.exc import CommandError
 
         cfg = Config()
         cfg.set_main_option("script_location", str(migrations_dir()))
@@ -89,6 +90,9 @@ class Database:
                 command.upgrade(cfg, "head")
         except SQLAlchemyError as e:
             raise DatabaseError(f"cannot migrate the index {redact(self.url)}: {_first_line(e)}") from e
+        except CommandError as e:  # a revision this cachemgr does not know: a newer one wrote the index
+            raise DatabaseError(f"the index {redact(self.url)} was written by a newer cachemgr (schema revision "
+                                f"{self.current_revision()}): upgrade cachemgr, or use another --db") from e
 
     # -- sessions ------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sqlalchemy import bindparam, delete, func, insert, or_, select, update
+from sqlalchemy.exc import IntegrityError
 
 from cachemgr import layout, parse
 from cachemgr.index.db import Database
@@ -44,8 +45,18 @@ def reconcile(
 
     Only directories whose mtime moved since the last scan are read (`layout.walk_dirs`); `full`
     reads every directory and stats every file, for file systems whose directory mtimes cannot be
-    trusted, or to pick up files rewritten in place.
+    trusted, or to pick up files rewritten in place. If another process (a second scan, the
+    daemon) indexes some of the same entries between our read and our write, the write fails on
+    a unique key, rolls back, and the scan runs once more against what is there now.
     """
+    try:
+        return _reconcile(db, cache_id, root, subtree, progress, full)
+    except IntegrityError:
+        return _reconcile(db, cache_id, root, subtree, progress, full)
+
+
+def _reconcile(db: Database, cache_id: int, root: str, subtree: str, progress: Progress | None,
+               full: bool) -> ScanResult:
     t0 = time.monotonic()
     check_root(root)
     sub = subtree.strip("/")
