@@ -119,6 +119,28 @@ def test_ingest_recovers_a_crash_without_double_counting(spool, tmp_path):
     assert ingest(db, spool.directory).new_shapes == 1
 
 
+def test_lines_a_recorder_never_writes_are_skipped_and_the_rest_ingested(spool, tmp_path, cli_for, gpu_cache):
+    """Valid JSON with wrong fields (a hand edit, another program, a bug) is reported and skipped:
+    `scan` and `shapes` keep working, and a good line of the same file is ingested."""
+    m = record.compile(torch.nn.Linear(4, 2), name="good", spool=spool, backend="eager")
+    m(torch.randn(2, 4))
+    base = {"model": "m", "signature_hash": "h", "spec": {"args": [], "kwargs": {}}}
+    hostile = [{**base, "ts": "abc"}, {**base, "model": ["x"]}, {**base, "spec": [1, 2]},
+               {**base, "spec": {"args": [{"t": "tensor", "shape": "big"}]}}, {**base, "options": 7}, [1, 2]]
+    with open(os.path.join(spool.directory, spool.name), "a") as f:
+        f.writelines(json.dumps(h) + "\n" for h in hostile)
+    os.mkdir(os.path.join(spool.directory, "dir.jsonl"))  # not a file, named like one
+    cli = cli_for(gpu_cache)
+    flag = ["--config", str(_config(tmp_path, spool.directory))]
+    r = cli(*flag, "scan")
+    reported = [line for line in r.stderr.splitlines() if line.startswith("cachemgr: spool: skipped")]
+    assert len(reported) == len(hostile) + 1, r.stderr
+    assert "ts has the wrong type" in r.stderr and "spec is not" in r.stderr and "cannot read it" in r.stderr
+    doc = cli.json(*flag, "shapes")
+    assert [d["model"] for d in doc] == ["good"]
+    assert cli(*flag, "scan").stderr == ""  # nothing left over to fail on again
+
+
 def test_shapes_cli_ingests_and_lists(spool, tmp_path, cli_for):
     m = record.compile(torch.nn.Linear(4, 2), name="ranker", spool=spool, backend="eager")
     m(torch.randn(2, 4))

@@ -15,18 +15,33 @@ import click
 from cachemgr.cli.common import emit_json, json_option, pass_app, short, table
 from cachemgr.errors import PrewarmError, UsageError
 
-EXIT_CODES = """
+PREWARM_EXIT_CODES = """
     \b
     Exit codes:
         0  every shape compiled (and, with --verify, a fresh process saw only hits)
         2  bad command line or manifest file       8  a shape or model failed, or verify missed
         3  a model or bundle named does not exist  9  the bundle does not match this host
     """
+EXPORT_EXIT_CODES = """
+    \b
+    Exit codes:
+        0  the bundle was written                  3  a model named does not exist
+        2  bad command line or manifest file       8  a model failed to replay, or writing failed
+    """
+IMPORT_EXIT_CODES = """
+    \b
+    Exit codes:
+        0  the bundle was loaded                   3  no such bundle file
+        2  bad command line                        9  not a bundle, or built for another torch,
+                                                      Triton or GPU architecture
+    """
 
 
-def _exit_codes(f):
-    f.__doc__ = (f.__doc__ or "").rstrip() + "\n" + EXIT_CODES
-    return f
+def _exit_codes(text: str):
+    def add(f):
+        f.__doc__ = (f.__doc__ or "").rstrip() + "\n" + text
+        return f
+    return add
 
 
 def _ingest(app) -> None:
@@ -34,7 +49,7 @@ def _ingest(app) -> None:
 
     r = ingest(app.db, app.settings.spool_dir)
     for line in r.bad_lines:
-        click.echo(f"cachemgr: warning: spool {line}", err=True)
+        click.echo(f"cachemgr: spool: skipped {line}", err=True)
 
 
 def _recorded(app, model: str | None = None) -> list[dict]:
@@ -157,7 +172,7 @@ def _print_run(result, title: str) -> None:
               help="redis: also fill PyTorch's remote FX graph / autograd cache at redis_url.")
 @json_option
 @pass_app
-@_exit_codes
+@_exit_codes(PREWARM_EXIT_CODES)
 def prewarm(app, manifest_path: str, model: str | None, devices: str | None, replicate: bool, verify: bool,
             timeout: float | None, bundle_path: str | None, target: str, as_json: bool) -> None:
     """Compile every recorded (or listed) shape of the manifest's models into the cache.
@@ -177,19 +192,23 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
     from cachemgr.prewarm import worker
 
     m = mf.load(manifest_path).select(model)
+    if bundle_path:
+        from cachemgr.prewarm import bundle
+
+        bundle.read(bundle_path, payload=False)  # missing (3) or not a bundle (9): said before torch starts
     plans, errors = worker.plan(m, _recorded(app) if any(x.shapes == "recorded" for x in m.models) else [])
     devs = _devices(devices)
     env = worker_env(app, target)
     os.makedirs(app.settings.cache_dir, exist_ok=True)
 
-    def jobs_for() -> dict:
+    def jobs_for() -> worker.Jobs:
         if devs:
             return worker.distribute(plans, devs, replicate)
         by_dev: dict[str, list] = {}
-        for p in plans:  # each model on its own device
-            for d, slices in worker.distribute([p], [p.spec.device]).items():
+        for p in plans:  # each model on its own device: one worker per device
+            for d, slices in worker.distribute([p], [p.spec.device]):
                 by_dev.setdefault(d, []).extend(slices)
-        return by_dev
+        return list(by_dev.items())
 
     with _progress(sys.stderr.isatty() and not as_json) as on:
         result = worker.run(jobs_for(), env, timeout=timeout, on_event=on,
@@ -230,7 +249,7 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
               help="Replay the manifest's models and bundle exactly what they use; default: the whole cache.")
 @json_option
 @pass_app
-@_exit_codes
+@_exit_codes(EXPORT_EXIT_CODES)
 def export_(app, out: str, model: str | None, manifest_path: str | None, as_json: bool) -> None:
     """Write a portable bundle (torch.compiler.save_cache_artifacts) with a header naming torch,
     Triton and the GPU architecture, for `cachemgr import` on another host or image.
@@ -244,7 +263,7 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
 
     if model and not manifest_path:
         raise UsageError("export --model needs --manifest: which entries a model uses is only known by replaying it")
-    jobs: dict = {"cpu": []}
+    jobs: worker.Jobs = [("cpu", [])]
     if manifest_path:
         from cachemgr.prewarm import manifest as mf
 
@@ -272,7 +291,7 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
 @click.argument("bundle_path", metavar="FILE", type=click.Path(dir_okay=False))
 @json_option
 @pass_app
-@_exit_codes
+@_exit_codes(IMPORT_EXIT_CODES)
 def import_(app, bundle_path: str, as_json: bool) -> None:
     """Load a bundle into the cache (torch.compiler.load_cache_artifacts), refusing one built for
     another torch, Triton or GPU architecture.
@@ -285,7 +304,7 @@ def import_(app, bundle_path: str, as_json: bool) -> None:
 
     bundle.read(bundle_path, payload=False)  # not a bundle / missing: say so before starting torch
     os.makedirs(app.settings.cache_dir, exist_ok=True)
-    result = worker.run({"cpu": []}, worker_env(app), phase="import", import_bundle=os.path.abspath(bundle_path))
+    result = worker.run([("cpu", [])], worker_env(app), phase="import", import_bundle=os.path.abspath(bundle_path))
     imp = result.imported or {"ok": False, "error": "the import worker reported nothing"}
     if as_json:
         emit_json(imp)

@@ -11,7 +11,8 @@ Protocol (crash-safe, idempotent):
 A crash before 3 commits leaves `.ingesting`; the next run processes it first. A crash between 3
 and 4 would count the same lines twice, so a left-over file only adds to `count` for lines newer
 than the row's `last_seen`: the rows are exact, counts never double. Lines that are not valid JSON
-(a torn write) are skipped and reported, never fatal.
+(a torn write), or whose fields are not what the recorder writes, are skipped and reported,
+never fatal: one bad line never stops a scan.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _spooled(spool_dir: str) -> tuple[list[str], list[str]]:
     """(files a crashed ingest left taken, fresh files), by name."""
     try:
         names = sorted(os.listdir(spool_dir))
-    except FileNotFoundError:
+    except OSError:  # none yet, or not a directory we can read: nothing to ingest
         return [], []
     leftovers = [n for n in names if n.endswith(SPOOL_SUFFIX + TAKEN)]
     return leftovers, [n for n in names if n.endswith(SPOOL_SUFFIX) and not n.startswith(".")]
@@ -97,8 +98,13 @@ def _ingest_file(db: Database, path: str, recovering: bool, bad: list[str]) -> t
             fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if recovering else 0))
         except BlockingIOError:
             return None
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read()
+        try:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                raw = f.read()
+        except OSError as e:  # a directory or an unreadable file with a spool name: set aside
+            bad.append(f"{os.path.basename(path)}: cannot read it ({e.strerror}); renamed to .bad")
+            os.rename(path, path + ".bad")
+            return None
         lines = _parse_lines(os.path.basename(path), raw, bad)
         new, updated = _upsert(db, lines, recovering)
         os.unlink(path)  # while holding the lock: nobody else processes it again
@@ -118,11 +124,55 @@ def _parse_lines(name: str, raw: bytes, bad: list[str]) -> list[dict]:
             bad.append(f"{name}:{i}: not JSON (torn write?)")
             continue
         missing = [k for k in REQUIRED if not isinstance(doc, dict) or k not in doc]
-        if missing:
-            bad.append(f"{name}:{i}: missing {', '.join(missing)}")
+        problem = f"missing {', '.join(missing)}" if missing else _line_problem(doc)
+        if problem:
+            bad.append(f"{name}:{i}: {problem}")
             continue
         out.append(doc)
     return out
+
+
+_SCALARS = {"bool": bool, "int": int, "float": (int, float), "str": str}
+
+
+def _line_problem(doc: dict) -> str | None:
+    """What is wrong with a recorded line (as cachemgr.record writes them), or None."""
+    for k in ("model", "signature_hash"):
+        if not isinstance(doc[k], str) or not doc[k]:
+            return f"{k} is not a non-empty string"
+    for k, types in (("ts", (int, float)), ("signature", str), ("host", str), ("options", dict)):
+        if doc.get(k) is not None and (not isinstance(doc[k], types) or isinstance(doc[k], bool)):
+            return f"{k} has the wrong type"
+    spec = doc["spec"]
+    if not isinstance(spec, dict) or not isinstance(spec.get("args", []), list) \
+            or not isinstance(spec.get("kwargs", {}), dict):
+        return "spec is not {args: [...], kwargs: {...}}"
+    for a in [*spec.get("args", []), *spec.get("kwargs", {}).values()]:
+        if (p := _arg_problem(a)) is not None:
+            return f"spec: {p}"
+    return None
+
+
+def _arg_problem(a: object) -> str | None:
+    t = a.get("t") if isinstance(a, dict) else None
+    if t == "tensor":
+        ok = (isinstance(a.get("shape"), list) and all(isinstance(n, int) for n in a["shape"])
+              and isinstance(a.get("dtype"), str) and isinstance(a.get("device", ""), str)
+              and all(isinstance(n, int) for n in a.get("stride") or []))
+        return None if ok else "a tensor without an integer shape, a dtype and a device"
+    if t in _SCALARS:
+        return None if isinstance(a.get("v"), _SCALARS[t]) else f"a {t} without its value"
+    if t in ("tuple", "list"):
+        items = a.get("items")
+        return next((p for x in items if (p := _arg_problem(x))), None) if isinstance(items, list) \
+            else f"a {t} without items"
+    if t == "dict":
+        items = a.get("items")
+        return next((p for x in items.values() if (p := _arg_problem(x))), None) if isinstance(items, dict) \
+            else "a dict without items"
+    if t in ("none", "object"):
+        return None
+    return f"unknown argument {str(a)[:40]}"
 
 
 def _upsert(db: Database, lines: list[dict], recovering: bool) -> tuple[int, int]:

@@ -1,9 +1,10 @@
 """Small real models for prewarm manifests, and the workload that records them.
 
 Factories (for `factory = "prewarm_models:NAME"`): `mlp` (an nn.Module, trained: forward and
-backward), `gelu_head` (a plain function, inference), `broken` (raises), `picky` (raises on one
-input shape), `sleepy` (hangs on one). Run as a program it is the workload: it compiles them with cachemgr.record over
-several batch sizes and prints the cache counters as one JSON line.
+backward), `scorer` (an nn.Module called forward-only with grad enabled: never a backward),
+`gelu_head` (a plain function, inference), `broken` (raises), `picky` (raises on one input
+shape), `sleepy` (hangs on one). Run as a program it is the workload: it compiles them with
+cachemgr.record over several batch sizes and prints the cache counters as one JSON line.
 
     TORCHINDUCTOR_CACHE_DIR=DIR CACHEMGR_SPOOL_DIR=SPOOL python prewarm_models.py [--batches 4,8,16]
 """
@@ -27,6 +28,20 @@ class MLP(torch.nn.Module):
 def mlp(width: int = 16) -> torch.nn.Module:
     torch.manual_seed(0)
     return MLP(width)
+
+
+class Scorer(torch.nn.Module):  # its own forward: dynamo's recompiles of MLP.forward stay the mlp's own
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.l1(x))
+
+
+def scorer() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Scorer()
 
 
 def _gelu_head(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -72,9 +87,12 @@ def main() -> None:
     args = ap.parse_args()
     model = cachemgr.record.compile(mlp(), name="mlp")
     head = cachemgr.record.compile(gelu_head(), name="head", dynamic=False)
+    score = cachemgr.record.compile(scorer(), name="scorer")  # forward only, grad enabled: never a backward
     checksum = 0.0
-    for b in (int(x) for x in args.batches.split(",")):
+    for i, b in enumerate(int(x) for x in args.batches.split(",")):
         x = torch.randn(b, 16)
+        if i == 0:
+            checksum += float(score(torch.randn(b, 8)).sum())
         loss = model(x).square().mean()
         loss.backward()
         checksum += float(loss.detach())
