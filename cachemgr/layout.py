@@ -103,6 +103,7 @@ class DirWalk:
     entries: dict[str, DiskEntry]  # entry key -> entry, for entries whose home is in `listed`
     listed: set[str]  # directories read (new or changed since `known`): their entries are all in `entries`
     mtimes: dict[str, int]  # every directory seen -> st_mtime_ns (RACY where it may still change unseen)
+    unreadable: list[str] = field(default_factory=list)  # directories that could not be listed
 
 
 RACY = -1  # a directory mtime too recent to trust: the next walk reads the directory again
@@ -139,8 +140,11 @@ def walk_dirs(
         if kernel is None:
             try:
                 st = os.lstat(path)
-            except OSError:
+            except (FileNotFoundError, NotADirectoryError):
                 continue  # gone: its entries leave the index
+            except OSError:  # there, but out of reach (a parent without search permission)
+                out.unreadable.append(rel)
+                continue
             if not stat.S_ISDIR(st.st_mode):
                 continue
             m = st.st_mtime_ns
@@ -155,6 +159,7 @@ def walk_dirs(
             it = os.scandir(path)
         except OSError:  # unreadable: its mtime is not recorded, so it is read again once it can be
             out.mtimes.pop(rel, None)
+            out.unreadable.append(rel)
             continue
         with it:
             for d in it:

@@ -199,6 +199,36 @@ def test_a_scan_racing_another_writer_reads_again_instead_of_failing(gpu_cache, 
     assert (n, total) == (262, find_bytes(gpu_cache))
 
 
+def test_an_unreadable_directory_keeps_its_entries_and_is_reported(gpu_cache, cli_for):
+    """A folder the scan cannot list (permissions) is not a folder that is gone: its entries stay
+    in the index as last seen, the scan says which folder, and nothing is lost once it is readable."""
+    cli = cli_for(gpu_cache)
+    assert cli.json("scan")["added"] == 262
+    victim = next(p for p in (gpu_cache / "fxgraph").iterdir() if p.is_dir())
+    inside = {e["key"] for e in cli.json("ls", "--kind", "fxgraph") if e["key"].startswith(f"fxgraph/{victim.name}/")}
+    assert inside
+    # as root, drop the capabilities that read past permissions (root is what CI runs as)
+    unprivileged = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    victim.chmod(0)
+    try:
+        for full in ([], ["--full"]):
+            cmd = [*unprivileged, sys.executable, "-m", "cachemgr", *cli.base(), "scan", *full]
+            r = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+            assert r.returncode == 0, r.stderr
+            assert "0 removed" in r.stdout, r.stdout
+            # the folder itself, or (a rescan that trusts its mtime) the key folders it hides
+            assert f"cachemgr: warning: cannot read fxgraph/{victim.name}/" in r.stderr, r.stderr
+            doc = json.loads(subprocess.run([*cmd, "--json"], capture_output=True, text=True,
+                                            env=subprocess_env(), timeout=120).stdout)
+            assert doc["unreadable"] and doc["removed"] == 0
+            assert all(d.startswith(f"fxgraph/{victim.name}") for d in doc["unreadable"]), doc["unreadable"]
+    finally:
+        victim.chmod(0o755)
+    assert inside <= {e["key"] for e in cli.json("ls", "--kind", "fxgraph")}
+    again = cli.json("scan", "--full")
+    assert (again["added"], again["changed"], again["removed"], again["unreadable"]) == (0, 0, 0, [])
+
+
 def test_rescan_reconciles_changes(cpu_cache, cli_for):
     age_dirs(cpu_cache)
     cli = cli_for(cpu_cache)

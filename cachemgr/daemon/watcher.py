@@ -224,6 +224,8 @@ class Watcher:
             else:
                 future.set_exception(e)
             return
+        for d in r.unreadable:
+            log.warning("cannot read %s/ under %s: its entries are kept as last indexed", d, self.root)
         self._mark_own(live.own_reads(self.root, r.added + r.changed))  # before watching new dirs
         self._watch_reads(r.added)
         if future is not None:

@@ -18,12 +18,14 @@ class ScanResult:
     unchanged: int = 0
     corrupt: list[tuple[str, str]] = field(default_factory=list)  # (key, reason) of new/changed
     seconds: float = 0.0
+    unreadable: list[str] = field(default_factory=list)  # directories not listed: their entries kept as they were
 
     def as_dict(self) -> dict:
         return {
             "root": self.root, "added": len(self.added), "changed": len(self.changed),
             "removed": len(self.removed), "unchanged": self.unchanged,
-            "corrupt": [{"key": k, "reason": r} for k, r in self.corrupt], "seconds": round(self.seconds, 3),
+            "corrupt": [{"key": k, "reason": r} for k, r in self.corrupt], "unreadable": self.unreadable,
+            "seconds": round(self.seconds, 3),
         }
 
 

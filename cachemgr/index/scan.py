@@ -66,7 +66,11 @@ def _reconcile(db: Database, cache_id: int, root: str, subtree: str, progress: P
             q = q.where(at_or_below(conn, DIRS.c.path, sub))
         stored = dict(conn.execute(q).all())
         walked = layout.walk_dirs(root, sub, None if full else stored, keep_paths=False)
-        stale = walked.listed | {d for d in stored if d not in walked.mtimes}
+        # A directory gone since the last scan is stale: its entries leave the index. One that could
+        # not be read (permissions) is not gone: it and all below it keep their rows as last seen.
+        mtimes = walked.mtimes | {d: m for d, m in stored.items() if d not in walked.mtimes and any(
+            d == u or d.startswith(u + "/") for u in walked.unreadable)}
+        stale = walked.listed | {d for d in stored if d not in mtimes}
         known = {}
         if stale:
             q = select(*KNOWN_COLUMNS, ENTRIES.c.kind).where(ENTRIES.c.cache_id == cache_id)
@@ -79,12 +83,12 @@ def _reconcile(db: Database, cache_id: int, root: str, subtree: str, progress: P
         prepared = prepare(conn, cache_id, root, walked.entries, known, progress)
     with db.engine.begin() as conn:
         corrupt = write(conn, cache_id, prepared)
-        _write_dirs(conn, cache_id, stored, walked.mtimes)
+        _write_dirs(conn, cache_id, stored, mtimes)
         if not sub:
             conn.execute(update(Cache.__table__).where(Cache.__table__.c.id == cache_id).values(last_scan=prepared.now))
     p = prepared
     return ScanResult(root, p.added, p.changed, p.removed, indexed - len(p.changed) - len(p.removed), corrupt,
-                      time.monotonic() - t0)
+                      time.monotonic() - t0, walked.unreadable)
 
 
 def below(conn, column, sub: str):
