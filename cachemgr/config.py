@@ -68,6 +68,16 @@ def _metrics(v: Any) -> str:
     return v
 
 
+def _at_least(low: float) -> Callable[[Any], float]:
+    """A duration of at least `low` seconds (an interval of 0 would spin)."""
+    def parse(v: Any) -> float:
+        d = parse_duration(v)
+        if d < low:
+            raise ValueError(f"must be at least {low:g} s")
+        return d
+    return parse
+
+
 def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda v: None if v in (None, "", "none", "off") else parse(v)
 
@@ -101,10 +111,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("min_free", _optional(_min_free), lambda env: None, "free-space floor on the cache's file system, 10% or 50GiB"),
     Option("policy", _policy, lambda env: "lru", "eviction policy: lru or cost"),
     Option("grace", parse_duration, lambda env: 60.0, "never delete files younger than this (since write or last access)"),
-    Option("evict_interval", parse_duration, lambda env: 300.0, "daemon: run eviction this often"),
-    Option("scan_interval", parse_duration, lambda env: 3600.0, "daemon: reconcile the whole tree this often (heals lost events)"),
+    Option("evict_interval", _at_least(1.0), lambda env: 300.0, "daemon: run eviction this often"),
+    Option("scan_interval", _at_least(1.0), lambda env: 3600.0, "daemon: reconcile the whole tree this often (heals lost events)"),
     Option("debounce", parse_duration, lambda env: 0.3, "daemon: quiet period before applying a batch of file events"),
-    Option("max_wait", parse_duration, lambda env: 1.0, "daemon: apply a batch at the latest after this long"),
+    Option("max_wait", _at_least(0.01), lambda env: 1.0, "daemon: apply a batch at the latest after this long"),
     Option("metrics", _metrics, lambda env: "off", "daemon: Prometheus endpoint HOST:PORT (a bare PORT binds 127.0.0.1), or off"),
     Option("redis_url", _optional(str), lambda env: env.get("TORCHINDUCTOR_REDIS_URL"),
            "Redis of the shared remote cache (fleet tier)"),

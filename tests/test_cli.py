@@ -9,6 +9,8 @@ import pytest
     (["ls", "--larger-than", "12XB"], 2, "invalid size '12XB'"),
     (["ls", "--larger-than", "99999999999999999999999TiB"], 2, "larger than 8 EiB"),
     (["daemon", "--metrics", "99999"], 2, "(port 1-65535)"),
+    (["daemon", "--scan-interval", "0"], 2, "must be at least 1 s"),
+    (["prewarm", "--manifest", "m.toml", "--timeout", "0"], 2, "'--timeout'"),
     (["ls", "--older-than", "soon"], 2, "invalid duration 'soon'"),
     (["ls", "--kind", "bogus"], 2, "'bogus' is not one of"),
     (["stats", "--window", "1y"], 2, "invalid duration"),
@@ -137,3 +139,14 @@ def test_readme_lists_every_setting():
     section = section[: section.index("\n## ", 1)]
     listed = re.findall(r"^\| `(\w+)`", section, re.MULTILINE)
     assert sorted(listed) == sorted(o.name for o in config.OPTIONS) and len(set(listed)) == len(listed)
+
+
+def test_bare_command_prints_its_help():
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    r = subprocess.run([sys.executable, "-m", "cachemgr"], capture_output=True, text=True, env=subprocess_env(),
+                       timeout=60, check=False)
+    assert r.returncode == 0 and r.stdout.startswith("Usage: cachemgr") and "scan" in r.stdout and r.stderr == ""

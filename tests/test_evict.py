@@ -500,6 +500,7 @@ def test_purge_selectors(aged_gpu, cli_for):
     fx = cli.json("ls", "--kind", "fxgraph")[0]
     r = cli.json("purge", "--graph", fx["graph_key"], "--yes")
     assert fx["key"] in {e["key"] for e in r["entries"]} and not (aged_gpu / fx["key"]).exists()
+    assert "no entry of graph" in cli("purge", "--graph", fx["graph_key"], "--yes", code=3).stderr  # gone now
     assert "version" in cli.proc("purge", "--stale", "--yes").stderr  # nothing learned: must be told
     kept = cli.json("purge", "--stale", "--keep-torch", "2.11.0+cu130", "--yes")
     assert kept["evicted"] == 0

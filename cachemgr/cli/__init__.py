@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
         code = 0
     except click.exceptions.Exit as e:
         code = e.exit_code
+    except click.exceptions.NoArgsIsHelpError as e:  # bare `cachemgr` (or a group): its help, not an error
+        click.echo(e.format_message())
+        code = 0
     except click.ClickException as e:
         click.echo(f"cachemgr: error: {e.format_message()}", err=True)
         code = e.exit_code

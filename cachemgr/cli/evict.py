@@ -160,6 +160,8 @@ def purge(app, all_, older_than, kind, key, graph, torch_version, stale, keep_to
         named = _named(app, key)
         tests.append(lambda i, r: r.key in named)
     if graph:
+        if not any(graph in (r.graph_key, r.ref) for r in rows):  # a name, like --key: say it is unknown
+            raise NotFound(f"no entry of graph {graph!r} in the index of {app.settings.cache_dir} (try: cachemgr ls)")
         tests.append(lambda i, r: graph in (r.graph_key, r.ref))
     if torch_version:
         tests.append(lambda i, r: r.torch_version == torch_version)

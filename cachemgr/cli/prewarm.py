@@ -104,11 +104,13 @@ def shapes(app, model: str | None, as_json: bool) -> None:
 
 
 def _devices(value: str | None) -> list[str] | None:
-    if not value:
+    if value is None:
         return None
     devs = [d.strip() for d in value.split(",") if d.strip()]
     import re
 
+    if not devs:
+        raise click.BadParameter("name at least one device (cpu, cuda or cuda:N)", param_hint="--devices")
     for d in devs:
         if not re.match(r"^(cpu|cuda(:\d+)?)$", d):
             raise click.BadParameter(f"{d!r}: devices are cpu, cuda or cuda:N", param_hint="--devices")
@@ -165,7 +167,8 @@ def _print_run(result, title: str) -> None:
 @click.option("--replicate", is_flag=True, help="Every device replays every shape (cache keys embed the device index) "
                                                 "instead of sharing the shapes among them.")
 @click.option("--verify", is_flag=True, help="Afterwards replay again in fresh workers; any cache miss fails.")
-@click.option("--timeout", type=float, metavar="S", help="Give up on a shape after S seconds (its worker is killed).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
+              help="Give up on a shape after S seconds (its worker is killed).")
 @click.option("--bundle", "bundle_path", metavar="FILE", type=click.Path(dir_okay=False),
               help="Import this bundle first, then replay (what the bundle had now hits).")
 @click.option("--target", type=click.Choice(["local", "redis"]), default="local", show_default=True,
