@@ -68,6 +68,12 @@ def _metrics(v: Any) -> str:
     return v
 
 
+def _nonempty(v: Any) -> str:
+    if not str(v).strip():
+        raise ValueError("must not be empty")
+    return str(v).strip()
+
+
 def _at_least(low: float) -> Callable[[Any], float]:
     """A duration of at least `low` seconds (an interval of 0 would spin)."""
     def parse(v: Any) -> float:
@@ -101,7 +107,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache_dir", lambda v: os.path.abspath(os.path.expanduser(str(v))), _default_cache_dir,
            "TorchInductor cache directory to manage"),
     Option("db", str, lambda env: f"sqlite:///{state_dir(env) / 'index.db'}", "index database URL (SQLite or PostgreSQL)"),
-    Option("host", str, _default_host, "host name recorded on every row (fleet tier)"),
+    Option("host", _nonempty, _default_host, "host name recorded on every row (fleet tier)"),
     Option("spool_dir", lambda v: os.path.abspath(str(v)), lambda env: str(state_dir(env) / "spool"),
            "where cachemgr.record appends recorded shapes"),
     Option("max_size", _optional(parse_size), lambda env: None, "size cap, e.g. 20GiB"),

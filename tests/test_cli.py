@@ -10,6 +10,8 @@ import pytest
     (["ls", "--larger-than", "99999999999999999999999TiB"], 2, "larger than 8 EiB"),
     (["daemon", "--metrics", "99999"], 2, "(port 1-65535)"),
     (["daemon", "--scan-interval", "0"], 2, "must be at least 1 s"),
+    (["--host", "", "stats"], 2, "must not be empty"),
+    (["purge", "--keep-torch", "2.11.0", "--all"], 2, "give --stale too"),
     (["prewarm", "--manifest", "m.toml", "--timeout", "0"], 2, "'--timeout'"),
     (["ls", "--older-than", "soon"], 2, "invalid duration 'soon'"),
     (["ls", "--kind", "bogus"], 2, "'bogus' is not one of"),

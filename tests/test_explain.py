@@ -139,6 +139,7 @@ def test_diff_command(variants, cli_for):
     # short forms and graph keys name the same entries
     assert cli.json("diff", base["short"], dtype["graph_key"])["groups"] == d["groups"]
     assert cli.json("diff", base["key"], base["key"])["same"] is True
+    assert "A and B are the same entry" in cli("diff", base["key"], base["key"]).stdout
     out = cli("diff", base["short"], code["short"]).stdout
     assert "1 differs" in out and "the graph code (gm) changed" in out and "+    tanh" in out
     r = cli.proc("diff", base["key"], "fnosuchgraph")

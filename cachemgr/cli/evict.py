@@ -146,6 +146,8 @@ def purge(app, all_, older_than, kind, key, graph, torch_version, stale, keep_to
     if not any((all_, older_than is not None, kind, key, graph, torch_version, stale, orphans, corrupt)):
         raise UsageError("say what to purge: --all, --older-than, --kind, --key, --graph, --torch-version, "
                          "--stale, --orphans or --corrupt")
+    if keep_torch and not stale:
+        raise UsageError("--keep-torch only says what --stale keeps: give --stale too")
     s = app.with_flags(grace=grace, keep_torch=keep_torch)
     _scan(app)
     now = time.time()

@@ -114,6 +114,9 @@ def diff_cmd(app, key_a: str, key_b: str, as_json: bool) -> None:
         more = f", newest of {n}" if n > 1 else ""
         click.echo(short(f"{label}  {e.short}  compiled {age(e.mtime)} ago{more}", width))
         click.echo(short(f"   {e.key}", width))
+    if a.key == b.key:
+        click.echo("A and B are the same entry: nothing to compare")
+        return
     if d.same:
         click.echo("same hash components: the two entries are one key compiled for different guard sets")
         return
