@@ -199,6 +199,27 @@ def test_a_scan_racing_another_writer_reads_again_instead_of_failing(gpu_cache, 
     assert (n, total) == (262, find_bytes(gpu_cache))
 
 
+def test_a_daemon_batch_racing_a_scan_reads_again_instead_of_failing(gpu_cache, db_url, monkeypatch):
+    """The daemon's live batch loses the same race to a `cachemgr scan`: read again, not dropped."""
+    from cachemgr.index import live, scan
+    from cachemgr.index.db import Database
+
+    db, other = Database(db_url), Database(db_url)
+    cid = db.cache_id("testhost", str(gpu_cache))
+    paths = [p.relative_to(gpu_cache).as_posix() for p in gpu_cache.glob("fxgraph/*/*/*")]
+    real_prepare, raced = live.prepare, []
+
+    def prepare_then_lose_the_race(*args, **kw):
+        prepared = real_prepare(*args, **kw)
+        if not raced:
+            raced.append(scan.reconcile(other, cid, str(gpu_cache)))  # a CLI scan commits first
+        return prepared
+
+    monkeypatch.setattr(live, "prepare", prepare_then_lose_the_race)
+    r = live.apply_batch(db, cid, str(gpu_cache), paths=paths)
+    assert len(paths) == 6 and set(paths) <= set(raced[0].added) and r.added == [] and r.removed == []
+
+
 def test_an_unreadable_directory_keeps_its_entries_and_is_reported(gpu_cache, cli_for):
     """A folder the scan cannot list (permissions) is not a folder that is gone: its entries stay
     in the index as last seen, the scan says which folder, and nothing is lost once it is readable."""

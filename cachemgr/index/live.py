@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy.exc import IntegrityError
 
 from cachemgr import layout
 from cachemgr.index.db import Database
@@ -54,8 +55,19 @@ def apply_batch(db: Database, cache_id: int, root: str, paths: Iterable[str] = (
                 reads: Sequence[str] = ()) -> LiveResult:
     """Reconcile the entries under `paths` (files) and `dirs` (whole subtrees), then count `reads`.
 
-    All paths are relative to `root`, '/'-separated. Transient paths are ignored.
+    All paths are relative to `root`, '/'-separated. Transient paths are ignored. If another
+    writer (a `cachemgr scan`) indexed some of the same new entries first, the write fails on a
+    unique key, rolls back, and the batch is read again once.
     """
+    paths, dirs = list(paths), list(dirs)
+    try:
+        return _apply_batch(db, cache_id, root, paths, dirs, reads)
+    except IntegrityError:
+        return _apply_batch(db, cache_id, root, paths, dirs, reads)
+
+
+def _apply_batch(db: Database, cache_id: int, root: str, paths: list[str], dirs: list[str],
+                 reads: Sequence[str]) -> LiveResult:
     t0 = time.monotonic()
     check_root(root)
     classified = {c.key: c for c in map(layout.classify, set(paths)) if c is not None}
