@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import Cli, run_program, subprocess_env
+from test_daemon import start, wait_until  # noqa: F401 - start: a fixture (daemon processes)
 from test_fleet import pg_url  # noqa: F401 - fixture: a throwaway PostgreSQL database
 from test_index import INSPECT_WITHOUT_TORCH
 
@@ -348,3 +349,17 @@ def test_fleet_commands_never_import_torch(cpu_cache, db_url, redis_url, args):
     out = subprocess.run([sys.executable, "-c", INSPECT_WITHOUT_TORCH, *base, *args], env=env,
                          capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
+
+
+def test_push_reads_are_not_hits(gpu_cache, start, cli_for, redis_url):  # noqa: F811 - start: the fixture
+    """A running daemon counts a workload's reads of fxgraph entries as hits; `remote push` reads
+    every entry it publishes, and none of those may count (they would skew LRU and the hit ratio)."""
+    start(gpu_cache)
+    cli = cli_for(gpu_cache)  # the daemon's host and index
+    fx = cli.json("ls", "--kind", "fxgraph")
+    assert len(fx) == 6 and not any(r["hit_count"] for r in fx)
+    assert cli("remote", "--redis", redis_url, "push").stdout.startswith("pushed ")
+    # a workload's read after the push: once it is counted, the push's reads have been seen too
+    (gpu_cache / fx[0]["key"]).read_bytes()
+    rows = wait_until(lambda: [r for r in cli.json("ls", "--kind", "fxgraph") if r["hit_count"]], timeout=30)
+    assert [(r["key"], r["hit_count"]) for r in rows] == [(fx[0]["key"], 1)]

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from cachemgr.errors import NotFound, RemoteError, UsageError
+from cachemgr.index.describe import read_unseen
 
 KEY_VERSION = 1  # the `:c1` suffix: remote_cache.RedisRemoteCache's `version`
 FX_CACHE_ID = "fx-graph-v1"
@@ -222,8 +223,7 @@ class Remote:
             payload = []
             for it in chunk:
                 try:
-                    with open(os.path.join(root, it.path), "rb") as f:
-                        content = f.read()
+                    content = read_unseen(root, it.path)  # our read, not a hit
                 except OSError:
                     missing.append(it.path)
                     continue

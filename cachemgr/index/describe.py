@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -39,6 +40,31 @@ def read_noatime(path: str) -> bytes:
         fd = os.open(path, os.O_RDONLY)
     with os.fdopen(fd, "rb") as f:
         return f.read()
+
+
+def read_unseen(root: str, rel: str) -> bytes:
+    """Read a cache file as no workload does: through a hard link in cachemgr's trash folder, so
+    the daemon's read watch on the file's own directory sees no open and counts no hit (for
+    `remote push`, which reads every entry it publishes). A plain read where no link can be made."""
+    path = os.path.join(root, rel)
+    trash = os.path.join(root, layout.TRASH_DIR)
+    link = os.path.join(trash, f"read-{os.getpid()}-{threading.get_ident()}")
+    try:
+        os.makedirs(trash, exist_ok=True)
+        os.link(path, link, follow_symlinks=False)
+    except FileNotFoundError:
+        raise
+    except OSError:  # another file system, no write access, protected_hardlinks
+        return read_noatime(path)
+    try:
+        return read_noatime(link)
+    except FileNotFoundError:  # an eviction emptied the trash under us
+        return read_noatime(path)
+    finally:
+        try:
+            os.unlink(link)
+        except FileNotFoundError:
+            pass
 
 
 def describe(root: str, d: layout.DiskEntry, sent: set[str]) -> Described:
