@@ -334,6 +334,16 @@ def test_kill9_during_eviction_then_restart_index_matches_disk(tmp_path, start, 
 
 # -- a cache directory that is missing, removed or unreadable --------------------------------------
 
+def test_a_directory_that_is_no_cache_is_refused_at_start(tmp_path, start):
+    home = tmp_path / "home"
+    (home / "projects").mkdir(parents=True)
+    (home / "notes.txt").write_text("keep me")
+    d = start(home, wait_ready=False)
+    assert d.proc.wait(30) == 7
+    assert f"{home} does not look like an Inductor cache directory" in d.logs() and "refusing to watch" in d.logs()
+    assert (home / "notes.txt").read_text() == "keep me"
+
+
 def test_cache_dir_missing_at_start_then_created(tmp_path, start, cli_for):
     cache = tmp_path / "later"
     cli = cli_for(cache, host=HOST)

@@ -20,10 +20,11 @@ import warnings
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
+from cachemgr import layout
 from cachemgr.config import Settings
 from cachemgr.daemon import systemd
 from cachemgr.daemon.watcher import Watcher
-from cachemgr.errors import CacheDirError, CachemgrError
+from cachemgr.errors import CacheDirError, CachemgrError, UnsafePath
 from cachemgr.index.db import Database, redact
 from cachemgr.index.scan import check_root
 
@@ -104,6 +105,9 @@ class Daemon:
         warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"watchdog\.")
         self.settings = self.load()
         s = self.settings
+        foreign = layout.foreign_root(s.cache_dir)
+        if foreign:  # `/` or a home directory by mistake: never walked, watched or evicted
+            raise UnsafePath(f"{foreign}: refusing to watch and evict it")
         log.info("starting: cache %s, index %s, max_size %s, evict every %gs, full scan every %gs",
                  s.cache_dir, redact(s.db), s.max_size, s.evict_interval, s.scan_interval)
         self._open(s)
