@@ -182,11 +182,14 @@ shapes = [["f32[1,2]"], ["f32[2,2]"], ["f32[3,2]"], ["f32[4,2]"]]
     assert res[3]["worker"] not in (res[0]["worker"], None)
 
 
-def test_a_missing_bundle_is_named_before_any_worker_starts(tmp_path, db_url):
+def test_a_missing_bundle_or_a_manifest_with_nothing_to_run_is_named_before_any_worker_starts(tmp_path, db_url):
     (tmp_path / "m.toml").write_text(MANIFEST)
     r = Cli(tmp_path / "c", db_url).proc("prewarm", "--manifest", str(tmp_path / "m.toml"),
                                          "--bundle", str(tmp_path / "nope.bundle"))
     assert r.returncode == 3 and r.stderr == f"cachemgr: error: bundle {tmp_path / 'nope.bundle'} does not exist\n"
+    (tmp_path / "bad.toml").write_text('[[model]]\nname = "a"\nshapes = [["f32[2,x]"]]\n')
+    r = Cli(tmp_path / "c", db_url).proc("prewarm", "--manifest", str(tmp_path / "bad.toml"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "model 'a': field 'factory'" in r.stderr, r.stderr
 
 
 def test_manifest_errors_name_model_and_field(tmp_path):

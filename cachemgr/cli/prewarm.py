@@ -200,6 +200,8 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
 
         bundle.read(bundle_path, payload=False)  # missing (3) or not a bundle (9): said before torch starts
     plans, errors = worker.plan(m, _recorded(app) if any(x.shapes == "recorded" for x in m.models) else [])
+    if errors and not plans and not bundle_path:  # nothing to run: a bad manifest (2), said before torch starts
+        raise UsageError("; ".join(e for _, e in errors))
     devs = _devices(devices)
     env = worker_env(app, target)
     os.makedirs(app.settings.cache_dir, exist_ok=True)
