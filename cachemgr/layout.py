@@ -212,18 +212,19 @@ def foreign_root(root: str) -> str | None:
         names = [n for n in os.listdir(real) if not is_transient(n)]
     except OSError:
         return None  # missing or unreadable: check_root says so
-    if not names or any(n in _OWN_FOLDERS or _TWO_CHAR.match(n) and _holds_modules(os.path.join(real, n))
-                        for n in names):
+    if not names or any(n in _OWN_FOLDERS or _TWO_CHAR.match(n) and _holds_modules(real, n) for n in names):
         return None
     shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
     return (f"{root} does not look like an Inductor cache directory: none of fxgraph/, aotautograd/, "
             f"triton/ or <2ch>/ module folders, but {shown}")
 
 
-def _holds_modules(folder: str) -> bool:
+def _holds_modules(root: str, folder: str) -> bool:
+    """A <2ch>/ folder holding generated modules or autotune results (not any two-letter folder)."""
     try:
-        with os.scandir(folder) as it:
-            return any(_CODE_NAME.match(d.name) or d.name.endswith(".best_config") for d in it)
+        with os.scandir(os.path.join(root, folder)) as it:
+            return any((c := classify(f"{folder}/{d.name}")) is not None and c.kind in ("code", "autotune")
+                       for d in it)
     except OSError:
         return False
 

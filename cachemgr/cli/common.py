@@ -110,6 +110,15 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | No
     click.echo("\n".join(line.rstrip() for line in out.get().splitlines()))
 
 
+def ingest_spool(app) -> None:
+    """Move the shapes `cachemgr.record` spooled into the index; report lines it skipped."""
+    from cachemgr.prewarm import spool  # no torch, and no SQLAlchemy when nothing is waiting
+
+    if spool.waiting(app.settings.spool_dir):
+        for bad in spool.ingest(app.db, app.settings.spool_dir).bad_lines:
+            click.echo(f"cachemgr: spool: skipped {bad}", err=True)
+
+
 def human_size(n: int | None) -> str:
     return format_size(n)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import click
 
@@ -94,9 +95,7 @@ def evict(app, max_size, max_age, max_files, min_free, policy, grace, dry_run, a
     p, rows = make_plan(app.db, app.cache_id, s.cache_dir, limits, s.policy, now)
     if not as_json:
         if not p.units and p.skipped:
-            held: dict[str, int] = {}
-            for _, why in p.skipped:
-                held[why] = held.get(why, 0) + 1
+            held = Counter(why for _, why in p.skipped)
             click.echo(f"nothing can be evicted now: {human_size(p.total_bytes)} in {p.total_files} files is over "
                        "the limits, but the entries it would take are kept ("
                        + ", ".join(f"{n} {HELD.get(why, why)}" for why, n in sorted(held.items())) + ")")

@@ -12,6 +12,7 @@ from cachemgr.cli.common import (
     age,
     emit_json,
     human_size,
+    ingest_spool,
     json_option,
     pass_app,
     progress_bar,
@@ -27,7 +28,6 @@ def run_scan(app, quiet_progress: bool = False, full: bool = False):
     import time
 
     from cachemgr.index.result import ScanResult, check_root
-    from cachemgr.prewarm import spool  # shapes cachemgr.record spooled (no torch)
 
     s = app.settings
     root = s.cache_dir
@@ -51,9 +51,7 @@ def run_scan(app, quiet_progress: bool = False, full: bool = False):
 
         with progress_bar("parsing entries", enabled=None if not quiet_progress else False) as progress:
             result = reconcile(app.db, app.cache_id, root, progress=progress, full=full)
-    if spool.waiting(s.spool_dir):
-        for bad in spool.ingest(app.db, s.spool_dir).bad_lines:
-            click.echo(f"cachemgr: spool: skipped {bad}", err=True)
+    ingest_spool(app)
     return result
 
 

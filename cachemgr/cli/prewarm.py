@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import click
 
-from cachemgr.cli.common import emit_json, json_option, pass_app, short, table
+from cachemgr.cli.common import emit_json, ingest_spool, json_option, pass_app, short, table
 from cachemgr.errors import PrewarmError, UsageError
 
 PREWARM_EXIT_CODES = """
@@ -44,18 +44,10 @@ def _exit_codes(text: str):
     return add
 
 
-def _ingest(app) -> None:
-    from cachemgr.prewarm.spool import ingest
-
-    r = ingest(app.db, app.settings.spool_dir)
-    for line in r.bad_lines:
-        click.echo(f"cachemgr: spool: skipped {line}", err=True)
-
-
 def _recorded(app, model: str | None = None) -> list[dict]:
     from cachemgr.prewarm.spool import list_shapes
 
-    _ingest(app)
+    ingest_spool(app)
     return list_shapes(app.db, model)
 
 

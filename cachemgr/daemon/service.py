@@ -20,11 +20,10 @@ import warnings
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from cachemgr import layout
 from cachemgr.config import Settings
 from cachemgr.daemon import systemd
 from cachemgr.daemon.watcher import Watcher
-from cachemgr.errors import CacheDirError, CachemgrError, UnsafePath
+from cachemgr.errors import CacheDirError, CachemgrError
 from cachemgr.index.db import Database, redact
 from cachemgr.index.scan import check_root
 
@@ -105,9 +104,9 @@ class Daemon:
         warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"watchdog\.")
         self.settings = self.load()
         s = self.settings
-        foreign = layout.foreign_root(s.cache_dir)
-        if foreign:  # `/` or a home directory by mistake: never walked, watched or evicted
-            raise UnsafePath(f"{foreign}: refusing to watch and evict it")
+        from cachemgr.evict.execute import refuse_foreign_root
+
+        refuse_foreign_root(s.cache_dir, "watch and evict it")  # `/` or a home dir by mistake: never walked
         log.info("starting: cache %s, index %s, max_size %s, evict every %gs, full scan every %gs",
                  s.cache_dir, redact(s.db), s.max_size, s.evict_interval, s.scan_interval)
         self._open(s)

@@ -48,7 +48,7 @@ def load_rows(db: Database, cache_id: int, root: str) -> list[Row]:
     from sqlalchemy import select as sql_select
 
     from cachemgr.index.models import Entry, EntryRef
-    from cachemgr.index.queries import is_pinned, pin_keys
+    from cachemgr.index.queries import pin_keys, pinned_by
 
     e, r = Entry.__table__, EntryRef.__table__
     with db.engine.connect() as conn:
@@ -66,7 +66,7 @@ def load_rows(db: Database, cache_id: int, root: str) -> list[Row]:
         launcher = m.kind == "triton" and m.ref not in referenced and _holds_binary(root, m.key)
         out.append(Row(m.id, m.key, m.kind, m.ref, m.alias, m.bytes, m.files, m.mtime, m.last_access,
                        m.compile_seconds, m.graph_key, m.torch_version, m.system_hash, m.corrupt,
-                       is_pinned(m._mapping, pins), m.hit_count or 0, launcher, tuple(refs.get(m.id, ()))))
+                       pinned_by(m._mapping, pins) is not None, m.hit_count or 0, launcher, tuple(refs.get(m.id, ()))))
     return out
 
 

@@ -41,11 +41,11 @@ UNLINK_THREADS = 4
 Hook = Callable[[str], None]  # crash-test hook: called with 'renamed' / 'committed' per batch
 
 
-def refuse_foreign_root(root: str) -> None:
+def refuse_foreign_root(root: str, refusing: str = "delete anything under it") -> None:
     """Raise UnsafePath unless `root` looks like an Inductor cache directory (layout.foreign_root)."""
     reason = layout.foreign_root(root)
     if reason:
-        raise UnsafePath(f"{reason}: refusing to delete anything under it")
+        raise UnsafePath(f"{reason}: refusing to {refusing}")
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy import bindparam, insert, select, update
-from sqlalchemy.exc import IntegrityError
 
 from cachemgr import layout
 from cachemgr.index.db import Database
-from cachemgr.index.scan import ENTRIES, EVENTS, KNOWN_COLUMNS, _chunks, at_or_below, check_root, prepare, write
+from cachemgr.index.scan import (
+    ENTRIES, EVENTS, KNOWN_COLUMNS, _chunks, at_or_below, check_root, once_more_on_race, prepare, write,
+)
 
 GUARDED = ("fxgraph", "aotautograd")  # kinds whose lookups try candidates in order
 
@@ -59,11 +60,7 @@ def apply_batch(db: Database, cache_id: int, root: str, paths: Iterable[str] = (
     writer (a `cachemgr scan`) indexed some of the same new entries first, the write fails on a
     unique key, rolls back, and the batch is read again once.
     """
-    paths, dirs = list(paths), list(dirs)
-    try:
-        return _apply_batch(db, cache_id, root, paths, dirs, reads)
-    except IntegrityError:
-        return _apply_batch(db, cache_id, root, paths, dirs, reads)
+    return once_more_on_race(_apply_batch, db, cache_id, root, list(paths), list(dirs), reads)
 
 
 def _apply_batch(db: Database, cache_id: int, root: str, paths: list[str], dirs: list[str],

@@ -198,14 +198,15 @@ def list_entries(conn, cache_id: int, f: Filters) -> list[dict[str, Any]]:
 def entry_dict(m, pins: dict[str, str | None]) -> dict[str, Any]:
     d = {n: m[n] for n in ENTRY_FIELDS}
     d["path"] = d["key"]
-    pin = next((k for k in (m["key"], m["graph_key"], m["ref"]) if k and k in pins), None)
+    pin = pinned_by(m, pins)
     d["pinned"] = pin is not None
     d["pin_reason"] = pins[pin] if pin is not None else None
     return d
 
 
-def is_pinned(m, pins: dict[str, str | None]) -> bool:
-    return bool(pins) and (m["key"] in pins or (m["graph_key"] or "") in pins or (m["ref"] or "") in pins)
+def pinned_by(m, pins: dict[str, str | None]) -> str | None:
+    """The pinned key (the entry's own key, its graph key or its ref) that covers an entry, or None."""
+    return next((k for k in (m["key"], m["graph_key"], m["ref"]) if k and k in pins), None) if pins else None
 
 
 def pin_keys(conn, cache_id: int) -> dict[str, str | None]:

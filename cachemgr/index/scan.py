@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from sqlalchemy import bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -28,6 +29,7 @@ SETS, SET_ITEMS, ENTRY_SETS = ComponentSet.__table__, ComponentSetItem.__table__
 CHUNK = 500  # rows per IN (...) list: well under SQLite's and PostgreSQL's parameter limits
 BULK = 2000  # entry rows per executemany
 
+T = TypeVar("T")
 Progress = Callable[[int, int], None]  # (done, total) while parsing entries
 
 
@@ -49,10 +51,17 @@ def reconcile(
     daemon) indexes some of the same entries between our read and our write, the write fails on
     a unique key, rolls back, and the scan runs once more against what is there now.
     """
+    return once_more_on_race(_reconcile, db, cache_id, root, subtree, progress, full)
+
+
+def once_more_on_race(write_step: Callable[..., T], *args) -> T:
+    """Run a read-then-write step; if another writer inserted the same keys between its read and
+    its write (a unique key fails, the transaction rolls back), run it once more: it then reads
+    their rows."""
     try:
-        return _reconcile(db, cache_id, root, subtree, progress, full)
+        return write_step(*args)
     except IntegrityError:
-        return _reconcile(db, cache_id, root, subtree, progress, full)
+        return write_step(*args)
 
 
 def _reconcile(db: Database, cache_id: int, root: str, subtree: str, progress: Progress | None,

@@ -66,12 +66,16 @@ class ShapeResult:
     worker: int | None = None  # pid of the worker process
 
     @property
+    def aot_misses(self) -> int:
+        """AOTAutograd misses a prewarm should have prevented. One that saved nothing is not: torch
+        saves a graph that needs a backward only once its backward compiles, so a forward-only call
+        with grad enabled misses in every process (its Inductor graphs hit)."""
+        return self.counters.get("autograd_cache_miss", 0) if self.counters.get("autograd_cache_saved", 0) else 0
+
+    @property
     def misses(self) -> int:
-        """Cache misses a prewarm should have prevented. An AOTAutograd miss that saved nothing
-        is not one: torch saves a graph that needs a backward only once its backward compiles, so
-        a forward-only call with grad enabled misses in every process (its Inductor graphs hit)."""
-        aot = self.counters.get("autograd_cache_miss", 0) if self.counters.get("autograd_cache_saved", 0) else 0
-        return self.counters.get("fxgraph_cache_miss", 0) + aot
+        """Cache misses a prewarm should have prevented."""
+        return self.counters.get("fxgraph_cache_miss", 0) + self.aot_misses
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ class RunResult:
             elif verify and r.phase == "verify" and r.misses:
                 out.append(f"model {r.model!r} shape #{r.index} {r.signature} on {r.device}: verify saw "
                            f"{r.counters.get('fxgraph_cache_miss', 0)} fxgraph and "
-                           f"{r.misses - r.counters.get('fxgraph_cache_miss', 0)} autograd cache misses "
+                           f"{r.aot_misses} autograd cache misses "
                            "(expected only hits)")
         return out
 
