@@ -53,3 +53,9 @@ class PrewarmError(CachemgrError):
     """One or more shapes failed or missed during prewarm / verify."""
 
     exit_code = 8
+
+
+class AlreadyRunning(CachemgrError):
+    """Another cachemgr daemon already serves this cache directory or index."""
+
+    exit_code = 10
