@@ -25,17 +25,18 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import socket
 import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 SPOOL_VERSION = 1
 SPOOL_SUFFIX = ".jsonl"
+MAX_LINE = 64 * 1024  # cachemgr.prewarm.spool.MAX_LINE: a longer line is never ingested
 
 _Tensor: Any = None  # torch.Tensor, bound on first compile()
 
@@ -80,6 +81,8 @@ def _spec(obj: Any) -> Any:
     if obj is None:
         return {"t": "none"}
     t = type(obj)
+    if t is float and not math.isfinite(obj):
+        return {"t": "float", "v": str(obj)}  # 'nan', 'inf', '-inf': JSON has no such numbers
     if t in (bool, int, float, str):
         return {"t": t.__name__, "v": obj}
     if t in (tuple, list):
@@ -111,6 +114,8 @@ def signature_text(spec: dict) -> str:
             return "None"
         if t == "object":
             return s["type"]
+        if t == "float" and isinstance(s["v"], str):
+            return s["v"]
         return repr(s["v"])
 
     parts = [one(a) for a in spec["args"]] + [f"{k}={one(v)}" for k, v in spec["kwargs"].items()]
@@ -163,8 +168,23 @@ class Spool:
             self._directory = spool_dir()
         return self._directory
 
-    def append(self, doc: dict) -> None:
-        line = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+    def append_checked(self, doc: dict) -> None:
+        """Append `doc` if the ingester will take it; else ValueError saying why (the recorder
+        turns it into a warning): too large, nested too deep, or text no index can hold."""
+        from cachemgr.prewarm.spool import LineError, parse_line
+
+        line = (json.dumps(doc, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        try:
+            parse_line(line)
+        except LineError as e:
+            raise ValueError(f"the ingester would refuse this signature: {e}") from None
+        if len(line) > MAX_LINE:
+            raise ValueError(f"the signature is {len(line)} bytes, over the {MAX_LINE // 1024} KiB a spool line may hold")
+        self.append(doc, line)
+
+    def append(self, doc: dict, line: bytes | None = None) -> None:
+        if line is None:
+            line = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
         try:
             with self._lock:
                 self._write(line)
@@ -235,7 +255,7 @@ class Recorder:
 
     def _new(self, args: tuple, kwargs: dict, grad: bool) -> None:
         spec = input_spec(args, kwargs, grad)
-        self.spool.append({
+        self.spool.append_checked({
             "v": SPOOL_VERSION, "model": self.name, "kind": self.kind, "ts": time.time(),
             "host": socket.gethostname(), "pid": os.getpid(),
             "signature_hash": signature_hash(spec, self.options), "signature": signature_text(spec),
@@ -293,6 +313,3 @@ def _recorded_class(base: type) -> type:
         _CLASSES[base] = cls
     return cls
 
-
-def recorder_of(obj: Callable) -> Recorder | None:
-    return getattr(obj, "_cachemgr_recorder", None)

@@ -135,7 +135,7 @@ def test_lines_a_recorder_never_writes_are_skipped_and_the_rest_ingested(spool, 
     r = cli(*flag, "scan")
     reported = [line for line in r.stderr.splitlines() if line.startswith("cachemgr: spool: skipped")]
     assert len(reported) == len(hostile) + 1, r.stderr
-    assert "ts has the wrong type" in r.stderr and "spec is not" in r.stderr and "cannot read it" in r.stderr
+    assert "ts has the wrong type" in r.stderr and "spec is not" in r.stderr and "not a regular file" in r.stderr
     doc = cli.json(*flag, "shapes")
     assert [d["model"] for d in doc] == ["good"]
     assert cli(*flag, "scan").stderr == ""  # nothing left over to fail on again

@@ -5,31 +5,65 @@ Protocol (crash-safe, idempotent):
 1. take a file: rename `X.jsonl` -> `X.jsonl.ingesting` (atomic: one ingester wins; the
    recorder checks the inode under its lock, so it never writes into a taken file);
 2. lock it (flock; a writer that held the lock before the rename finishes its line first);
-3. upsert every line into `shapes` (model, signature_hash) in one transaction, commit;
+3. upsert its lines into `shapes` (model, signature_hash), BATCH lines per transaction;
 4. unlink it.
 
-A crash before 3 commits leaves `.ingesting`; the next run processes it first. A crash between 3
-and 4 would count the same lines twice, so a left-over file only adds to `count` for lines newer
-than the row's `last_seen`: the rows are exact, counts never double. Lines that are not valid JSON
-(a torn write), or whose fields are not what the recorder writes, are skipped and reported,
-never fatal: one bad line never stops a scan.
+A crash before 4 leaves `.ingesting`; the next run processes it first. Lines committed before the
+crash would count twice, so a left-over file only adds to `count` for lines newer than the row's
+`last_seen`: the rows are exact, counts never double.
+
+Every input is hostile (the spool directory is writable by every workload): a line that is not
+UTF-8, not JSON, longer than MAX_LINE, nested deeper than MAX_DEPTH, or whose fields are not what
+the recorder writes (wrong types, a time that is no time, text with NUL, control characters or
+lone surrogates, which neither a terminal nor PostgreSQL takes) is skipped and reported with its
+reason, never fatal. Only regular files are opened (no symlink is followed, a FIFO never blocks);
+a file that cannot be read, or is over MAX_FILE, is set aside as `.bad-*` with its reason. Files
+are read line by line, so memory stays bounded whatever their size. A taken file always ends
+unlinked or set aside: nothing stays `.ingesting` for ever. Only the database failing as a whole
+(DatabaseError) stops an ingest, and leaves the file for the next run.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import math
 import os
+import re
+import stat
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # SQLAlchemy is imported where rows are written: a scan with an empty spool needs none of it
     from cachemgr.index.db import Database
 
 SPOOL_SUFFIX = ".jsonl"  # cachemgr.record.SPOOL_SUFFIX (not imported: record is the workload's module)
 TAKEN = ".ingesting"
+SET_ASIDE = ".bad"
 REQUIRED = ("model", "signature_hash", "spec")
+
+MAX_LINE = 64 * 1024  # bytes in one line; the recorder writes a few hundred (cachemgr.record checks too)
+MAX_DEPTH = 32  # JSON nesting of one line; a recorded spec is a few levels deep
+MAX_FILE = 256 * 1024 * 1024  # a bigger spool file is set aside unread
+MAX_REPORTED = 20  # bad lines named per file; the rest are counted in one more line
+BATCH = 1000  # lines per transaction
+MAX_NAME = 255  # model and host: String(255) in the index
+MAX_HASH = 16  # signature_hash: String(16)
+MAX_TEXT = 4096  # any other string in a line
+MAX_DIM = 1 << 62  # a tensor dimension or stride
+LOCK_WAIT = 5.0  # seconds to wait for a recorder to finish its line in a file just taken
+FUTURE = 86400.0  # a line's time may be this far ahead of ours (clocks differ), no more
+
+_BAD_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
+_DTYPE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+class LineError(ValueError):
+    """What is wrong with one line (or one stored row): the reason reported."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +72,7 @@ class IngestResult:
     lines: int = 0
     new_shapes: int = 0
     updated_shapes: int = 0
-    bad_lines: list[str] = field(default_factory=list)  # "file:line: reason"
+    bad_lines: list[str] = field(default_factory=list)  # "file:line: reason" (and "file: reason")
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -47,7 +81,8 @@ class IngestResult:
 
 
 def ingest(db: Database, spool_dir: str) -> IngestResult:
-    """Move every spool file's lines into the index. Safe to call concurrently and after a crash."""
+    """Move every spool file's lines into the index. Safe to call concurrently and after a crash.
+    Raises only DatabaseError (the index as a whole failing); everything else is reported."""
     t0 = time.monotonic()
     leftovers, fresh = _spooled(spool_dir)
     totals = {"files": 0, "lines": 0, "new": 0, "updated": 0}
@@ -59,6 +94,9 @@ def ingest(db: Database, spool_dir: str) -> IngestResult:
             try:
                 os.rename(path, taken)
             except FileNotFoundError:  # another ingester took it
+                continue
+            except OSError as e:  # a read-only spool directory, ...: not ours to take
+                bad.append(f"{shown(name)}: cannot take it ({e.strerror}); left as it is")
                 continue
             path = taken
         done = _ingest_file(db, path, recovering, bad)
@@ -81,104 +119,317 @@ def _spooled(spool_dir: str) -> tuple[list[str], list[str]]:
     """(files a crashed ingest left taken, fresh files), by name."""
     try:
         names = sorted(os.listdir(spool_dir))
-    except OSError:  # none yet, or not a directory we can read: nothing to ingest
+    except (OSError, ValueError):  # none yet, or not a directory we can read: nothing to ingest
         return [], []
     leftovers = [n for n in names if n.endswith(SPOOL_SUFFIX + TAKEN)]
     return leftovers, [n for n in names if n.endswith(SPOOL_SUFFIX) and not n.startswith(".")]
 
 
-def _ingest_file(db: Database, path: str, recovering: bool, bad: list[str]) -> tuple[int, int, int] | None:
+def shown(name: str) -> str:
+    """A file name fit for a terminal or a log line: what is not printable is escaped."""
+    name = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in name)
+
+
+def _set_aside(path: str, reason: str, bad: list[str]) -> None:
+    """Rename a file (or anything) that cannot be ingested out of the spool's way, saying why."""
+    aside = f"{path}{SET_ASIDE}-{int(time.time())}-{os.getpid()}"
     try:
-        fd = os.open(path, os.O_RDONLY)
+        os.rename(path, aside)
+        bad.append(f"{shown(os.path.basename(path))}: {reason}; renamed to {shown(os.path.basename(aside))}")
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        bad.append(f"{shown(os.path.basename(path))}: {reason}; cannot rename it either ({e.strerror})")
+
+
+def _lock(fd: int, wait: float) -> bool:
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        except OSError:  # a file system without flock: the rename already made it ours
+            return True
+
+
+def _ingest_file(db: Database, path: str, recovering: bool, bad: list[str]) -> tuple[int, int, int] | None:
+    name = os.path.basename(path)
+    try:
+        # never follow a link, never block on a FIFO
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        _set_aside(path, "a symbolic link (never followed)" if e.errno == errno.ELOOP
+                   else f"cannot open it ({e.strerror})", bad)
+        return None
     try:
-        try:
-            # A left-over file may be another ingester's live one: skip it if locked.
-            fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if recovering else 0))
-        except BlockingIOError:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            _set_aside(path, "not a regular file", bad)
+            return None
+        if st.st_size > MAX_FILE:
+            _set_aside(path, f"{st.st_size} bytes, over the {MAX_FILE >> 20} MiB a spool file may hold", bad)
+            return None
+        # A left-over file may be another ingester's live one: skip it if locked. A file we just
+        # took may still have a recorder finishing its line: wait for it, a bounded time.
+        if not _lock(fd, 0.0 if recovering else LOCK_WAIT):
             return None
         try:
-            with os.fdopen(os.dup(fd), "rb") as f:
-                raw = f.read()
-        except OSError as e:  # a directory or an unreadable file with a spool name: set aside
-            bad.append(f"{os.path.basename(path)}: cannot read it ({e.strerror}); renamed to .bad")
-            os.rename(path, path + ".bad")
+            counts = _ingest_lines(db, fd, name, recovering, bad)
+        except OSError as e:
+            _set_aside(path, f"cannot read it ({e.strerror})", bad)
             return None
-        lines = _parse_lines(os.path.basename(path), raw, bad)
-        new, updated = _upsert(db, lines, recovering)
-        os.unlink(path)  # while holding the lock: nobody else processes it again
-        return len(lines), new, updated
+        try:
+            os.unlink(path)  # while holding the lock: nobody else processes it again
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            _set_aside(path, f"ingested, but cannot remove it ({e.strerror})", bad)
+        return counts
     finally:
         os.close(fd)
 
 
-def _parse_lines(name: str, raw: bytes, bad: list[str]) -> list[dict]:
-    out = []
-    for i, line in enumerate(raw.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            bad.append(f"{name}:{i}: not JSON (torn write?)")
-            continue
-        missing = [k for k in REQUIRED if not isinstance(doc, dict) or k not in doc]
-        problem = f"missing {', '.join(missing)}" if missing else _line_problem(doc)
-        if problem:
-            bad.append(f"{name}:{i}: {problem}")
-            continue
-        out.append(doc)
-    return out
+def _ingest_lines(db: Database, fd: int, name: str, recovering: bool, bad: list[str]) -> tuple[int, int, int]:
+    name = shown(name)
+    lines = new = updated = skipped = 0
+    batch: list[tuple[int, dict]] = []
+
+    def report(lineno: int, reason: str) -> None:
+        nonlocal skipped
+        skipped += 1
+        if skipped <= MAX_REPORTED:
+            bad.append(f"{name}:{lineno}: {reason}")
+
+    def flush() -> None:
+        nonlocal new, updated, lines
+        if batch:
+            n, u, refused = _upsert(db, batch, recovering)
+            new, updated, lines = new + n, updated + u, lines + len(batch) - len(refused)
+            for lineno, reason in refused:
+                report(lineno, reason)
+            batch.clear()
+
+    with os.fdopen(os.dup(fd), "rb") as f:
+        lineno = 0
+        while True:
+            raw = f.readline(MAX_LINE + 1)
+            if not raw:
+                break
+            lineno += 1
+            if len(raw) > MAX_LINE:
+                while raw and not raw.endswith(b"\n"):  # the rest of the long line, a chunk at a time
+                    raw = f.readline(MAX_LINE)
+                report(lineno, f"longer than {MAX_LINE // 1024} KiB")
+                continue
+            if not raw.strip():
+                continue
+            try:
+                batch.append((lineno, parse_line(raw)))
+            except LineError as e:
+                report(lineno, str(e))
+                continue
+            if len(batch) >= BATCH:
+                flush()
+    flush()
+    if skipped > MAX_REPORTED:
+        bad.append(f"{name}: {skipped - MAX_REPORTED} more bad lines not listed")
+    return lines, new, updated
 
 
-_SCALARS = {"bool": bool, "int": int, "float": (int, float), "str": str}
+# -- one line -------------------------------------------------------------------------------------
+
+def parse_line(raw: bytes) -> dict:
+    """One spool line as the recorder wrote it, checked; LineError says what is wrong."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise LineError("not UTF-8") from None
+    if _too_deep(text):
+        raise LineError(f"nested deeper than {MAX_DEPTH} levels")
+    try:
+        doc = json.loads(text, parse_constant=_no_constant)
+    except LineError:
+        raise
+    except RecursionError:
+        raise LineError(f"nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError:
+        raise LineError("not JSON (torn write?)") from None
+    missing = [k for k in REQUIRED if not isinstance(doc, dict) or k not in doc]
+    if missing:
+        raise LineError(f"missing {', '.join(missing)}")
+    check_values(doc)
+    _check_line(doc)
+    return doc
 
 
-def _line_problem(doc: dict) -> str | None:
-    """What is wrong with a recorded line (as cachemgr.record writes them), or None."""
-    for k in ("model", "signature_hash"):
+def _no_constant(name: str) -> Any:
+    raise LineError(f"{name} is not a number JSON has")
+
+
+def _too_deep(text: str) -> bool:
+    """Whether the JSON text nests deeper than MAX_DEPTH: exact, linear, and free when there are
+    fewer brackets than that."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return False
+    depth = 0
+    for m in _BRACKETS.finditer(_JSON_STRING.sub('""', text)):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > MAX_DEPTH:
+            return True
+    return False
+
+
+def check_values(doc: Any) -> None:
+    """Every string in `doc` fit for a terminal and for PostgreSQL text, every number finite,
+    nesting at most MAX_DEPTH. Iterative: no recursion however deep `doc` is."""
+    stack: list[tuple[Any, int]] = [(doc, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise LineError(f"nested deeper than {MAX_DEPTH} levels")
+        if isinstance(v, str):
+            _check_text(v, "a string")
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                raise LineError("a number out of range (inf or nan)")
+        elif isinstance(v, int) and not isinstance(v, bool):
+            if abs(v) >= 1 << 63:
+                raise LineError("an integer out of range")
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                _check_text(k, "a key")
+                stack.append((x, depth + 1))
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+
+
+def _check_text(s: str, what: str) -> None:
+    if len(s) > MAX_TEXT:
+        raise LineError(f"{what} longer than {MAX_TEXT} characters")
+    bad = _BAD_CHARS.search(s)
+    if bad:
+        c = bad.group()
+        kind = "a NUL" if c == "\x00" else "a lone surrogate" if "\ud800" <= c <= "\udfff" else "a control character"
+        raise LineError(f"{what} holds {kind} (U+{ord(c):04X})")
+
+
+def _check_line(doc: dict) -> None:
+    for k, limit in (("model", MAX_NAME), ("signature_hash", MAX_HASH)):
         if not isinstance(doc[k], str) or not doc[k]:
-            return f"{k} is not a non-empty string"
+            raise LineError(f"{k} is not a non-empty string")
+        if len(doc[k]) > limit:
+            raise LineError(f"{k} longer than {limit} characters")
     for k, types in (("ts", (int, float)), ("signature", str), ("host", str), ("options", dict)):
         if doc.get(k) is not None and (not isinstance(doc[k], types) or isinstance(doc[k], bool)):
-            return f"{k} has the wrong type"
-    spec = doc["spec"]
+            raise LineError(f"{k} has the wrong type")
+    if isinstance(doc.get("host"), str) and len(doc["host"]) > MAX_NAME:
+        raise LineError(f"host longer than {MAX_NAME} characters")
+    ts = doc.get("ts")
+    if ts is not None and not 0 < ts <= time.time() + FUTURE:
+        raise LineError("ts is not a time (seconds since 1970, not in the future)")
+    problem = spec_problem(doc["spec"])
+    if problem:
+        raise LineError(problem)
+
+
+_SCALARS: dict[str, Any] = {"bool": bool, "int": int, "float": (int, float), "str": str}
+_NONFINITE = ("nan", "inf", "-inf")  # how cachemgr.record writes such a float argument
+
+
+def spec_problem(spec: Any) -> str | None:
+    """What is wrong with a recorded input spec (as cachemgr.record writes them), or None."""
     if not isinstance(spec, dict) or not isinstance(spec.get("args", []), list) \
             or not isinstance(spec.get("kwargs", {}), dict):
         return "spec is not {args: [...], kwargs: {...}}"
-    for a in [*spec.get("args", []), *spec.get("kwargs", {}).values()]:
-        if (p := _arg_problem(a)) is not None:
+    if not isinstance(spec.get("grad", True), bool):
+        return "spec: grad is not true or false"
+    stack: list[tuple[Any, int]] = [(a, 1) for a in [*spec.get("args", []), *spec.get("kwargs", {}).values()]]
+    while stack:
+        a, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return f"spec: nested deeper than {MAX_DEPTH} levels"
+        p = _arg_problem(a)
+        if p is not None:
             return f"spec: {p}"
+        t = a["t"]
+        if t in ("tuple", "list"):
+            stack.extend((x, depth + 1) for x in a["items"])
+        elif t == "dict":
+            stack.extend((x, depth + 1) for x in a["items"].values())
     return None
 
 
+def _ints(v: Any, low: int) -> bool:
+    return isinstance(v, list) and all(isinstance(n, int) and not isinstance(n, bool) and low <= n < MAX_DIM for n in v)
+
+
 def _arg_problem(a: object) -> str | None:
+    """One argument's own fields (not its items: spec_problem walks those)."""
     t = a.get("t") if isinstance(a, dict) else None
     if t == "tensor":
-        ok = (isinstance(a.get("shape"), list) and all(isinstance(n, int) for n in a["shape"])
-              and isinstance(a.get("dtype"), str) and isinstance(a.get("device", ""), str)
-              and all(isinstance(n, int) for n in a.get("stride") or []))
+        ok = (_ints(a.get("shape"), 0) and isinstance(a.get("dtype"), str) and bool(_DTYPE.match(a["dtype"]))
+              and isinstance(a.get("device") or "", str) and (a.get("stride") is None or _ints(a["stride"], -MAX_DIM))
+              and isinstance(a.get("requires_grad", False), bool))
         return None if ok else "a tensor without an integer shape, a dtype and a device"
     if t in _SCALARS:
-        return None if isinstance(a.get("v"), _SCALARS[t]) else f"a {t} without its value"
+        v = a.get("v")
+        if t == "float" and v in _NONFINITE:
+            return None
+        ok = isinstance(v, _SCALARS[t]) and (t == "bool" or not isinstance(v, bool))
+        return None if ok else f"a {t} without its value"
     if t in ("tuple", "list"):
-        items = a.get("items")
-        return next((p for x in items if (p := _arg_problem(x))), None) if isinstance(items, list) \
-            else f"a {t} without items"
+        return None if isinstance(a.get("items"), list) else f"a {t} without items"
     if t == "dict":
-        items = a.get("items")
-        return next((p for x in items.values() if (p := _arg_problem(x))), None) if isinstance(items, dict) \
-            else "a dict without items"
-    if t in ("none", "object"):
+        return None if isinstance(a.get("items"), dict) else "a dict without items"
+    if t == "none":
         return None
-    return f"unknown argument {str(a)[:40]}"
+    if t == "object":
+        return None if isinstance(a.get("type"), str) else "an object without its type"
+    return f"unknown argument {ascii(a)[:40]}"
 
 
-def _upsert(db: Database, lines: list[dict], recovering: bool) -> tuple[int, int]:
+# -- into the index -------------------------------------------------------------------------------
+
+def _upsert(db: Database, lines: list[tuple[int, dict]], recovering: bool) -> tuple[int, int, list[tuple[int, str]]]:
+    """(new rows, updated rows, lines the index refused with why). One transaction; if the index
+    refuses it for a reason other than the database failing, line by line."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from cachemgr.errors import DatabaseError
+
+    try:
+        new, updated = _upsert_batch(db, [d for _, d in lines], recovering)
+        return new, updated, []
+    except DatabaseError:
+        raise
+    except SQLAlchemyError:
+        pass
+    new = updated = 0
+    refused = []
+    for lineno, d in lines:
+        try:
+            n, u = _upsert_batch(db, [d], recovering)
+            new, updated = new + n, updated + u
+        except DatabaseError:
+            raise
+        except SQLAlchemyError as e:
+            first = str(getattr(e, "orig", None) or e).strip().splitlines()
+            refused.append((lineno, f"the index refused it: {first[0][:200] if first else type(e).__name__}"))
+    return new, updated, refused
+
+
+def _upsert_batch(db: Database, lines: list[dict], recovering: bool) -> tuple[int, int]:
     from sqlalchemy import select
 
     from cachemgr.index.models import Shape
+    from cachemgr.record import signature_text
 
     if not lines:
         return 0, 0
@@ -193,8 +444,10 @@ def _upsert(db: Database, lines: list[dict], recovering: bool) -> tuple[int, int
             ts = float(d.get("ts") or time.time())
             row = rows.get(k)
             if row is None:
+                # the signature shown is made from the spec, not taken from the line: what is
+                # printed is what will be replayed
                 row = Shape(model=d["model"], signature_hash=d["signature_hash"],
-                            signature=str(d.get("signature") or ""), spec=json.dumps(d["spec"], sort_keys=True),
+                            signature=signature_text(d["spec"]), spec=json.dumps(d["spec"], sort_keys=True),
                             options=json.dumps(d.get("options") or {}, sort_keys=True), host=d.get("host"),
                             count=1, first_seen=ts, last_seen=ts)
                 s.add(row)
@@ -211,7 +464,8 @@ def _upsert(db: Database, lines: list[dict], recovering: bool) -> tuple[int, int
 
 
 def list_shapes(db: Database, model: str | None = None) -> list[dict]:
-    """Recorded shapes, per model in first-seen order (the order prewarm replays them in)."""
+    """Recorded shapes, per model in first-seen order (the order prewarm replays them in). A row
+    that cannot be replayed (written by an older ingest that checked less) is left out."""
     from sqlalchemy import select
 
     from cachemgr.index.models import Shape
@@ -221,13 +475,31 @@ def list_shapes(db: Database, model: str | None = None) -> list[dict]:
         if model is not None:
             q = q.where(Shape.model == model)
         rows = list(s.scalars(q))
-    out = [{"model": r.model, "signature_hash": r.signature_hash, "signature": r.signature,
-            "spec": json.loads(r.spec), "options": json.loads(r.options), "host": r.host, "count": r.count,
-            "first_seen": r.first_seen, "last_seen": r.last_seen} for r in rows]
+    out = []
+    for r in rows:
+        try:
+            spec, options = _stored(r.spec), _stored(r.options)
+            check_values([r.model, r.signature, r.host or "", spec, options])
+        except LineError:
+            continue
+        if spec_problem(spec) is not None or not isinstance(options, dict):
+            continue
+        out.append({"model": r.model, "signature_hash": r.signature_hash, "signature": r.signature,
+                    "spec": spec, "options": options, "host": r.host, "count": r.count,
+                    "first_seen": r.first_seen, "last_seen": r.last_seen})
     varied = varied_dims(out)
     for d in out:
         d["varied"] = varied.get(d["model"], [])
     return out
+
+
+def _stored(text: Any) -> Any:
+    if not isinstance(text, str) or len(text) > MAX_LINE or _too_deep(text):
+        raise LineError("not a stored JSON value")
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        raise LineError("not a stored JSON value") from None
 
 
 def varied_dims(shapes: list[dict]) -> dict[str, list[str]]:

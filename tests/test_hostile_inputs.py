@@ -1,0 +1,259 @@
+"""Hostile inputs to what cachemgr reads besides the cache itself (issue 14): spool lines, Redis
+values, config values; and what keeps processes in check: one daemon per cache dir and index,
+workers that die with the CLI. Every case runs the real command as a process and asserts its exit
+code, what it says, and what is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PROGRAMS, REPO, Cli, subprocess_env
+from test_daemon import start, wait_until  # noqa: F401 - start: a fixture (daemon processes)
+from test_fleet import pg_url  # noqa: F401 - fixture: a throwaway PostgreSQL database
+
+REDIS_HOST = os.environ.get("CACHEMGR_TEST_REDIS", "127.0.0.1:6379")
+REDIS_DB = 13  # this file's own Redis database: flushed before and after each test, no other
+PREWARM_ENV = {"PYTHONPATH": os.pathsep.join((str(REPO), str(PROGRAMS)))}
+
+
+def run(*argv: str, timeout: float = 120, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cachemgr", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=subprocess_env(**(env or {})), **kw)
+
+
+def one_error_line(r: subprocess.CompletedProcess, code: int, *parts: str) -> str:
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == code and len(lines) == 1, f"exit {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}"
+    for p in parts:
+        assert p in lines[0], (p, lines[0])
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+# -- 1. the spool ----------------------------------------------------------------------------------
+
+def spool_line(model: str = "good", batch: int = 2, **fields) -> bytes:
+    """A line as cachemgr.record writes it."""
+    from cachemgr.record import signature_hash, signature_text
+
+    spec = {"args": [{"t": "tensor", "shape": [batch, 4], "dtype": "float32", "device": "cpu",
+                      "requires_grad": False, "stride": [4, 1]}], "kwargs": {}, "grad": True}
+    doc = {"v": 1, "model": model, "kind": "module", "ts": time.time(), "host": "h", "pid": 1,
+           "signature_hash": signature_hash(spec, {}), "signature": signature_text(spec), "spec": spec,
+           "options": {}}
+    doc.update(fields)
+    return json.dumps(doc).encode() + b"\n"
+
+
+def _with(line: bytes, old: bytes, new: bytes) -> bytes:
+    assert old in line
+    return line.replace(old, new, 1)
+
+
+GOOD = spool_line()
+# what each poisoned line is, and a part of the reason the ingest must give for skipping it
+POISON: dict[str, tuple[bytes, str]] = {
+    "ts 1e400": (_with(GOOD, b'"ts": ', b'"ts": 1e400, "x": '), "out of range"),
+    "ts NaN": (_with(GOOD, b'"ts": ', b'"ts": NaN, "x": '), "NaN is not a number"),
+    "ts in the future": (spool_line(ts=1e15), "ts is not a time"),
+    "100k [": (b"[" * 100_000 + b"\n", "nested deeper than"),
+    "100k { in a field": (b'{"model": "m", "spec": ' + b'{"a": ' * 100_000 + b"\n", "nested deeper than"),
+    "deep but valid JSON": (spool_line(options=json.loads("[" * 40 + "]" * 40)), "nested deeper than"),
+    "lone surrogate": (spool_line(model="\ud800"), "lone surrogate"),
+    "escaped NUL": (spool_line(model="a\u0000b"), "a NUL"),
+    "raw NUL bytes": (_with(GOOD, b'"good"', b'"go\x00od"'), "not JSON"),
+    "terminal escape": (spool_line(host="\x1b]0;owned\x07"), "control character"),
+    "not UTF-8": (_with(GOOD, b'"good"', b'"go\xff\xfeod"'), "not UTF-8"),
+    "huge line": (spool_line(signature="x" * 200_000), "longer than 64 KiB"),
+    "model not a string": (spool_line(model=["x"]), "model is not a non-empty string"),
+    "model too long": (spool_line(model="m" * 300), "model longer than 255"),
+    "shape of bools": (spool_line(spec={"args": [{"t": "tensor", "shape": [True], "dtype": "float32"}],
+                                        "kwargs": {}}), "a tensor without an integer shape"),
+    "negative dim": (spool_line(spec={"args": [{"t": "tensor", "shape": [-1], "dtype": "float32"}],
+                                      "kwargs": {}}), "a tensor without an integer shape"),
+    "dtype that is a path": (spool_line(spec={"args": [{"t": "tensor", "shape": [1], "dtype": "../os.system"}],
+                                              "kwargs": {}}), "a tensor without an integer shape"),
+    "int that is a bool": (spool_line(spec={"args": [{"t": "int", "v": True}], "kwargs": {}}), "a int without its value"),
+    "huge integer": (_with(GOOD, b'"ts": ', b'"ts": ' + b"9" * 5000 + b', "x": '), "not JSON"),
+    "not an object": (b"[1, 2]\n", "missing model"),
+}
+
+
+def write_spool(spool: Path, lines: list[bytes], name: str = "w-1-abcd.jsonl") -> Path:
+    spool.mkdir(parents=True, exist_ok=True)
+    path = spool / name
+    path.write_bytes(b"".join(lines))
+    return path
+
+
+def config_for(tmp_path: Path, spool: Path, extra: str = "") -> Path:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'spool_dir = "{spool}"\n{extra}')
+    return cfg
+
+
+def skipped_lines(stderr: str) -> list[str]:
+    return [x for x in stderr.splitlines() if x.startswith("cachemgr: spool: skipped")]
+
+
+SPOOL_COMMANDS = {
+    "scan": ["scan"],
+    "shapes": ["shapes", "--json"],
+    "evict": ["evict", "--max-size", "1TiB", "--dry-run"],
+    "purge": ["purge", "--older-than", "3650d", "--dry-run"],
+}
+
+
+@pytest.mark.parametrize("command", list(SPOOL_COMMANDS))
+def test_poisoned_spool_lines_are_skipped_with_their_reason(command, gpu_cache, tmp_path, db_url):
+    """One poisoned line among good ones: the command succeeds, names each bad line and why, the
+    good lines are ingested, and nothing is left `.ingesting` to fail on again."""
+    spool = tmp_path / "spool"
+    write_spool(spool, [GOOD] + [line for line, _ in POISON.values()] + [spool_line(batch=3)])
+    cli = Cli(gpu_cache, db_url)
+    cfg = ["--config", str(config_for(tmp_path, spool))]
+    r = cli.proc(*cfg, *SPOOL_COMMANDS[command])
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-3000:]}"
+    reported = skipped_lines(r.stderr)
+    assert len(reported) == len(POISON), "\n".join(reported)
+    for what, (_, reason) in POISON.items():
+        assert any(reason in x for x in reported), f"{what}: no {reason!r} in\n" + "\n".join(reported)
+    assert all(len(x) < 400 and x.isprintable() for x in reported)
+    assert os.listdir(spool) == []  # nothing left `.ingesting`
+    shapes = json.loads(cli.proc(*cfg, "shapes", "--json").stdout)
+    assert [(s["model"], s["signature"]) for s in shapes] == [("good", "(f32[2,4])"), ("good", "(f32[3,4])")]
+    again = cli.proc(*cfg, "scan")
+    assert again.returncode == 0 and skipped_lines(again.stderr) == []
+
+
+def test_poisoned_spool_on_postgresql(gpu_cache, tmp_path, pg_url):  # noqa: F811 - pg_url: the fixture
+    """What reaches the index is text PostgreSQL takes (no NUL, no lone surrogate, names within
+    the column widths): a poisoned spool ingests there as on SQLite."""
+    spool = tmp_path / "spool"
+    write_spool(spool, [GOOD] + [line for line, _ in POISON.values()])
+    cli = Cli(gpu_cache, pg_url)
+    cfg = ["--config", str(config_for(tmp_path, spool))]
+    r = cli.proc(*cfg, "shapes", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [s["model"] for s in json.loads(r.stdout)] == ["good"] and len(skipped_lines(r.stderr)) == len(POISON)
+
+
+def test_a_left_over_ingesting_file_with_poison_is_ingested_and_removed(gpu_cache, tmp_path, db_url):
+    """A file a crashed (or failing) ingest left taken is processed first, poison and all, and goes."""
+    spool = tmp_path / "spool"
+    write_spool(spool, [POISON["ts 1e400"][0], GOOD, POISON["100k ["][0]], "w-2-beef.jsonl.ingesting")
+    cli = Cli(gpu_cache, db_url)
+    cfg = ["--config", str(config_for(tmp_path, spool))]
+    r = cli.proc(*cfg, "scan")
+    assert r.returncode == 0 and len(skipped_lines(r.stderr)) == 2, r.stderr
+    assert os.listdir(spool) == []
+    assert [s["model"] for s in json.loads(cli.proc(*cfg, "shapes", "--json").stdout)] == ["good"]
+
+
+def test_spool_entries_that_are_no_regular_files_are_set_aside_without_blocking(gpu_cache, tmp_path, db_url):
+    """A FIFO would block a reader for ever, a link to /dev/zero never ends, a directory cannot be
+    read, a file over the size cap is not read: each is set aside with its reason."""
+    spool = tmp_path / "spool"
+    write_spool(spool, [GOOD])
+    os.mkfifo(spool / "fifo.jsonl")
+    (spool / "zero.jsonl").symlink_to("/dev/zero")
+    (spool / "dir.jsonl").mkdir()
+    with open(spool / "big.jsonl", "wb") as f:
+        f.truncate(300 * 1024 * 1024)  # sparse: 300 MiB of NULs
+    cli = Cli(gpu_cache, db_url)
+    cfg = ["--config", str(config_for(tmp_path, spool))]
+    r = cli.proc(*cfg, "scan", timeout=120)
+    assert r.returncode == 0, r.stderr
+    said = "\n".join(skipped_lines(r.stderr))
+    for name, reason in (("fifo", "not a regular file"), ("zero", "a symbolic link (never followed)"),
+                         ("dir", "not a regular file"), ("big", "314572800 bytes, over the 256 MiB")):
+        assert f"{name}.jsonl.ingesting: {reason}" in said, said
+    assert not [n for n in os.listdir(spool) if n.endswith((".jsonl", ".ingesting"))]
+    assert os.readlink(next(spool.glob("zero.jsonl.ingesting.bad-*"))) == "/dev/zero"  # set aside, not followed
+    assert [s["model"] for s in json.loads(cli.proc(*cfg, "shapes", "--json").stdout)] == ["good"]
+
+
+def _rss_of(argv: list[str], env: dict) -> tuple[int, int, str]:
+    """(exit code, peak RSS in MiB of that process, stderr), measured by wait4 on it alone."""
+    with subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as p:
+        stderr = p.stderr.read()
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, usage.ru_maxrss // 1024, stderr
+
+
+def test_a_huge_spool_line_is_read_in_bounded_memory(gpu_cache, tmp_path, db_url):
+    """128 MiB in one line (no newline until the end): skipped, and the scan's peak RSS stays
+    under 200 MiB (the file is never held whole; a whole read and a split would be 256 MiB)."""
+    spool = tmp_path / "spool"
+    path = write_spool(spool, [])
+    with open(path, "wb") as f:
+        f.write(b'{"model": "')
+        f.seek(128 * 1024 * 1024)
+        f.write(b'x"}\n' + GOOD)
+    cfg = config_for(tmp_path, spool)
+    argv = [sys.executable, "-m", "cachemgr", *Cli(gpu_cache, db_url).base(), "--config", str(cfg), "scan"]
+    code, rss, stderr = _rss_of(argv, subprocess_env())
+    assert code == 0, stderr
+    assert rss < 200, f"peak RSS {rss} MiB"
+    assert skipped_lines(stderr) == [f"cachemgr: spool: skipped {path.name}.ingesting:1: longer than 64 KiB"]
+
+
+def test_bad_rows_an_older_ingest_stored_do_not_break_shapes(gpu_cache, tmp_path, db_url):
+    """Rows written before these checks (deep JSON, a surrogate, a spec that is no spec) are left
+    out of `shapes` and of prewarm's plan, instead of failing them."""
+    from sqlalchemy import insert
+
+    from cachemgr.index.db import Database
+    from cachemgr.index.models import Shape
+
+    db = Database(db_url)
+    now = time.time()
+    rows = [("deep", "[" * 5000 + "]" * 5000), ("surrogate", json.dumps({"args": [{"t": "str", "v": "\ud800"}]})),
+            ("nospec", "7"), ("notjson", "{")]
+    with db.engine.begin() as conn:
+        conn.execute(insert(Shape), [{"model": m, "signature_hash": f"{i:016x}", "signature": "(x)", "spec": spec,
+                                      "options": "{}", "first_seen": now, "last_seen": now}
+                                     for i, (m, spec) in enumerate(rows)])
+    db.close()
+    spool = tmp_path / "spool"
+    write_spool(spool, [GOOD])
+    cli = Cli(gpu_cache, db_url)
+    r = cli.proc("--config", str(config_for(tmp_path, spool)), "shapes", "--json")
+    assert r.returncode == 0, r.stderr
+    assert [s["model"] for s in json.loads(r.stdout)] == ["good"]
+
+
+def test_the_recorder_refuses_what_the_ingester_would_skip(tmp_path):
+    """A signature whose line could never be ingested is a warning in the workload, not a line
+    that poisons the spool; a float argument of nan or inf is recorded (JSON has no such numbers)."""
+    code = """
+import math, warnings, json, sys, torch, cachemgr.record as r
+sp = r.Spool(sys.argv[1])
+f = r.compile(lambda x, s: x * 2, name="f", backend="eager", spool=sp)
+f(torch.randn(2), float("nan"))
+f(torch.randn(2), float("-inf"))
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    f(torch.randn(2), "\\x1b[2J")
+    f(torch.randn(2), "y" * 100_000)
+print(json.dumps([str(x.message) for x in w]))
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "spool")], capture_output=True, text=True,
+                         env=subprocess_env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warned = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(warned) == 2 and "control character" in warned[0] and "longer than 4096" in warned[1], warned
+    from cachemgr.prewarm.spool import parse_line
+
+    (name,) = os.listdir(tmp_path / "spool")
+    lines = (tmp_path / "spool" / name).read_bytes().splitlines(keepends=True)
+    docs = [parse_line(x) for x in lines]  # every line written is one the ingester takes
+    assert [d["signature"] for d in docs] == ["(f32[2], nan)", "(f32[2], -inf)"]
