@@ -14,24 +14,59 @@ An *entry* is the unit cachemgr indexes and evicts:
 
 Names that start with '.' and names containing '.tmp' or starting with 'tmp.' are writes in
 progress (Inductor's write_atomic, Triton's tmp.pid_* directories) or cachemgr's own trash: never
-entries. Symlinks are never followed and never indexed.
+entries. Symlinks are never followed and never indexed; only regular files are.
+
+Keys are text: a file name that is not UTF-8, holds a control character or a '%' is
+percent-escaped in its key (`key_of`), and `fs_path` turns a key back into the name on disk.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from urllib.parse import unquote_to_bytes
 
-KINDS = ("fxgraph", "aotautograd", "triton", "code", "autotune", "lock", "other")
+from cachemgr import safefs
+from cachemgr.vocab import Kind
+
+KINDS = tuple(k.value for k in Kind)  # plain strings (click shows an enum by its name)
 TRASH_DIR = ".cachemgr-trash"  # inside the root, same file system: rename there, then unlink
 LOCKS_DIR = "locks"
 
 _TWO_CHAR = re.compile(r"^[a-z0-9]{2}$")
 _CODE_NAME = re.compile(r"^(c[a-z0-9]{20,})(\..+)$")
+_AOT_KEY = re.compile(r"^a[a-z0-9]{51}$")
+_DEVICE = re.compile(r"^\d{1,3}$")
+
+
+# -- keys and names ---------------------------------------------------------------------------------
+
+
+def key_of(rel: str) -> str:
+    """The index key of a path relative to the root (as os functions give it: str, surrogate-
+    escaped). Plain names are their own key; other characters become %XX of their bytes."""
+    if rel.isprintable() and "%" not in rel:
+        return rel
+    out = []
+    for ch in rel:
+        o = ord(ch)
+        if 0xDC80 <= o <= 0xDCFF:  # a byte that is not UTF-8 (os.fsdecode's surrogateescape)
+            out.append(f"%{o - 0xDC00:02X}")
+        elif ch == "%" or not ch.isprintable():
+            out.extend(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def fs_path(key: str) -> str:
+    """The path on disk (relative to the root) that an index key names: key_of's inverse."""
+    return os.fsdecode(unquote_to_bytes(key)) if "%" in key else key
 
 
 def is_transient(name: str) -> bool:
@@ -39,61 +74,81 @@ def is_transient(name: str) -> bool:
     return name.startswith(".") or name.startswith("tmp.") or ".tmp" in name
 
 
+# -- classifying ------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, slots=True)
 class Classified:
-    kind: str
+    kind: Kind
     key: str  # entry key, relative to the root, '/'-separated
     ref: str | None
 
 
-def classify(relpath: str) -> Classified | None:
-    """The entry a file belongs to, or None for transient files. `relpath` is '/'-separated."""
-    parts = relpath.split("/")
+def classify(key: str) -> Classified | None:
+    """The entry a file belongs to, or None for transient files. `key` is a '/'-separated key."""
+    parts = key.split("/")
     if any(is_transient(p) for p in parts) or not parts[-1]:
         return None
     top, n = parts[0], len(parts)
     if top == "fxgraph" and n == 4:
-        return Classified("fxgraph", relpath, parts[2])
+        return Classified(Kind.FXGRAPH, key, parts[2])
     if top == "aotautograd" and n == 3:
-        return Classified("aotautograd", relpath, parts[1])
+        return Classified(Kind.AOTAUTOGRAD, key, parts[1])
     if top == "triton" and n >= 4:
-        return Classified("triton", "/".join(parts[:3]), parts[2])
+        return Classified(Kind.TRITON, "/".join(parts[:3]), parts[2])
     if top == LOCKS_DIR and n == 2:
-        return Classified("lock", relpath, parts[1].removesuffix(".lock"))
+        return Classified(Kind.LOCK, key, parts[1].removesuffix(".lock"))
     if n == 2 and _TWO_CHAR.match(top):
         name = parts[1]
         if name.endswith(".best_config"):
-            return Classified("autotune", relpath, name.removesuffix(".best_config"))
+            return Classified(Kind.AUTOTUNE, key, name.removesuffix(".best_config"))
         code = _CODE_NAME.match(name)
         if code:
-            return Classified("code", f"{top}/{code.group(1)}", code.group(1))
-    return Classified("other", relpath, None)
+            return Classified(Kind.CODE, f"{top}/{code.group(1)}", code.group(1))
+    return Classified(Kind.OTHER, key, None)
+
+
+def home_dir(key: str, kind: str) -> str:
+    """The directory whose listing holds an entry: a kernel directory is its own home."""
+    return key if kind == Kind.TRITON else key.rpartition("/")[0]
+
+
+def kernel_sources(code_key: str) -> list[str]:
+    """The files that may hold a code entry's C++ kernel source: the `.main.cpp` torch 2.9+
+    builds from (the source plus its Python binding)."""
+    return [code_key + ".main.cpp"]
+
+
+def is_kernel_dir(key: str) -> bool:
+    parts = key.split("/")
+    return len(parts) == 3 and parts[0] == "triton" and not any(is_transient(p) for p in parts)
 
 
 @dataclass(slots=True)
 class DiskEntry:
     """One entry as found on disk: its files and their summed sizes."""
 
-    kind: str
+    kind: Kind
     key: str
     ref: str | None
     bytes: int = 0
     files: int = 0
     mtime: float = 0.0
     atime: float = 0.0
-    paths: list[str] = field(default_factory=list)  # relative paths of its regular files (if kept)
+    paths: list[str] = field(default_factory=list)  # keys of its regular files (if kept)
 
-    def add(self, relpath: str, st: os.stat_result) -> None:
+    def add(self, key: str, st: os.stat_result, keep_path: bool = True) -> None:
         self.bytes += st.st_size
         self.files += 1
-        self.mtime = max(self.mtime, st.st_mtime)
-        self.atime = max(self.atime, st.st_atime)
-        self.paths.append(relpath)
+        if st.st_mtime > self.mtime:
+            self.mtime = st.st_mtime
+        if st.st_atime > self.atime:
+            self.atime = st.st_atime
+        if keep_path:
+            self.paths.append(key)
 
 
-def walk(root: str, subtree: str = "") -> Iterator[DiskEntry]:
-    """Every entry under `root` (or under `root/subtree`), grouped as `classify` groups files."""
-    yield from walk_dirs(root, subtree).entries.values()
+# -- walking ----------------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -106,173 +161,245 @@ class DirWalk:
     unreadable: list[str] = field(default_factory=list)  # directories that could not be listed
 
 
-RACY = -1  # a directory mtime too recent to trust: the next walk reads the directory again
+RACY = -1  # a directory mtime too recent (or a directory unreadable): the next walk reads it again
 RACY_NS = 2_000_000_000  # file systems with coarse timestamps (1 s) can hide a change within this
+_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # not there, or not a real directory: nothing to walk
+
+
+def walk(root: str | safefs.Root, subtree: str = "") -> Iterator[DiskEntry]:
+    """Every entry under `root` (or under `root/subtree`), grouped as `classify` groups files."""
+    yield from walk_dirs(root, subtree).entries.values()
 
 
 def walk_dirs(
-    root: str, subtree: str = "", known: dict[str, int] | None = None, keep_paths: bool = True
+    root: str | safefs.Root, subtree: str = "", known: dict[str, int] | None = None, keep_paths: bool = True
 ) -> DirWalk:
     """Walk `root` (or `root/subtree`), reading only directories whose mtime differs from `known`.
 
     A directory's mtime moves whenever a name in it is created, removed or renamed, and Inductor
     and Triton only ever write by renaming a finished file into place: so a directory whose mtime
     is what it was when it was last read still holds the same entries, and is not read again (its
-    known subdirectories are still checked). Each directory is lstat'ed before it is listed, so a
-    change made while it is listed moves its mtime past the one recorded. Files in listed
-    directories are stat'ed once each (lstat: symlinks are skipped, not followed). A Triton kernel
-    directory is one entry: it is read whole or not at all. Unreadable directories are skipped, so
-    a walk never fails on one bad corner. With `known` empty every directory is read. Without
-    `keep_paths` the entries' `paths` stay empty (a large scan needs only the totals).
+    known subdirectories are still checked). Every directory is opened relative to its parent's
+    descriptor without following symlinks, and its mtime is read from that descriptor before it
+    is listed, so a change made while it is listed moves its mtime past the one recorded. Files
+    are lstat'ed through the same descriptor; anything but a regular file or a directory is
+    passed over. A Triton kernel directory is one entry: read whole or not at all. A directory
+    that cannot be listed is reported in `unreadable` and recorded as RACY, so it is tried again.
+    With `known` empty every directory is read. Without `keep_paths` the entries' `paths` stay
+    empty (a large scan needs only the totals).
     """
+    if isinstance(root, str):
+        try:
+            r = safefs.Root(root)
+        except OSError as e:  # a root that is gone has no entries; one out of reach is unreadable
+            return DirWalk({}, set(), {}, [] if e.errno in _GONE else [""])
+        with r:
+            return walk_dirs(r, subtree, known, keep_paths)
     known = known or {}
     children: dict[str, list[str]] = {}
     for d in known:
         if d:
             children.setdefault(d.rpartition("/")[0], []).append(d)
-    racy_after = time.time_ns() - RACY_NS
     out = DirWalk({}, set(), {})
-    entries = out.entries
-    stack: list[tuple[str, DiskEntry | None]] = [(subtree.strip("/"), None)]  # (dir, kernel entry it is in)
-    while stack:
-        rel, kernel = stack.pop()
-        path = os.path.join(root, rel) if rel else root
-        if kernel is None:
-            try:
-                st = os.lstat(path)
-            except (FileNotFoundError, NotADirectoryError):
-                continue  # gone: its entries leave the index
-            except OSError:  # there, but out of reach (a parent without search permission)
-                out.unreadable.append(rel)
-                continue
-            if not stat.S_ISDIR(st.st_mode):
-                continue
-            m = st.st_mtime_ns
-            out.mtimes[rel] = m if m < racy_after else RACY
-            if known.get(rel) == m:
-                stack.extend((child, None) for child in children.get(rel, ()))
-                continue
-            out.listed.add(rel)
-            kernel = _kernel_entry(entries, rel)
-        prefix = rel + "/" if rel else ""
-        try:
-            it = os.scandir(path)
-        except OSError:  # unreadable: its mtime is not recorded, so it is read again once it can be
-            out.mtimes.pop(rel, None)
-            out.unreadable.append(rel)
-            continue
-        with it:
-            for d in it:
-                name = d.name
-                if name[0] == "." or name.startswith("tmp.") or ".tmp" in name:
-                    continue  # is_transient, inlined: this loop runs once per file
-                try:
-                    if d.is_dir(follow_symlinks=False):
-                        stack.append((prefix + name, kernel))
-                        continue
-                    if not d.is_file(follow_symlinks=False):
-                        continue
-                    st = d.stat(follow_symlinks=False)
-                except OSError:
-                    continue  # vanished between listing and stat: an eviction or a rename
-                e = kernel
-                if e is None:
-                    c = classify(prefix + name)
-                    if c is None:
-                        continue
-                    e = entries.get(c.key)
-                    if e is None:
-                        e = entries[c.key] = DiskEntry(c.kind, c.key, c.ref)
-                e.bytes += st.st_size
-                e.files += 1
-                if st.st_mtime > e.mtime:
-                    e.mtime = st.st_mtime
-                if st.st_atime > e.atime:
-                    e.atime = st.st_atime
-                if keep_paths:
-                    e.paths.append(prefix + name)
+    sub = subtree.strip("/")
+    try:
+        fd = os.open(".", safefs.O_DIR, dir_fd=root.dir_fd(fs_path(sub))) if sub else os.dup(root.fd)
+    except OSError as e:
+        if e.errno not in _GONE:
+            out.unreadable.append(sub)
+            out.mtimes[sub] = RACY
+        return out
+    _Walker(out, children, known, keep_paths).visit(fd, sub, None)
     return out
 
 
-# Top-level folders only Inductor and Triton make (and <2ch>/ folders of generated modules).
-_OWN_FOLDERS = frozenset({"fxgraph", "aotautograd", "triton", "precompiled_headers", "aoti_eager", "autoheuristic"})
+class _Walker:
+    def __init__(self, out: DirWalk, children: dict[str, list[str]], known: dict[str, int], keep_paths: bool) -> None:
+        self.out, self.children, self.known, self.keep_paths = out, children, known, keep_paths
+        self.racy_after = time.time_ns() - RACY_NS
+
+    def visit(self, fd: int, rel: str, kernel: DiskEntry | None) -> None:
+        """Read directory `rel` (open as `fd`, which this closes) and what is below it."""
+        out = self.out
+        try:
+            if kernel is None:
+                m = os.fstat(fd).st_mtime_ns
+                out.mtimes[rel] = m if m < self.racy_after else RACY
+                if self.known.get(rel) == m:
+                    for child in self.children.get(rel, ()):
+                        self._descend(fd, child, child.rpartition("/")[2], None)
+                    return
+                out.listed.add(rel)
+                if is_kernel_dir(rel):
+                    kernel = out.entries.get(rel) or DiskEntry(Kind.TRITON, rel, rel.rpartition("/")[2])
+            subdirs = self._list(fd, rel, kernel)
+            if subdirs is None:  # unreadable: the next walk tries again
+                out.unreadable.append(rel)
+                out.mtimes[rel] = RACY
+                return
+            if kernel is not None and rel == kernel.key:
+                out.entries[rel] = kernel  # only once its listing is whole
+            for key, name in subdirs:
+                self._descend(fd, key, name, kernel)
+        finally:
+            os.close(fd)
+
+    def _descend(self, parent_fd: int, key: str, name: str, kernel: DiskEntry | None) -> None:
+        if key.count("/") >= safefs.MAX_DEPTH:
+            self.out.unreadable.append(key)
+            return
+        try:
+            fd = os.open(fs_path(name), safefs.O_DIR, dir_fd=parent_fd)
+        except OSError as e:
+            if e.errno not in _GONE:  # gone, or now a symlink / a file: nothing to walk
+                self.out.unreadable.append(key)
+                self.out.mtimes[key] = RACY
+            return
+        self.visit(fd, key, kernel)
+
+    def _list(self, fd: int, rel: str, kernel: DiskEntry | None) -> list[tuple[str, str]] | None:
+        """Add the regular files of directory `rel` to their entries; return its subdirectories
+        as (key, key name) pairs, or None when it cannot be listed."""
+        entries, keep = self.out.entries, self.keep_paths
+        prefix = rel + "/" if rel else ""
+        subdirs = []
+        try:
+            it = os.scandir(fd)
+        except OSError:
+            return None
+        with it:
+            try:
+                for d in it:
+                    name = d.name
+                    if name[0] == "." or name.startswith("tmp.") or ".tmp" in name:
+                        continue  # is_transient, inlined: this loop runs once per file
+                    if not (name.isprintable() and "%" not in name):
+                        name = key_of(name)
+                    try:
+                        if d.is_dir(follow_symlinks=False):
+                            subdirs.append((prefix + name, name))
+                            continue
+                        if not d.is_file(follow_symlinks=False):
+                            continue  # a symlink, FIFO, socket or device: never an entry, never opened
+                        st = d.stat(follow_symlinks=False)
+                    except OSError:
+                        continue  # vanished between listing and stat: an eviction or a rename
+                    e = kernel
+                    if e is None:
+                        c = classify(prefix + name)
+                        if c is None:
+                            continue
+                        e = entries.get(c.key)
+                        if e is None:
+                            e = entries[c.key] = DiskEntry(c.kind, c.key, c.ref)
+                    e.add(prefix + name, st, keep)
+            except OSError:
+                return None
+        return subdirs
+
+
+# -- one entry's files ------------------------------------------------------------------------------
+
+
+def entry_files(root: safefs.Root, key: str, kind: str) -> list[tuple[str, os.stat_result]]:
+    """The regular files of one entry as they are on disk now: (key, lstat) pairs. A kernel
+    directory's files are listed through its own descriptor; a code entry's are the names in its
+    folder that share its stem."""
+    out: list[tuple[str, os.stat_result]] = []
+    try:
+        if kind == Kind.TRITON:
+            for d in walk_dirs(root, key).entries.values():
+                for p in d.paths:
+                    out.append((p, root.lstat(fs_path(p))))
+            return out
+        if kind == Kind.CODE:
+            folder, stem = key.split("/", 1)
+            names = [key_of(n) for n in root.listdir(fs_path(folder))]
+            rels = sorted(f"{folder}/{n}" for n in names if n.startswith(stem + ".") and not is_transient(n))
+        else:
+            rels = [key]
+        for rel in rels:
+            try:
+                st = root.lstat(fs_path(rel))
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out.append((rel, st))
+    except OSError:
+        pass
+    return out
+
+
+def stat_entry(root: safefs.Root, c: Classified) -> DiskEntry | None:
+    """Re-read one entry from disk (for the watcher and for `show`); None if gone."""
+    e = DiskEntry(c.kind, c.key, c.ref)
+    for p, st in entry_files(root, c.key, c.kind):
+        e.add(p, st)
+    return e if e.files else None
+
+
+# -- is this an Inductor cache? ---------------------------------------------------------------------
+
+# Top-level folders Inductor, Triton and torch make under the cache dir (beside <2ch>/ module folders).
+OWN_FOLDERS = frozenset({"fxgraph", "aotautograd", "triton", LOCKS_DIR, "precompiled_headers", "aoti_eager",
+                         "autoheuristic", "cache", "dynamo", "gcc"})
+_CHILDREN = {"fxgraph": _TWO_CHAR, "aotautograd": _AOT_KEY, "triton": _DEVICE}  # what these folders hold
 
 
 def foreign_root(root: str) -> str | None:
     """Why `root` is not an Inductor cache directory that files may be deleted from, or None.
 
-    Eviction takes unreferenced files as orphans, so pointed at `/` or a home directory by
-    mistake it would empty it. A cache dir holds at least one folder Inductor or Triton made
-    (from the first compile on), or nothing yet.
+    Eviction takes unreferenced files as orphans, so pointed at `/`, a home directory or a
+    site-packages folder by mistake it would empty it. A root is accepted only by positive
+    evidence: everything at its top level is a folder Inductor, Triton or torch makes (or a
+    <2ch>/ folder of generated modules), those folders hold what Inductor puts there (key-shaped
+    names), and nothing else is there. An empty directory is accepted (nothing compiled yet).
     """
     real = os.path.realpath(root)
     if os.path.dirname(real) == real:
         return f"{root} is the file system root"
     try:
-        names = [n for n in os.listdir(real) if not is_transient(n)]
+        r = safefs.Root(real)
     except OSError:
         return None  # missing or unreadable: check_root says so
-    if not names or any(n in _OWN_FOLDERS or _TWO_CHAR.match(n) and _holds_modules(real, n) for n in names):
+    with r:
+        try:
+            names = sorted(n for n in os.listdir(r.fd) if n != TRASH_DIR)
+        except OSError:
+            return None
+        odd = [why for n in names if (why := _not_inductors(r, n))]
+    if not odd:
         return None
-    shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
-    return (f"{root} does not look like an Inductor cache directory: none of fxgraph/, aotautograd/, "
-            f"triton/ or <2ch>/ module folders, but {shown}")
+    shown = "; ".join(odd[:3]) + (f"; and {len(odd) - 3} more" if len(odd) > 3 else "")
+    return f"{root} does not look like an Inductor cache directory ({shown})"
 
 
-def _holds_modules(root: str, folder: str) -> bool:
-    """A <2ch>/ folder holding generated modules or autotune results (not any two-letter folder)."""
+def _not_inductors(r: safefs.Root, name: str) -> str | None:
+    """Why the top-level name `name` is not something Inductor makes, or None."""
+    shown = key_of(name)
     try:
-        with os.scandir(os.path.join(root, folder)) as it:
-            return any((c := classify(f"{folder}/{d.name}")) is not None and c.kind in ("code", "autotune")
-                       for d in it)
+        st = r.lstat(name)
     except OSError:
-        return False
-
-
-def home_dir(key: str, kind: str) -> str:
-    """The directory whose listing holds an entry: a kernel directory is its own home."""
-    return key if kind == "triton" else key.rpartition("/")[0]
-
-
-def _kernel_entry(entries: dict[str, DiskEntry], rel: str) -> DiskEntry | None:
-    """The entry of a Triton kernel directory triton/<device>/<hash>, None for any other directory."""
-    parts = rel.split("/")
-    if len(parts) != 3 or parts[0] != "triton" or any(is_transient(p) for p in parts):
+        return None  # gone meanwhile
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{shown} is not a folder Inductor makes"
+    try:
+        children = [n for n in r.listdir(name) if not is_transient(n)]
+    except OSError:
+        return f"{shown}/ cannot be read"
+    if _TWO_CHAR.match(name):
+        if children and not any((c := classify(f"{name}/{key_of(n)}")) is not None
+                                and c.kind in (Kind.CODE, Kind.AUTOTUNE) for n in children):
+            return f"{shown}/ holds no generated modules"
         return None
-    e = entries.get(rel)
-    if e is None:
-        e = entries[rel] = DiskEntry("triton", rel, parts[2])
-    return e
-
-
-def entry_paths(root: str, key: str, kind: str) -> list[str]:
-    """The files of one entry as they are on disk now (relative paths)."""
-    if kind == "triton":
-        return [p for e in walk(root, key) for p in e.paths]
-    if kind == "code":
-        folder, stem = key.split("/", 1)
-        try:
-            names = os.listdir(os.path.join(root, folder))
-        except OSError:
-            return []
-        return sorted(
-            f"{folder}/{n}" for n in names
-            if n.startswith(stem + ".") and not is_transient(n)
-            and os.path.isfile(os.path.join(root, folder, n)) and not os.path.islink(os.path.join(root, folder, n))
-        )
-    full = os.path.join(root, key)
-    return [key] if os.path.isfile(full) and not os.path.islink(full) else []
-
-
-def stat_entry(root: str, c: Classified) -> DiskEntry | None:
-    """Re-read one entry from disk (for the watcher and for eviction checks); None if gone."""
-    e = DiskEntry(c.kind, c.key, c.ref)
-    for p in entry_paths(root, c.key, c.kind):
-        try:
-            e.add(p, os.lstat(os.path.join(root, p)))
-        except OSError:
-            pass
-    return e if e.files else None
+    if name not in OWN_FOLDERS:
+        return f"{shown} is not a folder Inductor makes"
+    shape = _CHILDREN.get(name)
+    if shape is not None:
+        bad = [n for n in children if not shape.match(n)]
+        if bad:
+            return f"{shown}/ holds {key_of(bad[0])}, which Inductor does not write there"
+    return None
 
 
 def default_cache_dir() -> str:

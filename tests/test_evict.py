@@ -316,7 +316,7 @@ def test_symlinks_pointing_outside_survive_with_their_targets(aged_cpu, cli_for,
         code.with_suffix(".so"): precious,  # beside a real module: the module goes, the link stays
         aged_cpu / "triton" / "0" / ("A" * 52): kernel_dir,
         aged_cpu / "fxgraph" / "zz": fx_dir,
-        aged_cpu / "other-link": precious,
+        code.parent / "other-link": precious,  # (at the top level it would make the root refused: test_hostile)
     }
     for link, target in links.items():
         link.parent.mkdir(parents=True, exist_ok=True)
@@ -342,13 +342,13 @@ def test_executor_refuses_paths_leaving_the_root(aged_cpu, db_url, tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
     age_files(tmp_path, HOUR, [victim])
-    (aged_cpu / "ab").mkdir(exist_ok=True)
-    (aged_cpu / "ab" / "escape").symlink_to(tmp_path)
+    folder = next(aged_cpu.glob("??/c*.py")).parent.name  # a real module folder: the root stays a cache
+    (aged_cpu / folder / "escape").symlink_to(tmp_path)
     db = Database(db_url)
     cid = db.cache_id("testhost", str(aged_cpu))
     old = time.time() - HOUR
     rows = [Row(10**6 + i, key, "other", None, None, 7, 1, old, old) for i, key in
-            enumerate([f"../{victim.name}", str(victim), "ab/escape/victim.txt"])]
+            enumerate([f"../{victim.name}", str(victim), f"{folder}/escape/victim.txt"])]
     p = plan(rows, Limits(max_size=0), "lru", time.time())
     assert len(p.units) == 3
     r = carry_out(db, cid, str(aged_cpu), p, rows, grace=0)

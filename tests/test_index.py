@@ -128,15 +128,16 @@ print(json.dumps({"sqlalchemy": "sqlalchemy" in sys.modules}))
 
 
 def test_parallel_parse_matches_serial(gpu_cache, tmp_path, monkeypatch):
-    """The worker-process path of a large first scan describes every entry as one process does."""
+    """Several parse workers describe every entry as one worker does."""
     from cachemgr.index import describe
+    from cachemgr.index.workers import Pool
 
     entries = [e for e in layout.walk(str(gpu_cache)) if e.kind != "lock"]
-    serial = describe.describe_all(str(gpu_cache), entries)
-    monkeypatch.setattr(describe, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(describe.os, "cpu_count", lambda: 2)
+    with Pool(1) as one:
+        serial = describe.describe_all(str(gpu_cache), entries, pool=one)
     ticks = []
-    parallel = describe.describe_all(str(gpu_cache), entries, lambda done, total: ticks.append((done, total)))
+    with Pool(2) as two:
+        parallel = describe.describe_all(str(gpu_cache), entries, lambda done, total: ticks.append((done, total)), two)
     assert ticks[-1] == (len(entries), len(entries))
     assert parallel.keys() == serial.keys()
     for key, d in serial.items():
@@ -152,8 +153,6 @@ UNGUARDED = """
 import os, sys
 from cachemgr import layout
 from cachemgr.index import describe
-describe.PARALLEL_MIN_BYTES = 0
-describe.os.cpu_count = lambda: 2
 entries = [e for e in layout.walk(sys.argv[1]) if e.kind in describe.PICKLED]
 out = describe.describe_all(sys.argv[1], entries)
 print(len(out), sum(bool(d.row.get("graph_key")) for d in out.values()), len(entries))
@@ -161,8 +160,8 @@ print(len(out), sum(bool(d.row.get("graph_key")) for d in out.values()), len(ent
 
 
 def test_parallel_parse_survives_an_unguarded_main(gpu_cache, tmp_path):
-    """A library caller whose script has no `if __name__ == "__main__"` kills every spawned worker
-    (the script re-runs in it): the parse finishes in-process instead of respawning workers forever."""
+    """A library caller whose script has no `if __name__ == "__main__"` (multiprocessing's spawn would
+    re-run it in every worker and kill it): parse workers are plain `python -m` commands, unaffected."""
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED)
     p = subprocess.run([sys.executable, str(script), str(gpu_cache)], capture_output=True, text=True, timeout=120,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from contextlib import contextmanager
 
 import click
 
@@ -19,14 +20,21 @@ grace_option = click.option("--grace", type=DURATION,
 dry_run_option = click.option("--dry-run", is_flag=True, help="Show what would go; delete nothing.")
 
 
-def _scan(app) -> None:
+@contextmanager
+def _locked_and_scanned(app):
+    """The cache root, refused unless it looks like an Inductor cache (before walking all of `/`
+    to plan its deletion), locked against other evictions, and scanned: plans are made from the
+    disk as it is, every file stat'ed (full), so access times that moved without a directory
+    changing (hits on a host without the daemon) count too."""
     from cachemgr.cli.inspect import run_scan
-    from cachemgr.evict.execute import refuse_foreign_root
+    from cachemgr.evict.execute import exclusive
 
-    refuse_foreign_root(app.settings.cache_dir)  # before walking all of `/` to plan its deletion
-    # Plan from the disk as it is, not as it was: every file stat'ed (full), so access times that
-    # moved without a directory changing (hits on a host without the daemon) count too.
-    run_scan(app, quiet_progress=True, full=True)
+    def waiting() -> None:
+        click.echo("cachemgr: another eviction of this cache is running; waiting for it to finish", err=True)
+
+    with exclusive(app.settings.cache_dir, waiting) as root:
+        run_scan(app, quiet_progress=True, full=True)
+        yield root
 
 
 HELD = {"grace": "in use within the grace period", "pinned": "pinned"}  # why a wanted entry was kept
@@ -82,7 +90,7 @@ def evict(app, max_size, max_age, max_files, min_free, policy, grace, dry_run, a
         cachemgr evict --max-size 20GiB --dry-run
         cachemgr evict --max-age 14d --policy cost --json | jq .freed_bytes
     """
-    from cachemgr.evict import Limits, carry_out, make_plan
+    from cachemgr.evict import Limits
 
     s = app.with_flags(max_size=max_size, max_age=max_age, max_files=max_files, min_free=min_free,
                        policy=policy, grace=grace)
@@ -90,9 +98,15 @@ def evict(app, max_size, max_age, max_files, min_free, policy, grace, dry_run, a
     if not limits.any:
         raise UsageError("no limit to evict to: give --max-size, --max-age, --max-files or --min-free "
                          "(or set max_size / max_age in the config)")
-    _scan(app)
+    with _locked_and_scanned(app) as root:
+        _evict(app, root, s, limits, dry_run, as_json)
+
+
+def _evict(app, root, s, limits, dry_run: bool, as_json: bool) -> None:
+    from cachemgr.evict import carry_out, make_plan
+
     now = time.time()
-    p, rows = make_plan(app.db, app.cache_id, s.cache_dir, limits, s.policy, now)
+    p, rows = make_plan(app.db, app.cache_id, root, limits, s.policy, now)
     if not as_json:
         if not p.units and p.skipped:
             held = Counter(why for _, why in p.skipped)
@@ -102,7 +116,7 @@ def evict(app, max_size, max_age, max_files, min_free, policy, grace, dry_run, a
         elif not p.units:
             click.echo(f"nothing to evict: {human_size(p.total_bytes)} in {p.total_files} files is within the limits")
         _print_plan(p, "evict")
-    r = carry_out(app.db, app.cache_id, s.cache_dir, p, rows, limits.grace, dry_run, now)
+    r = carry_out(app.db, app.cache_id, root, p, rows, limits.grace, dry_run, now)
     if as_json:
         emit_json(r.as_dict())
     elif p.units:
@@ -139,18 +153,24 @@ def purge(app, all_, older_than, kind, key, graph, torch_version, stale, keep_to
         cachemgr purge --stale --keep-torch 2.11.0+cu130 --yes
         cachemgr purge --all --yes --json
     """
-    from cachemgr.evict import carry_out, load_rows, purge_plan
-    from cachemgr.evict.policy import Graph
-
     if not any((all_, older_than is not None, kind, key, graph, torch_version, stale, orphans, corrupt)):
         raise UsageError("say what to purge: --all, --older-than, --kind, --key, --graph, --torch-version, "
                          "--stale, --orphans or --corrupt")
     if keep_torch and not stale:
         raise UsageError("--keep-torch only says what --stale keeps: give --stale too")
     s = app.with_flags(grace=grace, keep_torch=keep_torch)
-    _scan(app)
+    with _locked_and_scanned(app) as root:
+        _purge(app, root, s, all_, older_than, kind, key, graph, torch_version, stale, orphans, corrupt,
+               include_pinned, dry_run, yes, as_json)
+
+
+def _purge(app, root, s, all_, older_than, kind, key, graph, torch_version, stale, orphans, corrupt,
+           include_pinned, dry_run, yes, as_json) -> None:
+    from cachemgr.evict import carry_out, load_rows, purge_plan
+    from cachemgr.evict.policy import Graph
+
     now = time.time()
-    rows = load_rows(app.db, app.cache_id, s.cache_dir)
+    rows = load_rows(app.db, app.cache_id, root)
     g = Graph.build(rows)
     tests = []
     if older_than is not None:
@@ -177,7 +197,7 @@ def purge(app, all_, older_than, kind, key, graph, torch_version, stale, keep_to
     p = purge_plan(rows, chosen, now, s.grace, include_pinned)
     if not p.units:
         if as_json:
-            emit_json(carry_out(app.db, app.cache_id, s.cache_dir, p, rows, s.grace, True, now).as_dict())
+            emit_json(carry_out(app.db, app.cache_id, root, p, rows, s.grace, True, now).as_dict())
         else:
             click.echo("nothing to purge" + (f" ({len(p.skipped)} matching entries kept: pinned or in use)"
                                              if p.skipped else ""))
@@ -186,7 +206,7 @@ def purge(app, all_, older_than, kind, key, graph, torch_version, stale, keep_to
         _print_plan(p, "delete")
     if not dry_run and not yes:
         click.confirm(f"delete {len(p.entries)} entries ({human_size(p.expected_freed_bytes)})?", abort=True, err=True)
-    r = carry_out(app.db, app.cache_id, s.cache_dir, p, rows, s.grace, dry_run, now)
+    r = carry_out(app.db, app.cache_id, root, p, rows, s.grace, dry_run, now)
     if as_json:
         emit_json(r.as_dict())
     else:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from cachemgr import layout, safefs
 from cachemgr.evict.policy import POLICIES, DiskState, Limits, Plan, Row, plan, select
 from cachemgr.index.db import Database
 
@@ -31,6 +32,7 @@ class EvictResult:
     recreatable_freed_bytes: int
     entries: tuple[tuple[str, str, int], ...]  # (key, kind, bytes) evicted (or, dry run, that would be)
     skipped: tuple[tuple[str, str], ...]  # (key, reason)
+    in_place: bool = False  # some units were deleted in place: no room for the trash (a full disk)
 
     def as_dict(self) -> dict:
         return {
@@ -39,12 +41,15 @@ class EvictResult:
             "freed_bytes": self.freed_bytes, "freed_files": self.freed_files,
             "remaining_bytes": self.remaining_bytes, "recreatable_freed_bytes": self.recreatable_freed_bytes,
             "entries": [{"key": k, "kind": kind, "bytes": b} for k, kind, b in self.entries],
-            "skipped": [{"key": k, "reason": r} for k, r in self.skipped],
+            "skipped": [{"key": k, "reason": r} for k, r in self.skipped], "in_place": self.in_place,
         }
 
 
-def load_rows(db: Database, cache_id: int, root: str) -> list[Row]:
+def load_rows(db: Database, cache_id: int, root: safefs.Root | str) -> list[Row]:
     """Every entry of the cache with its references and pin state, as the policy wants it."""
+    if isinstance(root, str):
+        with safefs.Root(root) as opened:
+            return load_rows(db, cache_id, opened)
     from sqlalchemy import select as sql_select
 
     from cachemgr.index.models import Entry, EntryRef
@@ -70,32 +75,40 @@ def load_rows(db: Database, cache_id: int, root: str) -> list[Row]:
     return out
 
 
-def _holds_binary(root: str, key: str) -> bool:
+def _holds_binary(root: safefs.Root, key: str) -> bool:
     try:
-        return any(n.endswith(".so") for n in os.listdir(os.path.join(root, key)))
+        return any(n.endswith(".so") for n in root.listdir(layout.fs_path(key)))
     except OSError:
         return False
 
 
-def disk_state(root: str) -> DiskState | None:
+def disk_state(root: safefs.Root) -> DiskState | None:
     try:
-        st = os.statvfs(root)
+        st = os.fstatvfs(root.fd)
     except OSError:
         return None
     return DiskState(st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
 
 
-def make_plan(db: Database, cache_id: int, root: str, limits: Limits, policy: str = "lru",
+def make_plan(db: Database, cache_id: int, root: safefs.Root | str, limits: Limits, policy: str = "lru",
               now: float | None = None) -> tuple[Plan, list[Row]]:
+    if isinstance(root, str):
+        with safefs.Root(root) as opened:
+            return make_plan(db, cache_id, opened, limits, policy, now)
     rows = load_rows(db, cache_id, root)
     return plan(rows, limits, policy, time.time() if now is None else now, disk_state(root)), rows
 
 
-def carry_out(db: Database, cache_id: int, root: str, p: Plan, rows: Sequence[Row], grace: float,
+def carry_out(db: Database, cache_id: int, root: safefs.Root | str, p: Plan, rows: Sequence[Row], grace: float,
               dry_run: bool = False, now: float | None = None,
               hook: Callable[[str], None] | None = None) -> EvictResult:
-    from cachemgr.evict.execute import Executor, remaining_bytes
+    """Carry out plan `p` (made from `rows`) under a root opened by `exclusive` (a path: opened
+    and locked here)."""
+    from cachemgr.evict.execute import Executor, exclusive, remaining_bytes
 
+    if isinstance(root, str):
+        with exclusive(root) as opened:
+            return carry_out(db, cache_id, opened, p, rows, grace, dry_run, now, hook)
     ex = Executor(db, cache_id, root, grace, now, hook)
     out = ex.run(p, {r.id: r for r in rows}, dry_run=dry_run)
     skipped = dict(p.skipped)
@@ -108,15 +121,19 @@ def carry_out(db: Database, cache_id: int, root: str, p: Plan, rows: Sequence[Ro
         evicted=len(out.removed), freed_bytes=out.freed_bytes, freed_files=out.freed_files,
         remaining_bytes=remaining, recreatable_freed_bytes=sum(r.bytes for r in out.removed if r.recreatable),
         entries=tuple((r.key, r.kind, r.bytes) for r in out.removed), skipped=tuple(sorted(skipped.items())),
+        in_place=out.in_place,
     )
 
 
 def evict(db: Database, cache_id: int, root: str, limits: Limits, policy: str = "lru", dry_run: bool = False,
           now: float | None = None) -> EvictResult:
     """Plan and carry out eviction down to `limits`; records an 'evict' event per entry."""
+    from cachemgr.evict.execute import exclusive
+
     now = time.time() if now is None else now
-    p, rows = make_plan(db, cache_id, root, limits, policy, now)
-    return carry_out(db, cache_id, root, p, rows, limits.grace, dry_run, now)
+    with exclusive(root) as r:  # planned and carried out under one lock: no entry is taken twice
+        p, rows = make_plan(db, cache_id, r, limits, policy, now)
+        return carry_out(db, cache_id, r, p, rows, limits.grace, dry_run, now)
 
 
 def purge_plan(rows: Sequence[Row], chosen: Sequence[int], now: float, grace: float,

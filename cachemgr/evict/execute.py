@@ -1,43 +1,56 @@
 """Carry out a Plan: the only code in cachemgr that deletes files.
 
 Nothing is deleted under a directory that does not look like an Inductor cache (`/`, a home
-directory named by mistake: eviction takes unreferenced files as orphans). Per unit: find its
-files on disk now, refuse any path that leaves the root (symlinks included: a symlink is never
-followed and never deleted), keep the unit whole if any file of it (or of an entry that bundles
-it) was written or read within the grace period, or if a lock that guards it is held. Then
-rename its files into `<root>/.cachemgr-trash/<run>/` (same file system, so the rename is atomic
-and the file leaves Inductor's view at once), delete its index rows and record 'evict' events in
-one transaction, and only then unlink the trash.
+directory named by mistake: eviction takes unreferenced files as orphans). Everything goes
+through `safefs.Root`: the root is opened once, every directory below it is reached by
+descriptor without following symlinks, and each file or kernel directory is deleted only if it
+is still the one (device, inode) that was looked at. A unit is kept whole if any file of it (or
+of an entry that bundles it) was written or read within the grace period, if a lock that guards
+it is held, or if anything in it changed between the look and the delete.
 
-A kill -9 at any point leaves a state the next scan repairs: before the commit the rows point at
-files that are no longer where the index says (scan drops them: the trash is a dotdir, never
-walked); after it the trash holds files no row names; every run first empties the trash of runs
-that died. A failed commit renames the unit back.
+A unit is renamed into `<root>/.cachemgr-trash/` (same file system: atomic, and the files leave
+Inductor's view at once), its index rows are deleted and 'evict' events recorded in one
+transaction, and only then is the trash unlinked. Where the trash cannot take it (a full disk:
+no room for a new name; a trash that is not a directory; another file system) the unit is
+deleted in place and its rows deleted right after. Either way, a failure half way through a
+batch commits what did go (with its events) and puts back what did not; and a kill -9 at any
+point leaves a state the next scan repairs (the trash is a dotdir, never walked or indexed, and
+emptied by the next run).
+
+One eviction at a time per cache: `exclusive()` holds a lock on the root directory itself (no
+file to create, so it works on a full disk too) from planning to the last delete, so two runs
+never take, or count, the same entry.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import itertools
 import os
-import shutil
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from sqlalchemy import func, insert, select, update
+from sqlalchemy.exc import OperationalError
 
-from cachemgr import layout
+from cachemgr import layout, safefs
 from cachemgr.errors import UnsafePath
 from cachemgr.evict.policy import Plan, Unit
 from cachemgr.index.db import Database
-from cachemgr.index.models import Cache, Entry, Event
+from cachemgr.index.models import Cache, Dir, Entry, Event
 from cachemgr.index.scan import delete_entries
+from cachemgr.vocab import Event as Ev
+from cachemgr.vocab import Held, Kind, Reason
 
-ENTRIES, EVENTS, CACHES = Entry.__table__, Event.__table__, Cache.__table__
+ENTRIES, EVENTS, CACHES, DIRS = Entry.__table__, Event.__table__, Cache.__table__, Dir.__table__
 BATCH = 500  # units per transaction
 UNLINK_THREADS = 4
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EMLINK, errno.EXDEV)  # the trash cannot take it: delete in place
 Hook = Callable[[str], None]  # crash-test hook: called with 'renamed' / 'committed' per batch
 
 
@@ -46,6 +59,27 @@ def refuse_foreign_root(root: str, refusing: str = "delete anything under it") -
     reason = layout.foreign_root(root)
     if reason:
         raise UnsafePath(f"{reason}: refusing to {refusing}")
+
+
+@contextmanager
+def exclusive(root: str, waiting: Callable[[], None] | None = None) -> Iterator[safefs.Root]:
+    """The cache root, checked to be an Inductor cache, opened and locked for eviction until the
+    block ends. Another eviction or purge of the same cache waits (`waiting` is called first)."""
+    refuse_foreign_root(root)
+    try:
+        r = safefs.Root(root)
+    except OSError as e:
+        from cachemgr.errors import CacheDirError
+
+        raise CacheDirError(f"cannot open cache directory {root}: {e.strerror}") from e
+    with r:
+        try:
+            fcntl.flock(r.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                waiting()
+            fcntl.flock(r.fd, fcntl.LOCK_EX)
+        yield r  # closing the descriptor releases the lock
 
 
 @dataclass(frozen=True)
@@ -62,17 +96,21 @@ class Outcome:
     skipped: tuple[tuple[str, str], ...]
     freed_bytes: int
     freed_files: int
+    in_place: bool = False  # the trash could not be used for some units (full disk, odd trash)
 
 
-def lock_is_held(path: str) -> bool:
-    """Is a filelock (flock-based, as Inductor's torch.utils._filelock) held on `path` now?"""
+def lock_is_held(root: safefs.Root, key: str) -> bool:
+    """Is a filelock (flock-based, as Inductor's torch.utils._filelock) held on `key` now?"""
+    parent, name = safefs.split(layout.fs_path(key))
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root.dir_fd(parent))
     except FileNotFoundError:
         return False
     except OSError:
         return True  # cannot tell: treat it as held
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return True
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return True  # EWOULDBLOCK: someone holds it (any other failure: cannot tell, keep it)
@@ -85,177 +123,278 @@ def lock_is_held(path: str) -> bool:
 
 @dataclass
 class _Files:
-    """One entry's files as they are now: (relative path, lstat) pairs, or a reason to keep it."""
+    """One entry's files as they are now, or a reason to keep it."""
 
-    paths: list[tuple[str, os.stat_result]] = field(default_factory=list)
-    move: list[str] = field(default_factory=list)  # what to rename: files, or a triton dir whole
-    problem: str | None = None
+    paths: list[tuple[str, os.stat_result]] = field(default_factory=list)  # (key, lstat) of each regular file
+    move: list[tuple[str, safefs.Identity]] = field(default_factory=list)  # what goes: files, or a kernel dir whole
+    problem: Held | None = None
 
     @property
     def newest(self) -> float:
         return max((max(st.st_atime, st.st_mtime) for _, st in self.paths), default=0.0)
 
+    @property
+    def bytes(self) -> int:
+        return sum(st.st_size for _, st in self.paths)
+
+
+@dataclass
+class _Taken:
+    """A unit whose files left the cache: into the trash (`trashed`, reversible) or deleted."""
+
+    unit: Unit
+    files: list[_Files]
+    trashed: list[tuple[str, str]] = field(default_factory=list)  # (key, name in the trash)
+    deleted: bool = False
+
 
 class Executor:
-    def __init__(self, db: Database, cache_id: int, root: str, grace: float, now: float | None = None,
+    def __init__(self, db: Database, cache_id: int, root: safefs.Root, grace: float, now: float | None = None,
                  hook: Hook | None = None) -> None:
-        refuse_foreign_root(root)
-        self.db, self.cache_id, self.grace, self.hook = db, cache_id, grace, hook
-        self.root = os.path.realpath(root)
+        self.db, self.cache_id, self.root, self.grace, self.hook = db, cache_id, root, grace, hook
         self.now = time.time() if now is None else now
-        self.safe_dirs: dict[str, bool] = {}
-        self.listings: dict[str, list[str]] = {}
+        self.folders: dict[str, dict[str, list[str]]] = {}  # <2ch> folder -> stem -> names (listed once a run)
         self.locks = self._lock_names()
+        self.trash: int | None = None
+        self.in_place = False
+        self._names = itertools.count()
 
-    # -- safety checks ------------------------------------------------------------------------
-
-    def _dir_ok(self, rel_dir: str) -> bool:
-        """A directory under the root reached without any symlink."""
-        ok = self.safe_dirs.get(rel_dir)
-        if ok is None:
-            full = os.path.join(self.root, rel_dir) if rel_dir else self.root
-            ok = os.path.realpath(full) == os.path.normpath(full) and (
-                not rel_dir or os.path.normpath(full).startswith(self.root + os.sep))
-            self.safe_dirs[rel_dir] = ok
-        return ok
-
-    def _inside(self, rel: str) -> bool:
-        norm = os.path.normpath(os.path.join(self.root, rel))
-        return norm.startswith(self.root + os.sep) and not os.path.isabs(rel) and ".." not in rel.split("/")
+    # -- looking --------------------------------------------------------------------------------
 
     def _lock_names(self) -> set[str]:
         try:
-            return {n for n in os.listdir(os.path.join(self.root, layout.LOCKS_DIR)) if n.endswith(".lock")}
+            return {n for n in self.root.listdir(layout.LOCKS_DIR) if n.endswith(".lock")}
         except OSError:
             return set()
 
     def _guarding_locks(self, kind: str, key: str, ref: str | None) -> list[str]:
         out = []
-        if kind == "lock":
+        if kind == Kind.LOCK:
             out.append(key)
         elif ref and (ref + ".lock") in self.locks:
             out.append(f"{layout.LOCKS_DIR}/{ref}.lock")
-        elif kind == "code" and ref:
+        elif kind == Kind.CODE and ref:
             out.append(f"{layout.LOCKS_DIR}/{ref}.lock")  # a build may have just made it
-        if kind == "triton":
+        if kind == Kind.TRITON:
             out.append(key + ".lock")  # Triton's bundler locks <kernel dir>.lock
         return out
 
+    def _stem_names(self, folder: str, stem: str) -> list[str]:
+        """Names in a <2ch>/ folder that belong to code entry `stem`: the folder is listed once per
+        run and grouped by stem, so each entry costs its own files, not the whole folder."""
+        by_stem = self.folders.get(folder)
+        if by_stem is None:
+            by_stem = self.folders[folder] = {}
+            try:
+                names = self.root.listdir(layout.fs_path(folder))
+            except OSError:
+                names = []
+            for n in names:
+                n = layout.key_of(n)
+                if not layout.is_transient(n):
+                    by_stem.setdefault(n.partition(".")[0], []).append(n)
+        return by_stem.get(stem, [])
+
     def files_of(self, kind: str, key: str) -> _Files:
         f = _Files()
-        if not self._inside(key):
-            f.problem = "unsafe path"
-            return f
-        parent = key.rsplit("/", 1)[0] if "/" in key else ""
-        if not self._dir_ok(parent):
-            f.problem = "unsafe path"
-            return f
-        full = os.path.join(self.root, key)
-        if kind == "triton":
-            try:
-                st = os.lstat(full)
-            except FileNotFoundError:
-                return f
-            if not stat.S_ISDIR(st.st_mode):
-                f.problem = "unsafe path"
-                return f
-            try:
-                with os.scandir(full) as it:
-                    for d in it:
-                        s = d.stat(follow_symlinks=False)
-                        if not stat.S_ISREG(s.st_mode) or layout.is_transient(d.name):
-                            f.problem = "unsafe path" if stat.S_ISLNK(s.st_mode) else "in use"
-                            return f
-                        f.paths.append((f"{key}/{d.name}", s))
-            except OSError:
-                f.problem = "unreadable"
-                return f
-            f.move = [key]
-            return f
-        if kind == "code":
-            folder, stem = key.split("/", 1)
-            names = self.listings.get(folder)
-            if names is None:
+        try:
+            if kind == Kind.TRITON:
+                return self._kernel_files(key)
+            if kind == Kind.CODE:
+                folder, stem = key.split("/", 1)
+                rels = [f"{folder}/{n}" for n in self._stem_names(folder, stem)]
+            else:
+                rels = [key]
+            for rel in rels:
                 try:
-                    names = self.listings[folder] = os.listdir(os.path.join(self.root, folder))
-                except OSError:
-                    names = self.listings[folder] = []
-            rels = [f"{folder}/{n}" for n in names if n.startswith(stem + ".") and not layout.is_transient(n)]
-        else:
-            rels = [key]
-        for rel in rels:
-            try:
-                st = os.lstat(os.path.join(self.root, rel))
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode):  # a symlink stays, and so does what it points at
-                f.paths.append((rel, st))
-        f.move = [p for p, _ in f.paths]
+                    st = self.root.lstat(layout.fs_path(rel))
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):  # a symlink stays, and so does what it points at
+                    f.paths.append((rel, st))
+                    f.move.append((rel, safefs.identity(st)))
+        except safefs.Refused:
+            f.problem = Held.UNSAFE
+        except OSError as e:
+            f.problem = Held.UNSAFE if e.errno in (errno.ELOOP, errno.ENOTDIR) else Held.FAILED
         return f
 
-    # -- carrying out -------------------------------------------------------------------------
+    def _kernel_files(self, key: str) -> _Files:
+        """A Triton kernel directory, moved whole: it must be a real directory holding only
+        finished regular files (a temporary file: a write in progress; a symlink: refused)."""
+        f = _Files()
+        path = layout.fs_path(key)
+        try:
+            st = self.root.lstat(path)
+        except FileNotFoundError:
+            return f
+        if not stat.S_ISDIR(st.st_mode):
+            f.problem = Held.UNSAFE
+            return f
+        fd = os.open(".", safefs.O_DIR, dir_fd=self.root.dir_fd(path))
+        try:
+            if safefs.identity(os.fstat(fd)) != safefs.identity(st):
+                f.problem = Held.CHANGED
+                return f
+            with os.scandir(fd) as it:
+                for d in it:
+                    s = d.stat(follow_symlinks=False)
+                    if layout.is_transient(d.name):
+                        f.problem = Held.IN_PROGRESS
+                        return f
+                    if not stat.S_ISREG(s.st_mode):
+                        f.problem = Held.UNSAFE
+                        return f
+                    f.paths.append((f"{key}/{layout.key_of(d.name)}", s))
+        finally:
+            os.close(fd)
+        f.move = [(key, safefs.identity(st))]
+        return f
+
+    # -- carrying out -----------------------------------------------------------------------------
 
     def run(self, plan: Plan, rows_by_id: dict, dry_run: bool = False) -> Outcome:
         removed: list[Removed] = []
         skipped: dict[str, str] = {}
         freed = nfiles = 0
-        trash = None if dry_run else self._open_trash()
+        if not dry_run:
+            self.trash = self._open_trash()
         # unlinking is the file system's slow part (freeing blocks, journal): a few at once
         unlinker = None if dry_run else ThreadPoolExecutor(max_workers=UNLINK_THREADS)
         try:
             units = list(plan.units)
             for start in range(0, len(units), BATCH):
-                batch = units[start:start + BATCH]
-                fresh = self._index_access([e.id for u in batch for e in u.entries] +
-                                           [w for u in batch for w in u.watch])
-                moved: list[tuple[Unit, list[tuple[str, str]], list[_Files]]] = []
-                for u in batch:
-                    files = [self.files_of(e.kind, e.key) for e in u.entries]
-                    why = self._keep(u, files, fresh, rows_by_id)
-                    if why:
-                        skipped.setdefault(u.entries[0].key, why)
-                        continue
-                    if dry_run:
-                        moved.append((u, [], files))
-                        continue
-                    pairs = self._move(u, files, trash)
-                    if pairs is None:
-                        skipped.setdefault(u.entries[0].key, "rename failed")
-                        continue
-                    moved.append((u, pairs, files))
-                if not moved:
-                    continue
-                if self.hook and not dry_run:
-                    self.hook("renamed")
-                if not dry_run:
-                    try:
-                        self._commit(moved)
-                    except BaseException:
-                        for _, pairs, _ in moved:
-                            _restore(self.root, pairs)
-                        raise
-                    if self.hook:
-                        self.hook("committed")
-                for u, pairs, files in moved:
-                    for e, f in zip(u.entries, files):
-                        size = sum(st.st_size for _, st in f.paths)
-                        removed.append(Removed(e.key, e.kind, size, e.recreatable and u.reason == "recreatable"))
-                        freed += size
+                taken = self._batch(units[start:start + BATCH], rows_by_id, skipped, dry_run)
+                for t in taken:
+                    for e, f in zip(t.unit.entries, t.files):
+                        if not f.paths:
+                            continue  # an entry of the unit that was gone already: not ours to count
+                        removed.append(Removed(e.key, e.kind, f.bytes, e.recreatable and t.unit.reason == Reason.RECREATABLE))
+                        freed += f.bytes
                         nfiles += len(f.paths)
-                    if unlinker:
-                        for _, dst in pairs:
-                            unlinker.submit(_unlink_tree, dst)
+                    if unlinker is not None:
+                        for _, name in t.trashed:
+                            unlinker.submit(_remove_quietly, self.trash, name)
             if not dry_run:
-                self._drop_empty_dirs()
+                self._drop_empty_dirs(rows_by_id)
                 with self.db.engine.begin() as conn:  # when eviction last ran, whatever it took
                     conn.execute(update(CACHES).where(CACHES.c.id == self.cache_id).values(last_eviction=time.time()))
         finally:
-            if unlinker:
+            if unlinker is not None:
                 unlinker.shutdown(wait=True)
-            if trash:
-                shutil.rmtree(trash, ignore_errors=True)
-                self._close_trash()
-        return Outcome(tuple(removed), tuple(sorted(skipped.items())), freed, nfiles)
+            if self.trash is not None:
+                os.close(self.trash)
+                self.trash = None
+        return Outcome(tuple(removed), tuple(sorted(skipped.items())), freed, nfiles, self.in_place)
+
+    def _batch(self, units: list[Unit], rows_by_id: dict, skipped: dict[str, str], dry_run: bool) -> list[_Taken]:
+        """Take what can go of one batch, commit it, and return it. Whatever happens half way, what
+        left the cache is committed (rows and events) and what did not stays as it was."""
+        fresh = self._index_access([e.id for u in units for e in u.entries] + [w for u in units for w in u.watch])
+        taken: list[_Taken] = []
+        committed = False
+        try:
+            for u in units:
+                files = [self.files_of(e.kind, e.key) for e in u.entries]
+                why = self._keep(u, files, fresh, rows_by_id)
+                if why is None and not any(f.paths for f in files):
+                    why = Held.GONE  # another process deleted it first: nothing of ours to count
+                if why:
+                    skipped.setdefault(u.entries[0].key, why)
+                    continue
+                t = _Taken(u, files)
+                if not dry_run:
+                    why = self._take(t)
+                    if why:
+                        skipped.setdefault(u.entries[0].key, why)
+                        continue
+                taken.append(t)
+            if taken and not dry_run:
+                if self.hook:
+                    self.hook("renamed")
+                self._commit(taken)
+                committed = True
+                if self.hook:
+                    self.hook("committed")
+        finally:
+            if taken and not dry_run and not committed:
+                self._rescue(taken)
+        return taken
+
+    def _take(self, t: _Taken) -> Held | None:
+        """Move a unit's files into the trash, or delete them in place where the trash cannot take
+        them. On a refusal, what was moved goes back and the unit is kept."""
+        for f in t.files:
+            for key, ident in f.move:
+                try:
+                    if self.trash is not None:
+                        name = f"{os.getpid()}-{next(self._names)}"
+                        try:
+                            self.root.move(layout.fs_path(key), ident, self.trash, name)
+                            t.trashed.append((key, name))
+                            continue
+                        except OSError as e:
+                            if e.errno not in NO_ROOM:
+                                raise
+                    self.root.delete(layout.fs_path(key), ident)
+                    t.deleted = self.in_place = True
+                except FileNotFoundError:
+                    continue  # gone meanwhile
+                except OSError as e:
+                    why = Held.CHANGED if isinstance(e, safefs.Refused) else (
+                        Held.UNSAFE if e.errno in (errno.ELOOP, errno.ENOTDIR) else Held.FAILED)
+                    if t.deleted:  # part of it is gone already: the rest goes in the commit's repair
+                        return None
+                    self._restore(t)
+                    return why
+        return None
+
+    def _commit(self, taken: list[_Taken]) -> None:
+        events = [{"cache_id": self.cache_id, "ts": self.now, "kind": Ev.EVICT, "entry_kind": e.kind,
+                   "entry_key": e.key, "graph_key": e.graph_key, "recompile": False,
+                   "bytes": f.bytes, "seconds": e.compile_seconds}
+                  for t in taken for e, f in zip(t.unit.entries, t.files) if f.paths]
+        try:
+            self._write(taken, events)
+        except OperationalError:
+            # The index may live on the very disk that is full: free the space first, then retry.
+            if not any(t.trashed for t in taken):
+                raise
+            for t in taken:
+                for _, name in t.trashed:
+                    _remove_quietly(self.trash, name)
+                t.trashed, t.deleted = [], True
+            self._write(taken, events)
+
+    def _write(self, taken: list[_Taken], events: list[dict]) -> None:
+        with self.db.engine.begin() as conn:
+            # this write first: on SQLite it takes the write lock before anything is read
+            conn.execute(update(CACHES).where(CACHES.c.id == self.cache_id).values(last_eviction=time.time()))
+            delete_entries(conn, [e.id for t in taken for e in t.unit.entries])
+            if events:
+                conn.execute(insert(EVENTS), events)
+
+    def _rescue(self, taken: list[_Taken]) -> None:
+        """The batch failed before its commit: record what was deleted in place, put back what is
+        in the trash (so index and disk agree)."""
+        gone = [t for t in taken if t.deleted]
+        for t in taken:
+            if not t.deleted:
+                self._restore(t)
+        if gone:
+            try:
+                self._commit(gone)
+            except Exception:  # noqa: BLE001 - the first failure is what the caller sees; a scan repairs this
+                pass
+
+    def _restore(self, t: _Taken) -> None:
+        for key, name in reversed(t.trashed):
+            parent, base = safefs.split(layout.fs_path(key))
+            try:
+                os.rename(name, base, src_dir_fd=self.trash, dst_dir_fd=self.root.dir_fd(parent))
+            except OSError:
+                pass  # its place was taken meanwhile: it stays in the trash, the next scan drops its row
+        t.trashed = []
 
     def _keep(self, u: Unit, files: list[_Files], fresh: dict[int, float], rows_by_id: dict) -> str | None:
         cutoff = self.now - self.grace
@@ -263,35 +402,16 @@ class Executor:
             if f.problem:
                 return f.problem
             if f.newest > cutoff or fresh.get(e.id, 0.0) > cutoff:
-                return "grace"
+                return Held.GRACE
             row = rows_by_id.get(e.id)
             for lock in self._guarding_locks(e.kind, e.key, row.ref if row else None):
-                if self._inside(lock) and lock_is_held(os.path.join(self.root, lock)):
-                    return "lock held"
+                if lock_is_held(self.root, lock):
+                    return Held.LOCK
         for w in u.watch:  # the graph that bundles a module/kernel was just used: it is about to load it
             row = rows_by_id.get(w)
             if fresh.get(w, 0.0) > cutoff or (row and self.files_of(row.kind, row.key).newest > cutoff):
-                return "grace"
+                return Held.GRACE
         return None
-
-    def _move(self, u: Unit, files: list[_Files], trash: str) -> list[tuple[str, str]] | None:
-        pairs: list[tuple[str, str]] = []
-        for f in files:
-            for rel in f.move:
-                dst = os.path.join(trash, str(self._seq()))
-                try:
-                    os.rename(os.path.join(self.root, rel), dst)
-                except FileNotFoundError:
-                    continue  # already gone
-                except OSError:
-                    _restore(self.root, pairs)
-                    return None
-                pairs.append((rel, dst))
-        return pairs
-
-    def _seq(self) -> int:
-        self._n = getattr(self, "_n", 0) + 1
-        return self._n
 
     def _index_access(self, ids: list[int]) -> dict[int, float]:
         """last_access as the index has it now (the daemon bumps it on every open)."""
@@ -302,102 +422,59 @@ class Executor:
                 out.update(dict(conn.execute(select(ENTRIES.c.id, ENTRIES.c.last_access).where(ENTRIES.c.id.in_(chunk))).all()))
         return out
 
-    def _commit(self, moved) -> None:
-        ids = [e.id for u, _, _ in moved for e in u.entries]
-        events = [{"cache_id": self.cache_id, "ts": self.now, "kind": "evict", "entry_kind": e.kind,
-                   "entry_key": e.key, "graph_key": e.graph_key, "recompile": False,
-                   "bytes": sum(st.st_size for _, st in f.paths), "seconds": e.compile_seconds}
-                  for u, _, files in moved for e, f in zip(u.entries, files)]
-        with self.db.engine.begin() as conn:
-            delete_entries(conn, ids)
-            conn.execute(insert(EVENTS), events)
-            conn.execute(update(CACHES).where(CACHES.c.id == self.cache_id).values(last_eviction=time.time()))
-
     # -- trash ----------------------------------------------------------------------------------
 
-    def _open_trash(self) -> str:
-        base = os.path.join(self.root, layout.TRASH_DIR)
-        os.makedirs(base, exist_ok=True)
-        if not self._dir_ok(layout.TRASH_DIR):
-            raise UnsafePath(f"{base} is not a plain directory inside the cache root: refusing to evict")
-        # one eviction at a time per cache: what is left in the trash belongs to a run that died
-        self._lock_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)  # flock on the dir itself
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        empty_trash(self.root)
-        run = os.path.join(base, f"{os.getpid()}-{int(self.now * 1000)}")
-        os.mkdir(run)
-        return run
+    def _open_trash(self) -> int | None:
+        """The trash folder's descriptor, emptied of what dead runs left; None (delete in place)
+        when there is none and no room to make one, or its name is taken by something else."""
+        root = self.root
+        try:
+            os.mkdir(layout.TRASH_DIR, 0o700, dir_fd=root.fd)
+        except FileExistsError:
+            pass
+        except OSError:
+            return None  # a full disk, a read-only root, no permission: delete in place
+        try:
+            fd = os.open(layout.TRASH_DIR, safefs.O_DIR, dir_fd=root.fd)
+        except OSError:
+            return None  # a file or symlink of that name: not ours to remove, not a place to move to
+        try:
+            for name in os.listdir(fd):  # we hold the eviction lock: what is here belongs to a run that died
+                _remove_quietly(fd, name)
+        except OSError:
+            pass
+        return fd
 
-    def _close_trash(self) -> None:
-        fd = getattr(self, "_lock_fd", None)
-        if fd is not None:
-            os.close(fd)
-            self._lock_fd = None
-
-    def _drop_empty_dirs(self) -> None:
-        """Remove emptied graph-key directories, only once they have been empty a grace period
-        (Inductor makes the directory, then writes into it). This run's own leave to the next."""
+    def _drop_empty_dirs(self, rows_by_id: dict) -> None:
+        """Remove graph-key directories that hold no entry, once they have been empty a grace
+        period (Inductor makes the directory, then writes into it): the directories the last scan
+        recorded that no index row lives in. This run's own leave to the next."""
+        homes = {r.key.rpartition("/")[0] for r in rows_by_id.values() if r.kind in (Kind.FXGRAPH, Kind.AOTAUTOGRAD)}
+        with self.db.engine.connect() as conn:
+            dirs = conn.execute(select(DIRS.c.path).where(
+                DIRS.c.cache_id == self.cache_id, DIRS.c.path.startswith("fxgraph/") | DIRS.c.path.startswith("aotautograd/"))
+            ).scalars().all()
         cutoff = self.now - self.grace
-        for top in ("fxgraph", "aotautograd"):
-            base = os.path.join(self.root, top)
-            depth = 2 if top == "fxgraph" else 1
-            for d in _dirs_at(base, depth):
-                try:
-                    if os.lstat(d).st_mtime < cutoff and not os.listdir(d):
-                        os.rmdir(d)
-                except OSError:
-                    pass
-
-
-def _dirs_at(base: str, depth: int) -> Iterable[str]:
-    level = [base]
-    for _ in range(depth):
-        nxt = []
-        for d in level:
+        for d in dirs:
+            if d in homes or d.count("/") != (2 if d.startswith("fxgraph/") else 1):
+                continue
+            parent, name = safefs.split(layout.fs_path(d))
             try:
-                with os.scandir(d) as it:
-                    nxt.extend(e.path for e in it if e.is_dir(follow_symlinks=False) and not layout.is_transient(e.name))
-            except OSError:
-                pass
-        level = nxt
-    return level
-
-
-def _restore(root: str, pairs: list[tuple[str, str]]) -> None:
-    for rel, dst in reversed(pairs):
-        src = os.path.join(root, rel)
-        if not os.path.lexists(src):
-            try:
-                os.rename(dst, src)
+                pfd = self.root.dir_fd(parent)
+                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode) and st.st_mtime < cutoff:
+                    os.rmdir(name, dir_fd=pfd)  # fails unless empty
             except OSError:
                 pass
 
 
-def _unlink_tree(path: str) -> None:
+def _remove_quietly(dir_fd: int | None, name: str) -> None:
+    if dir_fd is None:
+        return
     try:
-        os.unlink(path)
-    except IsADirectoryError:
-        shutil.rmtree(path, ignore_errors=True)
-    except FileNotFoundError:
-        pass
-
-
-def empty_trash(root: str) -> int:
-    """Delete what dead runs left in the trash; returns how many items went."""
-    base = os.path.join(os.path.realpath(root), layout.TRASH_DIR)
-    n = 0
-    try:
-        names = os.listdir(base)
+        safefs.remove_at(dir_fd, name)
     except OSError:
-        return 0
-    for name in names:
-        p = os.path.join(base, name)
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            _unlink_tree(p)
-        n += 1
-    return n
+        pass
 
 
 def remaining_bytes(db: Database, cache_id: int) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import bindparam, insert, select, update
 
-from cachemgr import layout
+from cachemgr import layout, safefs
 from cachemgr.index.db import Database
 from cachemgr.index.scan import (
     ENTRIES, EVENTS, KNOWN_COLUMNS, _chunks, at_or_below, check_root, once_more_on_race, prepare, write,
@@ -67,12 +67,13 @@ def _apply_batch(db: Database, cache_id: int, root: str, paths: list[str], dirs:
                  reads: Sequence[str]) -> LiveResult:
     t0 = time.monotonic()
     check_root(root)
-    classified = {c.key: c for c in map(layout.classify, set(paths)) if c is not None}
-    disk = {k: d for k, c in classified.items() if (d := layout.stat_entry(root, c)) is not None}
-    subtrees = sorted({d.strip("/") for d in dirs if d.strip("/") and layout.classify(d.strip("/")) is not None})
-    for sub in subtrees:
-        if sub not in classified:  # a kernel directory whose files were listed is stat'ed already
-            disk.update((d.key, d) for d in layout.walk(root, sub))
+    classified = {c.key: c for c in map(layout.classify, {layout.key_of(p) for p in paths}) if c is not None}
+    subtrees = sorted({k for d in dirs if (k := layout.key_of(d.strip("/"))) and layout.classify(k) is not None})
+    with safefs.Root(root) as r:
+        disk = {k: d for k, c in classified.items() if (d := layout.stat_entry(r, c)) is not None}
+        for sub in subtrees:
+            if sub not in classified:  # a kernel directory whose files were listed is stat'ed already
+                disk.update((d.key, d) for d in layout.walk(r, sub))
 
     # A directory that is itself an entry (a Triton kernel) needs an exact lookup; others a prefix.
     exact = {sub for sub in subtrees if (c := layout.classify(sub + "/x")) is not None and c.key == sub}
@@ -108,7 +109,7 @@ def _hits(reads: Sequence[str], new_dirs: set[str]) -> dict[str, int]:
     uses: dict[str, int] = {}
     last_in_dir: dict[str, tuple[str, int]] = {}  # guarded key dir -> (last entry read, lookups)
     for p in reads:
-        c = layout.classify(p)
+        c = layout.classify(layout.key_of(p))
         if c is None:
             continue
         if c.kind in GUARDED:

@@ -242,18 +242,17 @@ def entry_detail(conn, root: str, cache_id: int, row) -> dict[str, Any]:
     from sqlalchemy import or_, select
 
     from cachemgr.index.models import Entry, EntryComponent, EntryRef
-    from cachemgr.layout import entry_paths
+    from cachemgr import safefs
+    from cachemgr.layout import entry_files
 
     e, r, c = Entry.__table__, EntryRef.__table__, EntryComponent.__table__
     pins = pin_keys(conn, cache_id)
     d = entry_dict(row._mapping, pins)
-    files = []
-    for p in entry_paths(root, row.key, row.kind):
-        try:
-            files.append({"path": p, "bytes": os.lstat(os.path.join(root, p)).st_size})
-        except OSError:
-            pass
-    d["files_on_disk"] = files
+    try:
+        with safefs.Root(root) as opened:
+            d["files_on_disk"] = [{"path": p, "bytes": st.st_size} for p, st in entry_files(opened, row.key, row.kind)]
+    except OSError:
+        d["files_on_disk"] = []
     d["first_seen"] = row.first_seen
     d["references"] = [
         {"kind": k, "ref": ref, "present": bool(conn.execute(

@@ -204,7 +204,7 @@ def write(conn, cache_id: int, p: Prepared) -> list[tuple[str, str]]:
     ids = _ids_of(conn, cache_id, p.added)
     ids.update({k: known[k].id for k in p.changed})
     refs, entry_sets, events, corrupt = [], [], [], []
-    sets = ComponentSets(conn, {digest for k in p.added + p.changed for digest, _ in described[k].parts.values()})
+    sets = ComponentSets(conn, [described[k].parts for k in p.added + p.changed])
     for k in p.added + p.changed:
         desc, eid = described[k], ids[k]
         refs.extend({"entry_id": eid, "kind": kind, "ref": ref} for kind, ref in desc.refs)
@@ -256,20 +256,28 @@ class ComponentSets:
     """Deduplicated component sets: an entry's components split by part, each part stored once
     per distinct content (digest) and shared by every entry that has the same one."""
 
-    def __init__(self, conn, digests: set[str]) -> None:
-        """`digests`: those the entries about to be written have; the index's other sets stay unread."""
+    def __init__(self, conn, parts: list[Parts]) -> None:
+        """`parts`: those of the entries about to be written (a describer sends a part's items
+        with one entry only: they are gathered from all first); the index's other sets stay unread."""
         self.conn = conn
+        self.items: dict[str, list[parse.Component]] = {}
+        for entry_parts in parts:
+            for digest, items in entry_parts.values():
+                if items is not None:
+                    self.items.setdefault(digest, items)
+        digests = sorted({digest for entry_parts in parts for digest, _ in entry_parts.values()})
         self.known: dict[str, int] = {}
-        for chunk in _chunks(sorted(digests)):
+        for chunk in _chunks(digests):
             self.known.update(conn.execute(select(SETS.c.digest, SETS.c.id).where(SETS.c.digest.in_(chunk))).all())
         self.pending: list[tuple[str, list[parse.Component]]] = []
 
     def ids_for(self, parts: Parts) -> dict[str, int]:
         out = {}
-        for part, (digest, items) in parts.items():
+        for part, (digest, _) in parts.items():
             if digest not in self.known:
-                # a describer sends a part's items with the first entry that has it: it is here
-                assert items is not None, f"component set {digest} arrived without its items"
+                items = self.items.get(digest)
+                if items is None:  # a describer counted it as sent in a run that wrote nothing: not stored
+                    continue
                 self.known[digest] = self.conn.execute(insert(SETS).values(digest=digest, part=part)).inserted_primary_key[0]
                 self.pending.append((digest, items))
             out[part] = self.known[digest]

@@ -1,0 +1,260 @@
+"""Parse worker processes: where every pickle is read, under hard bounds.
+
+An entry pickle is hostile input. The safe unpickler executes nothing, but the C unpickler
+itself can be made to allocate without bound (a 9-byte pickle with a memo index of 2^28 asks
+for 4 GB) or to spin. So pickles are only ever unpickled here, in a `python -m
+cachemgr.index.workers` process (a plain command: no `multiprocessing` re-import of the
+caller's `__main__`), which:
+- reads the file itself, through `safefs` (regular files only, size checked first);
+- runs with its address space limited (RLIMIT_AS: its start-up size + WORKER_MEMORY), so an
+  allocation bomb is a MemoryError in the worker, reported as a corrupt entry;
+- is killed by the parent when one entry takes longer than PARSE_SECONDS, and replaced;
+- dies with its parent (PR_SET_PDEATHSIG), and keeps the garbage collector off while parsing.
+A worker that dies (killed, out of memory) costs the entry it held a `corrupt` reason, nothing more.
+
+Protocol on the worker's stdin/stdout: 8-byte little-endian length, then a pickle (made and
+read only by cachemgr's own code on both ends): jobs in, (job id, Described) out.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+PARSE_SECONDS = 30.0  # one entry; a worker still at it then is killed and the entry marked corrupt
+WORKER_MEMORY = 512 << 20  # address space a worker may take beyond its start-up size
+MAX_WORKERS = 64
+HEADER = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One entry to describe: its kind, key and ref, under `root`."""
+
+    id: int
+    run: int  # a describer sends each component set's items once per run
+    root: str
+    kind: str
+    key: str
+    ref: str | None
+
+
+def default_workers() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))
+
+
+# -- the parent side ------------------------------------------------------------------------------
+
+
+class _Worker:
+    def __init__(self) -> None:
+        from cachemgr import procs
+
+        self.proc = procs.spawn([sys.executable, "-m", "cachemgr.index.workers"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.job: Job | None = None
+        self.started = 0.0
+        self.buf = b""
+
+    def send(self, job: Job) -> None:
+        data = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+        self.proc.stdin.write(HEADER.pack(len(data)) + data)
+        self.proc.stdin.flush()
+        self.job, self.started = job, time.monotonic()
+
+    def read(self) -> tuple[int, object] | None:
+        """A finished result, or None when more bytes are needed. Raises EOFError if it died."""
+        chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+        if not chunk:
+            raise EOFError
+        self.buf += chunk
+        if len(self.buf) < HEADER.size:
+            return None
+        (n,) = HEADER.unpack_from(self.buf)
+        if len(self.buf) < HEADER.size + n:
+            return None
+        data, self.buf = self.buf[HEADER.size:HEADER.size + n], self.buf[HEADER.size + n:]
+        return pickle.loads(data)  # noqa: S301 - our own worker's output
+
+    def kill(self) -> str:
+        """Stop it; say how it ended."""
+        from cachemgr import procs
+
+        procs.kill_group(self.proc)
+        code = self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # EOF: it exits
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            self.kill()
+        else:
+            self.proc.stdout.close()
+
+
+class Pool:
+    """Parse workers, started on first use, as many as asked (and jobs need)."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.size = workers or default_workers()
+        self.idle: list[_Worker] = []
+        self.last_used = time.monotonic()
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        while self.idle:
+            self.idle.pop().close()
+
+    def run(self, jobs: Iterable[Job], failed: Callable[[Job, str], object]) -> Iterator[tuple[Job, object]]:
+        """(job, result) for every job, in the order they finish; the first jobs are handed out
+        at once, so the caller can do other work before it iterates. A job whose worker died or
+        ran out of time gets `failed(job, why)` as its result."""
+        return _Run(self, jobs, failed)
+
+
+class _Run:
+    def __init__(self, pool: Pool, jobs: Iterable[Job], failed: Callable[[Job, str], object]) -> None:
+        self.pool, self.failed = pool, failed
+        self.pending = deque(jobs)
+        self.busy: dict[int, _Worker] = {}
+        self.ready: deque[tuple[Job, object]] = deque()
+        self._dispatch()
+
+    def __iter__(self) -> _Run:
+        return self
+
+    def __next__(self) -> tuple[Job, object]:
+        while not self.ready:
+            if not self.busy:
+                self.pool.last_used = time.monotonic()
+                raise StopIteration
+            try:
+                self._wait()
+                self._dispatch()
+            except BaseException:  # interrupted (Ctrl-C, a dead pipe): stop every worker of this run
+                self.close()
+                raise
+        return self.ready.popleft()
+
+    def close(self) -> None:
+        """Interrupted: what is running is not ours any more."""
+        for w in self.busy.values():
+            w.kill()
+        self.busy.clear()
+        self.pending.clear()
+
+    def _dispatch(self) -> None:
+        pool = self.pool
+        while self.pending and len(self.busy) < pool.size:
+            w = pool.idle.pop() if pool.idle else _Worker()
+            try:
+                w.send(self.pending[0])
+            except OSError:  # it died while idle: a fresh one takes the job
+                w.kill()
+                continue
+            self.pending.popleft()
+            self.busy[w.proc.stdout.fileno()] = w
+
+    def _wait(self) -> None:
+        timeout = max(0.0, min(w.started for w in self.busy.values()) + PARSE_SECONDS - time.monotonic())
+        ready, _, _ = select.select(list(self.busy), [], [], timeout)
+        for fd in ready:
+            w = self.busy[fd]
+            try:
+                out = w.read()
+            except (EOFError, OSError):
+                del self.busy[fd]
+                self.ready.append((w.job, self.failed(w.job, f"the parse worker died ({w.kill()}): too much memory?")))
+                continue
+            if out is not None:
+                del self.busy[fd]
+                job, w.job = w.job, None
+                self.pool.idle.append(w)
+                self.ready.append((job, out[1]))
+        now = time.monotonic()
+        for fd, w in list(self.busy.items()):
+            if now - w.started > PARSE_SECONDS:
+                del self.busy[fd]
+                w.kill()
+                self.ready.append((w.job, self.failed(w.job, f"took longer than {PARSE_SECONDS:g} s to parse")))
+
+
+# -- the worker side ------------------------------------------------------------------------------
+
+
+def _limit_memory() -> None:
+    import resource
+
+    try:
+        with open("/proc/self/statm") as f:
+            vsz = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        vsz = 256 << 20
+    limit = vsz + WORKER_MEMORY
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    except (ValueError, OSError):
+        pass
+
+
+def _read_exactly(f, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = f.read(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def main() -> None:
+    import gc
+
+    from cachemgr import procs
+    from cachemgr.index.describe import Describer
+
+    procs.die_with_parent_from_env()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
+    _limit_memory()
+    gc.disable()  # parse results are trees (no cycles); the collector only costs time here
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    describer = Describer()
+    while True:
+        header = _read_exactly(stdin, HEADER.size)
+        if header is None:
+            return
+        job = pickle.loads(_read_exactly(stdin, HEADER.unpack(header)[0]) or b"")  # noqa: S301 - from our parent
+        result = describer.describe_job(job)
+        data = pickle.dumps((job.id, result), protocol=pickle.HIGHEST_PROTOCOL)
+        stdout.write(HEADER.pack(len(data)) + data)
+        stdout.flush()
+        gc.collect(0)
+
+
+if __name__ == "__main__":
+    main()

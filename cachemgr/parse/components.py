@@ -1,0 +1,107 @@
+"""Hash components: the named parts an fxgraph key is hashed from (`_fx_graph_cache_debug_lines`).
+
+Each debug line is '[<hash>] <name>: <value>'. Components are grouped into parts (code, inputs,
+options, environment) that `diff` and `explain` compare; each part gets a digest so the index
+stores a part shared by hundreds of graphs once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, NamedTuple
+
+from cachemgr.parse.unpickle import clean
+from cachemgr.vocab import Part
+
+VALUE_CHARS = 200  # short value kept per component (inputs 4x); the graph code ('gm') is kept whole
+MAX_LINES = 20_000  # debug lines read from one entry (a graph has a few hundred)
+MAX_NAME = 255
+
+
+class Component(NamedTuple):  # a tuple: hashed and compared in C, as the digest memo below needs
+    name: str  # e.g. 'gm', 'example_inputs[0]', 'inductor_config[max_autotune]', 'torch_version'
+    hash: str
+    value: str
+    part: str  # code | inputs | options | environment: what `explain` groups differences by
+
+
+def component_part(name: str) -> Part:
+    if name == "gm":
+        return Part.CODE
+    if name.startswith(("example_inputs[", "inputs_to_check[")):
+        return Part.INPUTS
+    if name.startswith(("fx_kwargs[", "inductor_config[")):
+        return Part.OPTIONS
+    return Part.ENVIRONMENT
+
+
+# Most debug lines (hundreds of inductor_config values) repeat verbatim across every entry of a
+# cache: parse each distinct line once.
+_LINE_CACHE: dict[str, Component | None] = {}
+
+
+def _component(line: str) -> Component | None:
+    end = line.find("] ", 1)
+    colon = line.find(":", end + 2)
+    if not line.startswith("[") or end < 0 or colon < 0 or end > 130 or colon - end > MAX_NAME:
+        return None
+    h, name, value = clean(line[1:end]), clean(line[end + 2 : colon]), line[colon + 1 :].lstrip(" ")
+    if name != "gm":
+        value = value[: 4 * VALUE_CHARS if name.startswith("example_inputs[") else VALUE_CHARS]
+        if name == "torch_version" or not value.isprintable():
+            value = ""  # torch hashes its version as raw bytes: the hash says all there is
+    return Component(name, h, clean(value), component_part(name))
+
+
+def components_of(debug_lines: Any) -> list[Component]:
+    """Parse '[<hash>] <name>: <value>' lines; the last line of a name wins."""
+    if not isinstance(debug_lines, (list, tuple)):
+        return []
+    if len(_LINE_CACHE) > 200_000:
+        _LINE_CACHE.clear()
+    out: dict[str, Component] = {}
+    for line in debug_lines[:MAX_LINES]:
+        if not isinstance(line, str):
+            continue
+        c = _LINE_CACHE.get(line, False)
+        if c is False:
+            c = _component(line)
+            if len(line) < 4096:  # the graph code is one long line per graph: not worth keeping
+                _LINE_CACHE[line] = c
+        if c is not None:
+            out[c.name] = c
+    return list(out.values())
+
+
+# The options part (hundreds of inductor_config values) is the same in most entries of a cache:
+# its digest is computed once per distinct set of components.
+_DIGESTS: dict[tuple[Component, ...], str] = {}
+
+
+def _sha256_of(items: tuple[Component, ...]) -> str:
+    """sha256 hex over the sorted 'name=hash' pairs of some components."""
+    digest = _DIGESTS.get(items)
+    if digest is None:
+        if len(_DIGESTS) > 10_000:
+            _DIGESTS.clear()
+        joined = "\n".join(sorted([c.name + "=" + c.hash for c in items]))
+        digest = _DIGESTS[items] = hashlib.sha256(joined.encode()).hexdigest()
+    return digest
+
+
+def part_digests(components: list[Component]) -> dict[str, tuple[str, list[Component]]]:
+    """Split components by part; each part gets a digest of its (name, hash) pairs."""
+    by_part: dict[str, list[Component]] = {}
+    for c in components:
+        by_part.setdefault(c.part, []).append(c)
+    return {part: (part[0] + _sha256_of(tuple(items))[:31], items) for part, items in by_part.items()}
+
+
+def options_hash(components: list[Component]) -> str | None:
+    """Hash over the compile options: every fx_kwargs[...] and inductor_config[...] component."""
+    options = tuple(c for c in components if c.part == Part.OPTIONS)
+    return _sha256_of(options)[:16] if options else None
+
+
+def short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,191 @@
+"""File system access below a cache root through directory descriptors.
+
+The root is opened once. Every path below it is reached one component at a time with
+`O_NOFOLLOW | O_DIRECTORY` relative to its parent's descriptor, so no symlink is ever followed
+and a path string is never resolved twice: a directory swapped for a symlink mid-run is refused
+(ELOOP), not followed out of the root. Only regular files are opened (lstat first, then
+`O_NOFOLLOW | O_NONBLOCK`, then the descriptor's identity checked against the lstat), so a FIFO,
+a device node or a symlink to /dev/zero is never read. Deletions name what they expect to delete
+by (device, inode), and refuse anything that changed since it was looked at.
+
+This module knows no Inductor paths (cachemgr.layout does); it only makes them safe to use.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import stat
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import BinaryIO
+
+O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+O_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+O_NOATIME = getattr(os, "O_NOATIME", 0)
+OPEN_DIRS = 64  # directory descriptors a Root keeps open (least recently used go first)
+MAX_DEPTH = 32  # deeper paths are not Inductor's: refused, never walked
+
+Identity = tuple[int, int]  # (st_dev, st_ino)
+
+
+class Refused(OSError):
+    """A path cachemgr will not touch: not a regular file, a symlink, changed since it was seen."""
+
+    def __init__(self, why: str, path: str = "") -> None:
+        super().__init__(errno.EPERM, why, path)
+        self.why = why
+
+
+class TooLarge(Refused):
+    def __init__(self, size: int, limit: int, path: str = "") -> None:
+        super().__init__(f"too large to read ({size} bytes, limit {limit})", path)
+        self.size = size
+
+
+def identity(st: os.stat_result) -> Identity:
+    return st.st_dev, st.st_ino
+
+
+def split(rel: str) -> tuple[str, str]:
+    """(parent, name) of a '/'-separated path relative to the root; refuses '', '.', '..' parts."""
+    parts = rel.split("/")
+    if len(parts) > MAX_DEPTH or any(p in ("", ".", "..") or "\0" in p for p in parts):
+        raise Refused("not a plain relative path", rel)
+    return rel.rpartition("/")[0], parts[-1]
+
+
+class Root:
+    """An open cache root. Use as a context manager, or close() it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        # The root itself may be a symlink an operator made (/var/cache/inductor -> /data/...):
+        # it is resolved once, here; nothing below it ever is.
+        self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.id = identity(os.fstat(self.fd))
+        self._dirs: OrderedDict[str, int] = OrderedDict()
+
+    def __enter__(self) -> Root:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.forget()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def forget(self) -> None:
+        """Close the cached directory descriptors (a directory may have been replaced since)."""
+        for fd in self._dirs.values():
+            os.close(fd)
+        self._dirs.clear()
+
+    # -- directories ------------------------------------------------------------------------------
+
+    def dir_fd(self, rel: str) -> int:
+        """A descriptor of directory `rel` ('' is the root), owned by this Root: do not close it.
+        Raises OSError (ELOOP for a symlink, ENOTDIR, ENOENT) when it is not a real directory."""
+        if not rel:
+            return self.fd
+        fd = self._dirs.get(rel)
+        if fd is not None:
+            self._dirs.move_to_end(rel)
+            return fd
+        parent, name = split(rel)
+        fd = os.open(name, O_DIR, dir_fd=self.dir_fd(parent))
+        self._dirs[rel] = fd
+        if len(self._dirs) > OPEN_DIRS:
+            os.close(self._dirs.popitem(last=False)[1])
+        return fd
+
+    def lstat(self, rel: str) -> os.stat_result:
+        parent, name = split(rel)
+        return os.stat(name, dir_fd=self.dir_fd(parent), follow_symlinks=False)
+
+    def listdir(self, rel: str) -> list[str]:
+        """Names in directory `rel` (read through a fresh descriptor, so the listing is current)."""
+        fd = os.open(".", O_DIR, dir_fd=self.dir_fd(rel))
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    @contextmanager
+    def open_regular(self, rel: str, limit: int) -> Iterator[tuple[BinaryIO, os.stat_result]]:
+        """A regular file below the root, opened for reading without moving its atime (where the
+        kernel allows). Refused: anything that is not a regular file, a file over `limit` bytes,
+        a file replaced between its lstat and its open."""
+        parent, name = split(rel)
+        pfd = self.dir_fd(parent)
+        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused("not a regular file", rel)
+        if st.st_size > limit:
+            raise TooLarge(st.st_size, limit, rel)
+        try:
+            fd = os.open(name, O_FILE | O_NOATIME, dir_fd=pfd)
+        except PermissionError:  # O_NOATIME needs the file's owner
+            fd = os.open(name, O_FILE, dir_fd=pfd)
+        try:
+            fst = os.fstat(fd)
+            if identity(fst) != identity(st) or not stat.S_ISREG(fst.st_mode):
+                raise Refused("replaced while being opened", rel)
+            if fst.st_size > limit:
+                raise TooLarge(fst.st_size, limit, rel)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            f = os.fdopen(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
+        with f:
+            yield f, fst  # type: ignore[misc]
+
+    def read(self, rel: str, limit: int) -> bytes:
+        """The bytes of a regular file below the root (see open_regular); never more than `limit`."""
+        with self.open_regular(rel, limit) as (f, st):
+            data = f.read(st.st_size + 1)
+        if len(data) > limit:  # it grew since the fstat
+            raise TooLarge(len(data), limit, rel)
+        return data
+
+    # -- deleting ---------------------------------------------------------------------------------
+
+    def check(self, rel: str, expect: Identity) -> tuple[int, str, os.stat_result]:
+        """(parent descriptor, name, lstat) of `rel`, if it is still what was seen (`expect`)."""
+        parent, name = split(rel)
+        pfd = self.dir_fd(parent)
+        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        if identity(st) != expect:
+            raise Refused("changed since it was looked at", rel)
+        return pfd, name, st
+
+    def move(self, rel: str, expect: Identity, dst_fd: int, dst_name: str) -> None:
+        """Rename `rel` (a file, or a directory whole) to `dst_name` in directory `dst_fd`.
+        A rename never follows a symlink; the parents were reached without following any."""
+        pfd, name, _ = self.check(rel, expect)
+        os.rename(name, dst_name, src_dir_fd=pfd, dst_dir_fd=dst_fd)
+
+    def delete(self, rel: str, expect: Identity) -> None:
+        """Delete `rel` in place: a file by unlink, a directory by a descriptor-based rmtree."""
+        pfd, name, st = self.check(rel, expect)
+        remove_at(pfd, name, st)
+
+
+def remove_at(dir_fd: int, name: str, st: os.stat_result | None = None) -> None:
+    """Remove `name` in directory `dir_fd`: unlink a file or symlink (never what it points at),
+    or remove a directory tree without following any symlink inside it."""
+    if st is None:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(name, dir_fd=dir_fd)  # descriptor-based on Linux: a symlink inside is unlinked, not followed
+    else:
+        os.unlink(name, dir_fd=dir_fd)

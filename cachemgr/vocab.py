@@ -1,0 +1,73 @@
+"""The words cachemgr uses for what it finds and does: one typed vocabulary for every module.
+
+Each is a `StrEnum`, so a member is its own string: it goes into the index, JSON and tables as
+is, and rows read back compare equal to members.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Kind(StrEnum):
+    """What an index entry is (cachemgr.layout says which paths make which kind)."""
+
+    FXGRAPH = "fxgraph"  # one compiled FX graph for one guard set (a CompiledFxGraph pickle)
+    AOTAUTOGRAD = "aotautograd"  # forward/backward graph refs (an AOTAutograd cache entry pickle)
+    TRITON = "triton"  # one Triton kernel directory, whole
+    CODE = "code"  # a generated module c<hash>.py, or a C++ kernel's .cpp/.so builds
+    AUTOTUNE = "autotune"  # a Triton kernel's .best_config
+    LOCK = "lock"  # an Inductor file lock under locks/
+    OTHER = "other"  # anything else under the root
+
+
+PICKLED = frozenset({Kind.FXGRAPH, Kind.AOTAUTOGRAD})  # the kinds whose entries are pickles to parse
+
+
+class Part(StrEnum):
+    """What an fxgraph key's hash components are grouped by (`diff`, `explain`)."""
+
+    CODE = "code"
+    INPUTS = "inputs"
+    OPTIONS = "options"
+    ENVIRONMENT = "environment"
+
+
+class Reason(StrEnum):
+    """Why an entry is in an eviction or purge plan."""
+
+    AGE = "age"  # not accessed within max_age
+    ORPHAN = "orphan"  # nothing references it; nothing can hit through it
+    RECREATABLE = "recreatable"  # a kept graph writes it again on its next hit
+    SIZE = "size"  # over max_size
+    FILES = "files"  # over max_files
+    FREE = "free"  # under the free-space floor
+    DEPENDENT = "dependent"  # every entry that needs it is going
+    PURGE = "purge"  # chosen by `cachemgr purge`
+
+
+class Held(StrEnum):
+    """Why an entry a plan wanted was kept."""
+
+    PINNED = "pinned"
+    GRACE = "grace"  # written or read within the grace period
+    LOCK = "lock held"  # a lock that guards it is held by a compile
+    IN_PROGRESS = "write in progress"  # a temporary file inside it
+    UNSAFE = "unsafe path"  # a symlink, or a path that would leave the root
+    CHANGED = "changed since planned"  # a file or directory was replaced between plan and delete
+    GONE = "already gone"  # another process removed it first
+    FAILED = "delete failed"  # the file system refused (permissions, read-only, ...)
+    UNPARSED = "not parsed yet"  # what it references is unknown until the entry is parsed
+
+
+class Policy(StrEnum):
+    LRU = "lru"
+    COST = "cost"
+
+
+class Event(StrEnum):
+    """What happened to the cache, as the `events` table records it."""
+
+    NEW = "new"  # a compile wrote an entry
+    HIT = "hit"  # a workload read an entry
+    EVICT = "evict"  # cachemgr deleted an entry
