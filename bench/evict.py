@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=100_000)
     ap.add_argument("--quick", action="store_true", help="10,000 files")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
-    ap.add_argument("--fixture", default=None, help="the fixture .tgz (default: ../shared/fixtures/...)")
+    ap.add_argument("--fixture", default=None, help="the fixture .tgz (default: tests/fixtures/gpu/inductor-cache-h200-torch2.11.tgz)")
     args = ap.parse_args()
     files = 10_000 if args.quick else args.files
     work = Path(tempfile.mkdtemp(prefix="bench-evict-", dir=args.dir))

@@ -1,4 +1,4 @@
-"""Build a large cache tree from real entries: the shared H200 fixture replicated under new keys.
+"""Build a large cache tree from real entries: the repository's H200 fixture replicated under new keys.
 
 Every replica keeps the fixture's proportions (about 0.5 % fxgraph files, most files in Triton
 kernel directories) and its real bytes; files are hard links to one extracted copy, so a
@@ -14,18 +14,15 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURE_NAME = "shared/fixtures/inductor-cache-h200-torch2.11.tgz"
+FIXTURE = REPO / "tests" / "fixtures" / "gpu" / "inductor-cache-h200-torch2.11.tgz"  # a real H200 cache
 
 
 def fixture_path() -> Path:
-    for p in REPO.parents:
-        if (p / FIXTURE_NAME).exists():
-            return p / FIXTURE_NAME
-    raise SystemExit(f"cannot find the shared fixture {FIXTURE_NAME} above {REPO}")
+    return FIXTURE
 
 
 def extract_fixture(dst: Path, tgz: Path | None = None) -> Path:
-    """Extract the shared fixture (or another cache .tgz) under `dst`; return its cache root."""
+    """Extract the H200 fixture (or another cache .tgz) under `dst`; return its cache root."""
     with tarfile.open(tgz or fixture_path()) as t:
         t.extractall(dst, filter="data")
     (root,) = [p for p in dst.iterdir() if p.is_dir()]

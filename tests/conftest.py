@@ -16,9 +16,8 @@ from click.testing import CliRunner
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAMS = REPO / "tests" / "programs"
-FIXTURE_NAME = "shared/fixtures/inductor-cache-h200-torch2.11.tgz"
-# ../shared beside the checkout (CI, the main checkout), or further up for a git worktree
-GPU_FIXTURE = next((p / FIXTURE_NAME for p in REPO.parents if (p / FIXTURE_NAME).exists()), REPO.parent / FIXTURE_NAME)
+FIXTURES = REPO / "tests" / "fixtures"
+GPU_FIXTURE = FIXTURES / "gpu" / "inductor-cache-h200-torch2.11.tgz"  # a real H200 cache (torch 2.11, Triton 3.6)
 
 
 # Run the CLI in-process with the given argv, then fail if torch was imported on the way.
@@ -83,8 +82,6 @@ def cpu_cache(cpu_cache_master, tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def gpu_cache_master(tmp_path_factory) -> Path:
-    if not GPU_FIXTURE.exists():
-        pytest.fail(f"shared GPU fixture missing: {GPU_FIXTURE}")
     dst = tmp_path_factory.mktemp("gpu-cache")
     with tarfile.open(GPU_FIXTURE) as t:
         t.extractall(dst, filter="data")
