@@ -257,3 +257,151 @@ print(json.dumps([str(x.message) for x in w]))
     lines = (tmp_path / "spool" / name).read_bytes().splitlines(keepends=True)
     docs = [parse_line(x) for x in lines]  # every line written is one the ingester takes
     assert [d["signature"] for d in docs] == ["(f32[2], nan)", "(f32[2], -inf)"]
+
+
+# -- 2. Redis values -------------------------------------------------------------------------------
+
+@pytest.fixture
+def redis13():
+    """(URL, client) of this file's own Redis database, emptied before and after."""
+    import redis
+
+    url = f"redis://{REDIS_HOST}/{REDIS_DB}"
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    r.set("cachemgr-test:claim", os.getpid(), ex=7200)  # test_remote's fixture takes only empty dbs
+    yield url, r
+    r.flushdb()
+
+
+ATTACK = "pickle-ran"  # a file the hostile pickle would create if anything executed it
+
+
+def hostile_redis(r, tmp_path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """Write every kind of hostile remote-cache key and value; return, for the keys and for the
+    values, key (as shown) -> a part of the reason it is skipped."""
+    import base64
+    import pickle
+
+    marker = tmp_path / ATTACK
+    bomb = b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR."  # os.system('touch ...') on load
+    assert pickle.dumps(0) and not marker.exists()
+
+    def value(data) -> bytes:
+        return json.dumps({"data": data, "time_taken_ms": 5}).encode()
+
+    aot = "pt2:autograd-experimental::{}:c1"
+    r.set(b"pt2:fx-graph-v1::\xff\xfe:c1", value("AAAA"))
+    r.set("pt2:fx-graph-v1::\x1b[2J:c1", value("AAAA"))
+    r.set("pt2:fx-graph-v1::" + "k" * 2000 + ":c1", value("AAAA"))
+    r.set("pt2:nonsense", b"x")
+    r.rpush("pt2:fx-graph-v1::flist:c1", b"a", b"b")
+    r.hset("pt2:autograd-experimental::ahash:c1", "data", "x")
+    r.set(aot.format("apickle"), value(base64.b64encode(bomb).decode()))
+    r.set(aot.format("adeep"), b"[" * 100_000)
+    r.set(aot.format("anotb64"), value("!!! not base64 !!!"))
+    r.set(aot.format("anodata"), b'{"time_taken_ms": 1}')
+    r.set(aot.format("ahuge"), b"x" * (65 * 1024 * 1024))
+    r.set(aot.format("ameta"), value("AAAA"))
+    r.hset("cachemgr:meta", aot.format("ameta"), b"[" * 5000)
+    return {
+        "pt2:fx-graph-v1::\\xff\\xfe:c1": "key is not UTF-8",
+        "pt2:fx-graph-v1::\\x1b[2J:c1": "not printable",
+        "pt2:fx-graph-v1::" + "k" * 283: "key of 2020 bytes",
+        "pt2:nonsense": "not a torch remote-cache key",
+        "pt2:fx-graph-v1::flist:c1": "a Redis list under a torch key",
+        "pt2:autograd-experimental::ahash:c1": "a Redis hash under a torch key",
+    }, {
+        aot.format("apickle"): "cannot read it",
+        aot.format("adeep"): "nested JSON",
+        aot.format("anotb64"): "'data' is not base64",
+        aot.format("anodata"): "no base64 'data' field",
+        aot.format("ahuge"): "cachemgr reads",
+        aot.format("ameta"): "cachemgr:meta: not a remote-cache meta field: nested JSON",
+    }
+
+
+def _age(r, key: str | bytes, seconds: int) -> None:
+    r.restore(key, 0, r.dump(key), replace=True, idletime=seconds)
+
+
+def test_hostile_redis_values_are_skipped_items_with_reasons(redis13, tmp_path, db_url):
+    """stats, evict --dry-run and evict: each hostile key or value is a skipped item with its
+    reason (in the text and in --json), nothing executes, the command exits 0, and eviction
+    deletes only values Inductor could have written."""
+    url, r = redis13
+    key_problems, value_problems = hostile_redis(r, tmp_path)
+    r.set("pt2:fx-graph-v1::fgood:c1", json.dumps({"data": "AAAA", "time_taken_ms": 5}))
+    cli = Cli(tmp_path / "cache", db_url)
+
+    stats = run(*cli.base(), "remote", "--redis", url, "stats", "--json")
+    assert stats.returncode == 0, stats.stderr
+    doc = json.loads(stats.stdout)
+    shown = {x["key"]: x["reason"] for x in doc["skipped"]}
+    for key, reason in key_problems.items():
+        assert any(k.startswith(key[:60]) and reason in why for k, why in shown.items()), (key, shown)
+    # the values that are strings under well-formed keys are entries (stats reads no values)
+    assert doc["entries"] == 1 + len(value_problems) and doc["other_keys"] == 1  # the claim key
+    text = run(*cli.base(), "remote", "--redis", url, "stats")
+    assert text.returncode == 0 and f"{len(shown)} skipped" in text.stdout, text.stderr
+    assert all(x.isprintable() for x in text.stderr.splitlines())
+    assert sum(1 for x in text.stderr.splitlines() if x.startswith("cachemgr: remote: skipped ")) == len(shown)
+
+    dry = run(*cli.base(), "remote", "--redis", url, "evict", "--max-age", "1d", "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    why: dict[str, str] = {}
+    for x in json.loads(dry.stdout)["skipped"]:
+        why[x["key"]] = why.get(x["key"], "") + " | " + x["reason"]
+    for key, reason in value_problems.items():
+        assert reason in why.get(key, ""), (key, why.get(key), why)
+    assert not (tmp_path / ATTACK).exists()
+
+    for k in r.scan_iter(match="pt2:*"):
+        _age(r, k, 40 * 86400)
+    done = run(*cli.base(), "remote", "--redis", url, "evict", "--max-age", "30d")
+    assert done.returncode == 0 and "freed" in done.stdout, done.stderr
+    left = {k for k in r.scan_iter(match="pt2:*")}
+    # every string value under a torch key went; what is not Inductor's (bad names, other types) stayed
+    assert left == {b"pt2:fx-graph-v1::\xff\xfe:c1", b"pt2:fx-graph-v1::\x1b[2J:c1",
+                    ("pt2:fx-graph-v1::" + "k" * 2000 + ":c1").encode(), b"pt2:nonsense",
+                    b"pt2:fx-graph-v1::flist:c1", b"pt2:autograd-experimental::ahash:c1"}
+    assert not (tmp_path / ATTACK).exists()
+
+
+def test_a_meta_key_of_the_wrong_type_is_ignored(redis13, tmp_path, db_url):
+    url, r = redis13
+    r.set("pt2:fx-graph-v1::fgood:c1", json.dumps({"data": "AAAA", "time_taken_ms": 5}))
+    r.rpush("cachemgr:meta", "x")
+    cli = Cli(tmp_path / "cache", db_url)
+    for args in (["stats"], ["evict", "--max-age", "1d", "--dry-run"]):
+        res = run(*cli.base(), "remote", "--redis", url, *args, "--json")
+        assert res.returncode == 0, res.stderr
+    doc = json.loads(run(*cli.base(), "remote", "--redis", url, "stats", "--json").stdout)
+    assert doc["entries"] == 1 and {"key": "cachemgr:meta", "reason": "a Redis list, not cachemgr's hash: ignored"} \
+        in doc["skipped"]
+
+
+def test_push_skips_a_key_that_holds_another_type(redis13, gpu_cache, tmp_path, db_url):
+    url, r = redis13
+    cli = Cli(gpu_cache, db_url)
+    assert cli.proc("scan").returncode == 0
+    fx = json.loads(cli.proc("ls", "--kind", "fxgraph", "--json").stdout)
+    taken = f"pt2:fx-graph-v1::{fx[0]['graph_key']}:c1"
+    r.rpush(taken, "not a value")
+    res = cli.proc("remote", "--redis", url, "push", "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert {"key": taken, "reason": "a Redis list is stored under this key; left as it is (--force overwrites it)"} \
+        in doc["skipped"]
+    assert r.type(taken) == b"list" and doc["pushed"] > 0 and taken not in doc["keys"]
+    text = cli.proc("remote", "--redis", url, "push")
+    assert text.returncode == 0 and "1 skipped" in text.stdout and f"skipped {taken}: a Redis list" in text.stderr
+
+
+def test_no_redis_configured_is_a_usage_error(tmp_path, db_url):
+    """Without --redis, redis_url or Inductor's variables, `remote` does not guess localhost (it
+    did, while `prewarm --target redis` refused): one line, exit 2."""
+    cli = Cli(tmp_path / "cache", db_url)
+    for args in (["stats"], ["push"], ["evict", "--max-age", "1d"]):
+        one_error_line(run(*cli.base(), "remote", *args), 2, "no Redis is configured", "--redis URL", "redis_url")
+

@@ -314,30 +314,6 @@ def test_push_by_model(cpu_cache, cli_for, redis_url, rconn, db_url):
         [f"pt2:fx-graph-v1::{scaled[0]['graph_key']}:c1", f"pt2:autograd-experimental::{aot[0]}:c1"])
 
 
-def test_retry_with_backoff(redis_url):
-    from cachemgr.errors import RemoteError
-    from cachemgr.fleet.remote import Backoff, Remote, retry
-
-    slept: list[float] = []
-    down = Remote("redis://127.0.0.1:1/0")
-    with pytest.raises(RemoteError, match="cannot reach Redis"):
-        retry(down.ping, attempts=4, base=0.5, cap=1.5, sleep=slept.append)
-    assert len(slept) == 3 and 0.45 <= slept[0] <= 0.55 and 0.9 <= slept[1] <= 1.1 and 1.35 <= slept[2] <= 1.65
-    calls = []
-
-    def flaky():
-        calls.append(1)
-        return (down if len(calls) < 3 else Remote(redis_url)).ping()
-
-    assert retry(flaky, attempts=5, sleep=slept.append) is None and len(calls) == 3
-    b = Backoff(base=1, cap=8, jitter=0)
-    assert b.ready(now=0)
-    assert [b.failed("down", now=0) for _ in range(5)] == [1, 2, 4, 8, 8]
-    assert not b.ready(now=7.9) and b.ready(now=8) and b.last_error == "down"
-    b.succeeded()
-    assert b.ready(now=0) and b.failures == 0
-
-
 @pytest.mark.parametrize("args", [["remote", "stats"], ["remote", "evict", "--max-age", "1d"], ["fleet", "report"],
                                   ["stats", "--fleet"]])
 def test_fleet_commands_never_import_torch(cpu_cache, db_url, redis_url, args):

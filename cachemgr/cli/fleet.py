@@ -69,7 +69,8 @@ def report(app, min_hosts: int, limit: int, window: float, as_json: bool) -> Non
 @click.group()
 @click.option("--redis", "redis_url", metavar="URL",
               help="Redis of the remote cache. Default: redis_url in the config, $CACHEMGR_REDIS_URL, "
-                   "$TORCHINDUCTOR_REDIS_URL, else $TORCHINDUCTOR_REDIS_HOST/_PORT as Inductor reads them.")
+                   "$TORCHINDUCTOR_REDIS_URL, else $TORCHINDUCTOR_REDIS_HOST/_PORT as Inductor reads them; "
+                   "none of these is a usage error (exit 2).")
 @click.pass_context
 def remote(ctx: click.Context, redis_url: str | None) -> None:
     """PyTorch's Redis remote cache, the fleet's shared artifact tier.
@@ -87,10 +88,18 @@ def remote(ctx: click.Context, redis_url: str | None) -> None:
 
 
 def _remote(app):
-    from cachemgr.fleet.remote import Remote, resolve_url
+    from cachemgr.fleet.remote import Remote, configured_url
 
     url = click.get_current_context().meta.get("redis_url") or app.settings.redis_url
-    return Remote(resolve_url(url))
+    return Remote(configured_url(url, what="remote"))
+
+
+def _say_skipped(skipped) -> None:
+    """What was under a torch key but could not be used, and why: one line each (stderr)."""
+    for x in skipped[:50]:
+        click.echo(f"cachemgr: remote: skipped {x.key}: {x.reason}", err=True)
+    if len(skipped) > 50:
+        click.echo(f"cachemgr: remote: skipped {len(skipped) - 50} more keys", err=True)
 
 
 @remote.command(name="stats")
@@ -117,7 +126,9 @@ def remote_stats(app, as_json: bool) -> None:
     rows.append(("total", s.entries, human_size(s.bytes)))
     table(("kind", "entries", "bytes"), rows, title=s.url)
     idle = "-" if s.max_idle_seconds is None else f"{s.max_idle_seconds / 86400:.1f}d"
-    click.echo(f"pushed by cachemgr {s.pushed_by_cachemgr}, longest idle {idle}, other keys in this db {s.other_keys}")
+    click.echo(f"pushed by cachemgr {s.pushed_by_cachemgr}, longest idle {idle}, other keys in this db {s.other_keys}"
+               + (f", {len(s.skipped)} skipped" if s.skipped else ""))
+    _say_skipped(s.skipped)
 
 
 @remote.command()
@@ -163,9 +174,11 @@ def push(app, model: str | None, graph: str | None, force: bool, no_scan: bool, 
         emit_json(r.as_dict())
         return
     click.echo(f"pushed {len(r.pushed)} entries ({human_size(r.bytes)}) to {rem.shown}; "
-               f"{len(r.present)} already there" + (f"; {extra} extra guard sets not pushed" if extra else ""))
+               f"{len(r.present)} already there" + (f"; {extra} extra guard sets not pushed" if extra else "")
+               + (f"; {len(r.skipped)} skipped" if r.skipped else ""))
     for path in r.missing:
         click.echo(f"gone from disk, not pushed: {path}", err=True)
+    _say_skipped(r.skipped)
 
 
 @remote.command(name="evict")
@@ -191,15 +204,18 @@ def remote_evict(app, max_size: int | None, max_age: float | None, dry_run: bool
         raise UsageError("give --max-size and/or --max-age")
     s = app.settings
     rem = _remote(app)
+    skipped: list = []
     try:
-        keys = rem.inspect()
-        plan = plan_eviction(keys, rem.aot_refs(keys), max_size, max_age, low_water=s.low_water, grace=s.grace)
+        keys = rem.inspect(skipped=skipped)
+        plan = plan_eviction(keys, rem.aot_refs(keys, skipped), max_size, max_age, low_water=s.low_water, grace=s.grace)
         result = None if dry_run else rem.execute(plan)
     finally:
         rem.close()
     if as_json:
-        emit_json({"plan": plan.as_dict(), "result": result.as_dict() if result else None})
+        emit_json({"plan": plan.as_dict(), "result": result.as_dict() if result else None,
+                   "skipped": [x.as_dict() for x in skipped]})
         return
+    _say_skipped(skipped)
     verb = "would free" if dry_run else "freed"
     freed = plan.expected_freed_bytes if result is None else result.freed_bytes
     n = len(plan.victims) if result is None else len(result.deleted)

@@ -17,14 +17,20 @@ Redis has no access times of ours, so eviction reads Redis's own: `OBJECT IDLETI
 since the last command touched the key: an Inductor GET resets it) and `MEMORY USAGE`; neither
 touches the key (STRLEN or GET would). What only cachemgr knows (who pushed a key, and which
 fxgraph keys an AOT entry needs) is kept in one side hash, META_KEY, under the `cachemgr:` prefix.
+
+Everything in Redis is hostile input (any client of that Redis can write there): a key that is not
+UTF-8, too long or not printable, a list or hash under a `pt2:` name, a value that is not JSON,
+nests deeply, carries no base64 `data`, is too large to read, or whose pickle cannot be read (or
+is built to attack a reader) each becomes a `Skipped` item with its reason in the command's
+output, never an abort. Only Redis failing as a whole is a RemoteError.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import os
-import random
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -33,7 +39,6 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from cachemgr.errors import NotFound, RemoteError, UsageError
-from cachemgr.index.describe import read_unseen
 
 KEY_VERSION = 1  # the `:c1` suffix: remote_cache.RedisRemoteCache's `version`
 FX_CACHE_ID = "fx-graph-v1"
@@ -48,6 +53,10 @@ REMOTE_KINDS = ("fxgraph", "aotautograd", "autotune", "bundled-autotune", "dynam
 META_KEY = "cachemgr:meta"  # hash: redis key -> JSON {host, ts, bytes, torch, source, refs}
 _KEY = re.compile(r"^pt2:(?P<id>.+?)::(?P<key>.*):c(?P<v>\d+)$")
 BATCH = 500  # keys per pipeline / script call
+MAX_KEY = 1024  # bytes in a key; torch's are under 100
+MAX_VALUE = 64 * 1024 * 1024  # bytes of a value cachemgr reads (an AOT entry, to learn its graphs)
+MAX_PUSH = 256 * 1024 * 1024  # bytes of a local entry file pushed (base64 must stay under Redis's 512 MB)
+MAX_META = 64 * 1024  # bytes of one META_KEY field
 
 
 # -- keys and values ------------------------------------------------------------------------
@@ -70,25 +79,68 @@ def encode_value(content: bytes, time_taken_ms: int) -> bytes:
 
 
 def decode_value(raw: bytes) -> bytes:
-    """The pickle inside a value, as GuardedCache.iterate_over_candidates reads it."""
+    """The pickle inside a value, as GuardedCache.iterate_over_candidates reads it. ValueError
+    says why a value is not one: not JSON, nested JSON, no `data`, `data` not base64."""
+    doc = small_json(raw, MAX_VALUE, "value")
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, str):
+        raise ValueError("not a remote-cache value: no base64 'data' field")
     try:
-        return base64.b64decode(json.loads(raw)["data"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"not a remote-cache value: {e}") from e
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("not a remote-cache value: 'data' is not base64") from None
+
+
+def small_json(raw: bytes, limit: int, what: str, max_brackets: int = 16) -> Any:
+    """JSON that cachemgr or torch wrote: a flat document (base64 has no brackets, so a value with
+    more than a few is not theirs, and is never handed to a recursive parser), at most `limit` bytes."""
+    if len(raw) > limit:
+        raise ValueError(f"{what} of {len(raw)} bytes, over the {limit} cachemgr reads")
+    if raw.count(b"[") + raw.count(b"{") > max_brackets:
+        raise ValueError(f"not a remote-cache {what}: nested JSON")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ValueError(f"not a remote-cache {what}: not JSON") from None
+
+
+def shown_key(raw: bytes | str) -> str:
+    """A key fit for a terminal, a log line and JSON: not UTF-8 or not printable, escaped; cut."""
+    text = raw.decode("utf-8", "backslashreplace") if isinstance(raw, bytes) else raw
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:300])
+    return text + ("..." if len(raw) > 300 else "")
+
+
+def check_key(raw: bytes) -> tuple[str | None, str | None]:
+    """(the key as text, None) for a torch remote-cache key; (None, why not) for anything else."""
+    if len(raw) > MAX_KEY:
+        return None, f"key of {len(raw)} bytes, over the {MAX_KEY} a torch key may have"
+    try:
+        key = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "key is not UTF-8"
+    if not key.isprintable():
+        return None, "key holds characters that are not printable"
+    if parse_key(key) is None:
+        return None, "not a torch remote-cache key (pt2:<cache id>::<key>:c<N>)"
+    return key, None
 
 
 # -- connecting -----------------------------------------------------------------------------
 
-def resolve_url(url: str | None, environ: Mapping[str, str] = os.environ) -> str:
-    """The Redis Inductor would use: the configured URL, else TORCHINDUCTOR_REDIS_URL, else
-    TORCHINDUCTOR_REDIS_HOST/_PORT (Inductor's defaults: localhost:6379, db 0)."""
+def configured_url(url: str | None, environ: Mapping[str, str] = os.environ, what: str = "remote") -> str:
+    """The Redis Inductor would use: the given URL (--redis, or redis_url from the config,
+    CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL), else TORCHINDUCTOR_REDIS_HOST/_PORT when
+    either is set (db 0, as Inductor reads them). None of these: a UsageError, never a guess."""
     if url:
         return url
     if environ.get("TORCHINDUCTOR_REDIS_URL"):
         return environ["TORCHINDUCTOR_REDIS_URL"]
-    host = environ.get("TORCHINDUCTOR_REDIS_HOST", "localhost")
-    port = environ.get("TORCHINDUCTOR_REDIS_PORT", "6379")
-    return f"redis://{host}:{port}/0"
+    host, port = environ.get("TORCHINDUCTOR_REDIS_HOST"), environ.get("TORCHINDUCTOR_REDIS_PORT")
+    if host or port:
+        return f"redis://{host or 'localhost'}:{port or '6379'}/0"
+    raise UsageError(f"{what}: no Redis is configured: give --redis URL, or set redis_url in the config, "
+                     "CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL")
 
 
 def redact_url(url: str) -> str:
@@ -103,12 +155,6 @@ def redact_url(url: str) -> str:
     host = parts.hostname or ""
     netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-
-
-def inductor_env(url: str) -> dict[str, str]:
-    """Environment that turns Inductor's remote FX graph and AOTAutograd caches on against `url`."""
-    return {"TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE": "1",
-            "TORCHINDUCTOR_REDIS_URL": url}
 
 
 T = TypeVar("T")
@@ -156,42 +202,79 @@ class Remote:
 
     # -- reading without touching ----------------------------------------------------------
 
-    def torch_keys(self) -> list[str]:
-        return self.call(lambda: [k.decode() for k in self.r.scan_iter(match="pt2:*", count=1000)])
+    def torch_keys(self, skipped: list[Skipped] | None = None) -> list[str]:
+        """Every torch remote-cache key; keys under `pt2:` that are not torch's go to `skipped`."""
+        raw = self.call(lambda: list(self.r.scan_iter(match="pt2:*", count=1000)))
+        keys = []
+        for k in raw:
+            key, problem = check_key(k)
+            if key is not None:
+                keys.append(key)
+            elif skipped is not None:
+                skipped.append(Skipped(shown_key(k), problem or "?"))
+        return keys
 
-    def inspect(self, keys: list[str] | None = None) -> list[RemoteKey]:
-        """Size and idle time of every remote-cache key, read without moving its idle time."""
-        keys = self.torch_keys() if keys is None else keys
+    def inspect(self, keys: list[str] | None = None, skipped: list[Skipped] | None = None) -> list[RemoteKey]:
+        """Size and idle time of every remote-cache key holding a string, read without moving its
+        idle time. A list, hash, set... under a torch key goes to `skipped` (Inductor cannot read
+        it, and cachemgr neither counts nor deletes what it does not understand)."""
+        skipped = [] if skipped is None else skipped
+        keys = self.torch_keys(skipped) if keys is None else keys
         out: list[RemoteKey] = []
         for chunk in _chunks(keys):
             def read(chunk=chunk):
                 p = self.r.pipeline(transaction=False)
                 for k in chunk:
+                    p.type(k)
                     p.memory_usage(k, samples=0)
                     p.object("idletime", k)
                 return p.execute(raise_on_error=False)
             res = self.call(read)
             for i, k in enumerate(chunk):
-                size, idle = res[2 * i], res[2 * i + 1]
+                typ, size, idle = res[3 * i], res[3 * i + 1], res[3 * i + 2]
+                typ = typ.decode(errors="replace") if isinstance(typ, bytes) else typ
                 parsed = parse_key(k)
-                if parsed is None or not isinstance(size, int) or not isinstance(idle, int):
+                if typ == "none" or parsed is None or not isinstance(size, int) or not isinstance(idle, int):
                     continue  # gone between SCAN and now
+                if typ != "string":
+                    skipped.append(Skipped(k, f"a Redis {typ} under a torch key, not a value Inductor wrote"))
+                    continue
                 out.append(RemoteKey(k, parsed[0], parsed[1], parsed[2], size, idle))
         return out
 
-    def meta(self) -> dict[str, dict]:
-        raw = self.call(lambda: self.r.hgetall(META_KEY))
-        out = {}
-        for k, v in raw.items():
-            try:
-                out[k.decode()] = json.loads(v)
-            except ValueError:
-                continue
+    def meta(self, rkeys: list[str], skipped: list[Skipped] | None = None) -> dict[str, dict]:
+        """What cachemgr remembers (META_KEY) about these keys. A field that is not our JSON is
+        left out (and said in `skipped`); so is the whole hash when META_KEY is not a hash."""
+        typ = self.call(lambda: self.r.type(META_KEY))
+        typ = typ.decode(errors="replace") if isinstance(typ, bytes) else typ
+        if typ == "none" or not rkeys:
+            return {}
+        if typ != "hash":
+            if skipped is not None:
+                skipped.append(Skipped(META_KEY, f"a Redis {typ}, not cachemgr's hash: ignored"))
+            return {}
+        out: dict[str, dict] = {}
+        for chunk in _chunks(rkeys):
+            values = self.call(lambda chunk=chunk: self.r.hmget(META_KEY, chunk))
+            for k, v in zip(chunk, values):
+                if v is None:
+                    continue
+                try:
+                    doc = small_json(v, MAX_META, "meta field")
+                    if not isinstance(doc, dict):
+                        raise ValueError("not a remote-cache meta field: not a JSON object")
+                except ValueError as e:
+                    if skipped is not None:
+                        skipped.append(Skipped(k, f"{META_KEY}: {e}; ignored"))
+                    continue
+                out[k] = doc
         return out
 
     def stats(self) -> RemoteStats:
-        keys = self.inspect()
-        meta = self.meta()
+        skipped: list[Skipped] = []
+        keys = self.inspect(skipped=skipped)
+        not_torchs = len(skipped)  # keys under pt2: that are not torch's values
+        meta = self.meta([k.rkey for k in keys], skipped)
         by_kind = {k: {"entries": 0, "bytes": 0} for k in REMOTE_KINDS}
         for k in keys:
             row = by_kind.setdefault(k.kind, {"entries": 0, "bytes": 0})
@@ -203,29 +286,43 @@ class Remote:
             url=self.shown, entries=len(keys), bytes=sum(k.bytes for k in keys), by_kind=by_kind,
             pushed_by_cachemgr=sum(1 for k in keys if meta.get(k.rkey, {}).get("host")),
             max_idle_seconds=max((k.idle for k in keys), default=None),
-            other_keys=dbsize - len(keys) - cachemgr_keys,
+            other_keys=max(0, dbsize - len(keys) - not_torchs - cachemgr_keys), skipped=skipped,
         )
-
-    def get(self, cache_id: str, key: str) -> bytes | None:
-        """The pickle Inductor would read for `key` (a GET: this counts as an access)."""
-        raw = self.call(lambda: self.r.get(redis_key(cache_id, key)))
-        return None if raw is None else decode_value(raw)
 
     # -- writing -----------------------------------------------------------------------------
 
     def push(self, items: list[PushItem], root: str, host: str, force: bool = False) -> PushResult:
         """Publish local entries. Existing keys are kept unless `force` (another host's entry for
-        the same key is as good as ours: same key, same inputs)."""
+        the same key is as good as ours: same key, same inputs). A local file that is not a
+        regular file or too large, and a key that holds something else than a value, are skipped."""
+        from cachemgr.index.describe import read_unseen
+
         pushed, present, missing = [], [], []
+        skipped: list[Skipped] = []
         nbytes = 0
         now = time.time()
         for chunk in _chunks(items, 50):  # values are megabytes: small pipelines
+            taken = self.call(lambda chunk=chunk: _types(self.r, [it.rkey for it in chunk]))
             payload = []
             for it in chunk:
+                if taken.get(it.rkey, "none") not in ("none", "string") and not force:
+                    skipped.append(Skipped(it.rkey, f"a Redis {taken[it.rkey]} is stored under this key; "
+                                                    "left as it is (--force overwrites it)"))
+                    continue
+                problem = _local_problem(os.path.join(root, it.path))
+                if problem == "missing":
+                    missing.append(it.path)
+                    continue
+                if problem:
+                    skipped.append(Skipped(it.rkey, f"local entry {it.path}: {problem}"))
+                    continue
                 try:
                     content = read_unseen(root, it.path)  # our read, not a hit
-                except OSError:
+                except FileNotFoundError:
                     missing.append(it.path)
+                    continue
+                except OSError as e:
+                    skipped.append(Skipped(it.rkey, f"local entry {it.path}: cannot read it ({e.strerror})"))
                     continue
                 payload.append((it, encode_value(content, it.time_taken_ms)))
 
@@ -245,40 +342,71 @@ class Remote:
                 else:
                     present.append(it.rkey)
             if meta:
-                self.call(lambda: self.r.hset(META_KEY, mapping=meta))
-        return PushResult(pushed=pushed, present=present, missing=missing, bytes=nbytes)
+                self.call(lambda: self._remember(meta))
+        return PushResult(pushed=pushed, present=present, missing=missing, bytes=nbytes, skipped=skipped)
+
+    def _remember(self, fields: dict[str, str]) -> None:
+        """Write META_KEY fields; a META_KEY that is not a hash (hostile, or another tool's) is
+        left alone: what cachemgr remembers is a cache, not a need."""
+        typ = self.r.type(META_KEY)
+        if (typ.decode(errors="replace") if isinstance(typ, bytes) else typ) in ("none", "hash"):
+            self.r.hset(META_KEY, mapping=fields)
 
     # -- eviction ----------------------------------------------------------------------------
 
-    def aot_refs(self, keys: list[RemoteKey]) -> dict[str, list[str]]:
+    def aot_refs(self, keys: list[RemoteKey], skipped: list[Skipped] | None = None) -> dict[str, list[str]]:
         """fxgraph keys each AOT entry needs: from META_KEY, else read once and remembered there.
 
         Reading an entry Inductor wrote itself resets its idle time once (a GET touches); that
-        errs on the side of keeping it.
+        errs on the side of keeping it. A value that cannot be read (too large, not a value, a
+        pickle that does not parse or attacks the reader) needs nothing as far as we can tell:
+        it goes to `skipped` with the reason (remembered, so it is read once only), and stays
+        subject to the age and size caps.
         """
         from cachemgr import parse
 
-        meta = self.meta()
+        skipped = [] if skipped is None else skipped
+        aot = [k for k in keys if k.kind == "aotautograd"]
+        meta = self.meta([k.rkey for k in aot], skipped)
         out: dict[str, list[str]] = {}
         learn: dict[str, str] = {}
-        for k in keys:
-            if k.kind != "aotautograd":
-                continue
+        for k in aot:
             m = meta.get(k.rkey)
+            if m is not None and isinstance(m.get("unreadable"), str):  # read once already: not again
+                skipped.append(Skipped(k.rkey, f"cannot read it (seen before): {m['unreadable'][:200]}"))
+                out[k.rkey] = []
+                continue
             if m is not None and "refs" in m:
-                out[k.rkey] = list(m["refs"])
+                refs = m["refs"]
+                if isinstance(refs, list) and all(isinstance(r, str) and r.isprintable() and len(r) <= MAX_KEY
+                                                  for r in refs):
+                    out[k.rkey] = list(refs)
+                    continue
+                skipped.append(Skipped(k.rkey, f"{META_KEY}: 'refs' is not a list of keys; read again"))
+            if k.bytes > MAX_VALUE:
+                skipped.append(Skipped(k.rkey, f"value of about {k.bytes} bytes, over the {MAX_VALUE} cachemgr reads"))
                 continue
-            raw = self.call(lambda k=k: self.r.get(k.rkey))
+            raw = self.call(lambda k=k: _get_string(self.r, k.rkey))
             if raw is None:
-                continue
+                continue  # gone, or no longer a string
             try:
-                refs = [ref for kind, ref in parse.parse_aotautograd(decode_value(raw)).refs if kind == "fxgraph"]
-            except ValueError:
-                refs = []
+                parsed = parse.parse_aotautograd(decode_value(raw))
+                if getattr(parsed, "corrupt", None):
+                    raise ValueError(parsed.corrupt)
+                refs = [ref for kind, ref in parsed.refs if kind == "fxgraph"]
+            except Exception as e:  # noqa: BLE001 - any failure to read one value is that value's
+                why = str(e).strip().splitlines()
+                reason = why[0][:200] if why else type(e).__name__
+                skipped.append(Skipped(k.rkey, f"cannot read it: {reason}"))
+                out[k.rkey] = []
+                # remembered, so the next run does not read it again: our GET reset its idle time,
+                # and one read per run would keep it from ever aging out
+                learn[k.rkey] = json.dumps({"seen": time.time(), "refs": [], "unreadable": reason})
+                continue
             out[k.rkey] = refs
             learn[k.rkey] = json.dumps({**(m or {}), "seen": time.time(), "refs": refs})
         if learn:
-            self.call(lambda: self.r.hset(META_KEY, mapping=learn))
+            self.call(lambda: self._remember(learn))
         return out
 
     def execute(self, plan: EvictPlan) -> EvictResult:
@@ -293,6 +421,43 @@ class Remote:
         freed = sum(v.bytes for v in plan.victims if v.rkey in gone)
         kept = [v.rkey for v in plan.victims if v.rkey not in gone]
         return EvictResult(deleted=deleted, skipped_in_use=kept, freed_bytes=freed)
+
+
+def _types(r, rkeys: list[str]) -> dict[str, str]:
+    p = r.pipeline(transaction=False)
+    for k in rkeys:
+        p.type(k)
+    return {k: (t.decode(errors="replace") if isinstance(t, bytes) else str(t))
+            for k, t in zip(rkeys, p.execute(raise_on_error=False))}
+
+
+def _get_string(r, rkey: str) -> bytes | None:
+    """GET, or None when the key is gone or holds another type than a string now."""
+    import redis
+
+    try:
+        return r.get(rkey)
+    except redis.exceptions.ResponseError as e:
+        if str(e).startswith("WRONGTYPE"):
+            return None
+        raise
+
+
+def _local_problem(path: str) -> str | None:
+    """Why a local entry file is not pushed ('missing' when it is gone), or None."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"cannot stat it ({e.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_size > MAX_PUSH:
+        return f"{st.st_size} bytes, over the {MAX_PUSH >> 20} MiB cachemgr pushes"
+    return None
 
 
 # OBJECT IDLETIME does not touch the key; a key read since the plan has a smaller idle time now.
@@ -313,6 +478,15 @@ return out
 # -- results --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Skipped:
+    key: str  # as shown: escaped where it is not printable text
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"key": self.key, "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class RemoteKey:
     rkey: str
     kind: str
@@ -331,11 +505,12 @@ class RemoteStats:
     pushed_by_cachemgr: int
     max_idle_seconds: int | None
     other_keys: int  # keys in this Redis db that are neither torch's nor ours
+    skipped: list[Skipped] = field(default_factory=list)  # under pt2: (or META_KEY) but not what it should be
 
     def as_dict(self) -> dict[str, Any]:
         return {"url": self.url, "entries": self.entries, "bytes": self.bytes, "by_kind": self.by_kind,
                 "pushed_by_cachemgr": self.pushed_by_cachemgr, "max_idle_seconds": self.max_idle_seconds,
-                "other_keys": self.other_keys}
+                "other_keys": self.other_keys, "skipped": [x.as_dict() for x in self.skipped]}
 
 
 @dataclass(frozen=True)
@@ -356,10 +531,12 @@ class PushResult:
     missing: list[str]  # in the index but gone from disk
     bytes: int
     skipped_guard_sets: int = 0  # extra local entries of one key (Redis holds one per key)
+    skipped: list[Skipped] = field(default_factory=list)  # not pushed, and why
 
     def as_dict(self) -> dict[str, Any]:
         return {"pushed": len(self.pushed), "present": len(self.present), "missing": self.missing,
-                "bytes": self.bytes, "skipped_guard_sets": self.skipped_guard_sets, "keys": self.pushed}
+                "bytes": self.bytes, "skipped_guard_sets": self.skipped_guard_sets, "keys": self.pushed,
+                "skipped": [x.as_dict() for x in self.skipped]}
 
 
 @dataclass(frozen=True)
@@ -511,60 +688,6 @@ def _closure(seeds: set[str], rows: list, edges: dict[int, list[str]]) -> set[st
         if more <= wanted:
             return wanted
         wanted |= more
-
-
-# -- retry with backoff ---------------------------------------------------------------------
-
-@dataclass
-class Backoff:
-    """Exponential backoff with jitter for a loop that must go on without the remote tier
-    (the daemon): `ready()` says whether to try now; report each outcome."""
-
-    base: float = 1.0
-    cap: float = 300.0
-    factor: float = 2.0
-    jitter: float = 0.1
-    failures: int = 0
-    next_try: float = 0.0
-    last_error: str | None = None
-
-    def delay(self) -> float:
-        d = min(self.cap, self.base * self.factor ** max(0, self.failures - 1))
-        return d * (1 + random.uniform(-self.jitter, self.jitter))
-
-    def ready(self, now: float | None = None) -> bool:
-        return (time.monotonic() if now is None else now) >= self.next_try
-
-    def failed(self, error: BaseException | str, now: float | None = None) -> float:
-        self.failures += 1
-        self.last_error = str(error)
-        d = self.delay()
-        self.next_try = (time.monotonic() if now is None else now) + d
-        return d
-
-    def succeeded(self) -> None:
-        self.failures, self.next_try, self.last_error = 0, 0.0, None
-
-
-def retry(fn: Callable[[], T], attempts: int = 4, base: float = 0.5, cap: float = 30.0,
-          retry_on: tuple[type[BaseException], ...] = (RemoteError,),
-          sleep: Callable[[float], None] = time.sleep,
-          on_retry: Callable[[int, BaseException, float], None] | None = None) -> T:
-    """Call `fn`, retrying `retry_on` errors with exponential backoff; the last error propagates."""
-    if attempts < 1:
-        raise UsageError("attempts must be >= 1")
-    b = Backoff(base=base, cap=cap)
-    for attempt in range(1, attempts + 1):
-        try:
-            return fn()
-        except retry_on as e:
-            if attempt == attempts:
-                raise
-            d = b.failed(e, now=0.0)
-            if on_retry:
-                on_retry(attempt, e, d)
-            sleep(d)
-    raise AssertionError("unreachable")
 
 
 def _chunks(items: list, n: int = BATCH) -> Iterator[list]:
