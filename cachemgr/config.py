@@ -6,7 +6,9 @@ is a ConfigError naming the key and the source.
 
 from __future__ import annotations
 
+import math
 import os
+import stat
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cachemgr.errors import ConfigError, UsageError
-from cachemgr.units import parse_duration, parse_size, parse_size_or_percent
+from cachemgr.units import MAX_SIZE, parse_duration, parse_size, parse_size_or_percent
 
 DEFAULT_CONFIG_FILE = "/etc/cachemgr/config.toml"
 
@@ -39,15 +41,108 @@ def _default_host(environ: Mapping[str, str]) -> str:
     return socket.gethostname()
 
 
+# -- one validation path for every source ----------------------------------------------------------
+#
+# A value reaches a parser as TOML gave it (str, bool, int, float, including negative numbers,
+# inf and nan, lists, tables), as a CACHEMGR_* variable gave it (str) or as a flag gave it (already
+# converted by click). Each parser accepts every form that makes sense and refuses the rest with
+# a ValueError; load() names the key and the source. bool is never a number here.
+
+YEAR = 365.25 * 86400
+MAX_DURATION = 10 * YEAR  # a longer age or interval is a typo (or inf)
+MAX_BATCH_WAIT = 3600.0  # debounce / max_wait: the daemon's index lag
+
+
+def _text(v: Any, what: str = "a string") -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"must be {what}, not {_kind(v)}")
+    if "\x00" in v:
+        raise ValueError("must not contain a NUL byte")
+    return v
+
+
+def _kind(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true/false"
+    if isinstance(v, float):
+        return "a floating-point number"
+    if isinstance(v, int):
+        return "a number"
+    if isinstance(v, list):
+        return "a list"
+    if isinstance(v, dict):
+        return "a table"
+    return type(v).__name__
+
+
+def _number(v: Any) -> float:
+    """A finite real number from a TOML/flag number; bool is not one."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"must be a number, not {_kind(v)}")
+    f = float(v)
+    if not math.isfinite(f):
+        raise ValueError("must be a finite number")
+    return f
+
+
+def _duration(low: float = 0.0, high: float = MAX_DURATION) -> Callable[[Any], float]:
+    """Seconds, from '14d' / '6h' / '30m' / '45s' / a plain number of seconds; low <= d <= high."""
+    def parse(v: Any) -> float:
+        d = _number(v) if not isinstance(v, str) else parse_duration(_text(v))
+        if not math.isfinite(d):
+            raise ValueError("must be a finite duration")
+        if d < low:
+            raise ValueError(f"must be at least {low:g}s")
+        if d > high:
+            raise ValueError(f"must be at most {'10 years' if high == MAX_DURATION else f'{high:g}s'}")
+        return d
+    return parse
+
+
+def _size(v: Any) -> int:
+    """Whole bytes >= 0, from '20GiB' / '500MB' / '1.5G' or an integer."""
+    if isinstance(v, str):
+        return parse_size(_text(v))
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"must be a whole number of bytes or a size like '20GiB', not {_kind(v)}")
+    if v < 0:
+        raise ValueError("must not be negative")
+    if v > MAX_SIZE:
+        raise ValueError("must be at most 8 EiB")
+    return v
+
+
+def _count(v: Any) -> int:
+    """A whole number >= 0 (a file count)."""
+    if isinstance(v, str):
+        text = _text(v).strip()
+        if not text.isdigit() or not text.isascii():
+            raise ValueError("must be a whole number >= 0")
+        v = int(text)
+    elif isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"must be a whole number >= 0, not {_kind(v)}")
+    if not 0 <= v <= MAX_SIZE:
+        raise ValueError("must be a whole number >= 0")
+    return v
+
+
 def _min_free(v: Any) -> str:
-    parse_size_or_percent(str(v))
-    return str(v)
+    if not isinstance(v, str):
+        return str(_size(v))  # a TOML integer: bytes
+    parse_size_or_percent(_text(v))
+    return v.strip()
 
 
 def _fraction(v: Any) -> float:
-    f = float(v)
-    if not 0 < f <= 1:
-        raise ValueError("must be in (0, 1]")
+    if isinstance(v, str):
+        try:
+            f = float(_text(v).strip())
+        except ValueError:
+            raise ValueError("must be a number in (0, 1], like 0.9") from None
+    else:
+        f = _number(v)
+    if not 0 < f <= 1:  # nan and inf fail this too
+        raise ValueError("must be in (0, 1], like 0.9")
     return f
 
 
@@ -58,41 +153,58 @@ def _policy(v: Any) -> str:
 
 
 def _metrics(v: Any) -> str:
-    v = str(v)
-    if v.lstrip(":").isdigit():  # a bare port: loopback only, the safe default
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = str(v)  # TOML `metrics = 9464`: a bare port
+    v = _text(v, "'off' or HOST:PORT").strip()
+    if v.lstrip(":").isdigit() and v.isascii():  # a bare port: loopback only, the safe default
         v = "127.0.0.1:" + v.lstrip(":")
     if v != "off":
         host, _, port = v.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not host or not port.isdigit() or not port.isascii() or not 0 < int(port) < 65536:
             raise ValueError("must be 'off' or HOST:PORT (port 1-65535), e.g. 127.0.0.1:9464")
     return v
 
 
 def _nonempty(v: Any) -> str:
-    if not str(v).strip():
+    v = _text(v).strip()
+    if not v:
         raise ValueError("must not be empty")
-    return str(v).strip()
+    return v
 
 
-def _at_least(low: float) -> Callable[[Any], float]:
-    """A duration of at least `low` seconds (an interval of 0 would spin)."""
-    def parse(v: Any) -> float:
-        d = parse_duration(v)
-        if d < low:
-            raise ValueError(f"must be at least {low:g} s")
-        return d
-    return parse
+def _host(v: Any) -> str:
+    v = _nonempty(v)
+    if len(v) > 255 or not v.isprintable():
+        raise ValueError("must be a printable name of at most 255 characters")
+    return v
+
+
+def _path(v: Any) -> str:
+    return os.path.abspath(os.path.expanduser(_nonempty(v)))
+
+
+def _keep_torch(v: Any) -> list[str]:
+    if isinstance(v, str):
+        items = [] if not _text(v).strip() else v.split(",")
+    elif isinstance(v, list):
+        items = v
+    else:
+        raise ValueError(f"must be a list of torch versions (or a comma-separated string), not {_kind(v)}")
+    out = []
+    for x in items:
+        x = _text(x, "a torch version string").strip()
+        if not x:
+            raise ValueError("must not hold an empty version")
+        out.append(x)
+    return out
 
 
 def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    return lambda v: None if v in (None, "", "none", "off") else parse(v)
-
-
-def _positive_int(v: Any) -> int:
-    i = int(v)
-    if i < 0:
-        raise ValueError("must be >= 0")
-    return i
+    def optional(v: Any) -> Any:
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "none", "off")):
+            return None
+        return parse(v)
+    return optional
 
 
 @dataclass(frozen=True)
@@ -104,28 +216,29 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("cache_dir", lambda v: os.path.abspath(os.path.expanduser(str(v))), _default_cache_dir,
-           "TorchInductor cache directory to manage"),
-    Option("db", str, lambda env: f"sqlite:///{state_dir(env) / 'index.db'}", "index database URL (SQLite or PostgreSQL)"),
-    Option("host", _nonempty, _default_host, "host name recorded on every row (fleet tier)"),
-    Option("spool_dir", lambda v: os.path.abspath(str(v)), lambda env: str(state_dir(env) / "spool"),
+    Option("cache_dir", _path, _default_cache_dir, "TorchInductor cache directory to manage"),
+    Option("db", _nonempty, lambda env: f"sqlite:///{state_dir(env) / 'index.db'}",
+           "index database URL (SQLite or PostgreSQL)"),
+    Option("host", _host, _default_host, "host name recorded on every row (fleet tier)"),
+    Option("spool_dir", _path, lambda env: str(state_dir(env) / "spool"),
            "where cachemgr.record appends recorded shapes"),
-    Option("max_size", _optional(parse_size), lambda env: None, "size cap, e.g. 20GiB"),
+    Option("max_size", _optional(_size), lambda env: None, "size cap, e.g. 20GiB"),
     Option("low_water", _fraction, lambda env: 0.9, "evict down to this fraction of max_size / max_files"),
-    Option("max_age", _optional(parse_duration), lambda env: None, "evict entries not accessed for this long, e.g. 14d"),
-    Option("max_files", _optional(_positive_int), lambda env: None, "file-count cap (inode quotas)"),
+    Option("max_age", _optional(_duration()), lambda env: None, "evict entries not accessed for this long, e.g. 14d"),
+    Option("max_files", _optional(_count), lambda env: None, "file-count cap (inode quotas)"),
     Option("min_free", _optional(_min_free), lambda env: None, "free-space floor on the cache's file system, 10% or 50GiB"),
     Option("policy", _policy, lambda env: "lru", "eviction policy: lru or cost"),
-    Option("grace", parse_duration, lambda env: 60.0, "never delete files younger than this (since write or last access)"),
-    Option("evict_interval", _at_least(1.0), lambda env: 300.0, "daemon: run eviction this often"),
-    Option("scan_interval", _at_least(1.0), lambda env: 3600.0, "daemon: reconcile the whole tree this often (heals lost events)"),
-    Option("debounce", parse_duration, lambda env: 0.3, "daemon: quiet period before applying a batch of file events"),
-    Option("max_wait", _at_least(0.01), lambda env: 1.0, "daemon: apply a batch at the latest after this long"),
+    Option("grace", _duration(), lambda env: 60.0, "never delete files younger than this (since write or last access)"),
+    # an interval of 0 would spin
+    Option("evict_interval", _duration(1.0), lambda env: 300.0, "daemon: run eviction this often"),
+    Option("scan_interval", _duration(1.0), lambda env: 3600.0, "daemon: reconcile the whole tree this often (heals lost events)"),
+    Option("debounce", _duration(0.0, MAX_BATCH_WAIT), lambda env: 0.3,
+           "daemon: quiet period before applying a batch of file events"),
+    Option("max_wait", _duration(0.01, MAX_BATCH_WAIT), lambda env: 1.0, "daemon: apply a batch at the latest after this long"),
     Option("metrics", _metrics, lambda env: "off", "daemon: Prometheus endpoint HOST:PORT (a bare PORT binds 127.0.0.1), or off"),
-    Option("redis_url", _optional(str), lambda env: env.get("TORCHINDUCTOR_REDIS_URL"),
+    Option("redis_url", _optional(_nonempty), lambda env: env.get("TORCHINDUCTOR_REDIS_URL") or None,
            "Redis of the shared remote cache (fleet tier)"),
-    Option("keep_torch", lambda v: [str(x) for x in (v if isinstance(v, list) else str(v).split(","))],
-           lambda env: [], "torch versions that purge --stale must keep"),
+    Option("keep_torch", _keep_torch, lambda env: [], "torch versions that purge --stale must keep"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -186,8 +299,10 @@ def load(config_file: str | None = None, flags: Mapping[str, Any] | None = None,
                 values[o.name] = o.parse(v)
             except UsageError as e:
                 raise ConfigError(f"{o.name} from {src}: {e}") from e
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"{o.name} from {src}: invalid value {v!r}: {e}") from e
+            except (TypeError, ValueError, OverflowError) as e:
+                shown = repr(v)
+                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                raise ConfigError(f"{o.name} from {src}: invalid value {shown}: {e}") from e
             sources[o.name] = src
         else:
             values[o.name] = o.default(environ)
@@ -195,17 +310,34 @@ def load(config_file: str | None = None, flags: Mapping[str, Any] | None = None,
     return Settings(**values, sources=sources, config_file=path)
 
 
+MAX_TOML = 4 * 1024 * 1024  # bytes: a config file or manifest is a few KiB
+
+
 def read_toml(path: str, what: str, error: type[UsageError]) -> dict[str, Any]:
-    """A TOML file as a dict; a missing, unreadable or malformed file is one `error` line."""
+    """A TOML file as a dict; a missing, unreadable or malformed file is one `error` line. Only a
+    regular file of at most MAX_TOML bytes is read (a FIFO would block, /dev/zero never ends)."""
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise error(f"{what} {path} is not a regular file")
+            data = f.read(MAX_TOML + 1)
+        if len(data) > MAX_TOML:
+            raise error(f"{what} {path} is larger than {MAX_TOML >> 20} MiB")
+        return tomllib.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raise error(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise error(f"{what} {path} is not a regular file") from None
     except OSError as e:
         raise error(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise error(f"{what} {path}: not valid TOML: not UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise error(f"{what} {path}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise error(f"{what} {path}: not valid TOML: nested too deeply") from None
 
 
 def _read_toml(path: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -405,3 +406,84 @@ def test_no_redis_configured_is_a_usage_error(tmp_path, db_url):
     for args in (["stats"], ["push"], ["evict", "--max-age", "1d"]):
         one_error_line(run(*cli.base(), "remote", *args), 2, "no Redis is configured", "--redis URL", "redis_url")
 
+
+# -- 3. config values ------------------------------------------------------------------------------
+
+BAD_TOML = {  # a TOML line -> what the message must say beside key and source
+    "max_size = true": "not true/false",
+    "max_size = -5": "must not be negative",
+    "max_size = 1.5e9": "whole number of bytes",
+    "grace = -100": "must be at least 0s",
+    "evict_interval = inf": "finite",
+    "scan_interval = 0": "at least 1s",
+    "max_age = 1e30": "at most 10 years",
+    "debounce = inf": "finite",
+    "debounce = nan": "finite",
+    "max_wait = 86400": "at most 3600s",
+    "low_water = nan": "finite",
+    "low_water = true": "not true/false",
+    "max_files = 1.5": "whole number",
+    "max_files = true": "whole number",
+    "max_files = -1": "whole number >= 0",
+    "keep_torch = [1]": "torch version string",
+    'keep_torch = [""]': "empty version",
+    'keep_torch = "2.1,,2.2"': "empty version",
+    'cache_dir = "/tmp/a\\u0000b"': "NUL",
+    "cache_dir = 5": "must be a string",
+    "policy = true": "'lru' or 'cost'",
+    "metrics = false": "'off' or HOST:PORT",
+    'host = ""': "must not be empty",
+    'min_free = true': "not true/false",
+    "redis_url = [1]": "must be a string",
+}
+
+
+@pytest.mark.parametrize("line", list(BAD_TOML))
+def test_toml_values_go_through_the_same_checks_as_variables(line, tmp_path):
+    """Every TOML type (bool, negative, inf, nan, fractions, lists) meets the parse and range
+    checks CACHEMGR_* strings meet: a ConfigError naming key and file, exit 2."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(line + "\n")
+    key = line.split(" ")[0]
+    one_error_line(run("--config", str(cfg), "config", "show"), 2, f"{key} from file {cfg}", BAD_TOML[line])
+
+
+@pytest.mark.parametrize("name,value,says", [
+    ("GRACE", "-100", "invalid duration"), ("EVICT_INTERVAL", "inf", "invalid duration"),
+    ("DEBOUNCE", "2h", "at most 3600s"), ("LOW_WATER", "nan", "(0, 1]"), ("LOW_WATER", "inf", "(0, 1]"),
+    ("MAX_FILES", "1.5", "whole number"), ("MAX_SIZE", "-5", "invalid size"), ("KEEP_TORCH", "a,,b", "empty version"),
+])
+def test_variables_and_flags_meet_the_same_checks(name, value, says, tmp_path):
+    r = run("config", "show", env={f"CACHEMGR_{name}": value})
+    one_error_line(r, 2, f"{name.lower()} from env CACHEMGR_{name}", says)
+
+
+def test_a_daemon_refuses_a_bad_config_at_start(tmp_path, db_url):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("grace = -100\n")
+    (tmp_path / "cache").mkdir()
+    r = run("--config", str(cfg), *Cli(tmp_path / "cache", db_url).base(), "daemon", timeout=60)
+    one_error_line(r, 2, f"grace from file {cfg}")
+
+
+def test_sighup_with_hostile_values_keeps_the_running_config(tmp_path, start):  # noqa: F811 - the fixture
+    """Values that used to kill the daemon at reload (inf intervals) or silently kill its consumer
+    thread (an infinite debounce) are refused; the daemon keeps the config it runs."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('evict_interval = "10m"\ndebounce = "0.3s"\n')
+    d = start(cache, config=cfg)
+    for bad in ("evict_interval = inf", "debounce = nan", "debounce = inf", "grace = -100", "max_size = true",
+                "low_water = nan", "scan_interval = 1e400"):
+        cfg.write_text(bad + "\n")
+        n = len(d.messages)
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_message("READY=1", since=n)  # reading the notify socket also keeps it from filling up
+        assert f"reload failed, keeping the running config: {bad.split()[0]} from file {cfg}" in d.logs()
+        assert d.proc.poll() is None
+    cfg.write_text('evict_interval = "2m"\ndebounce = "0.3s"\n')
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_log("reloading config: evict_interval")  # from the 10m it kept running with
+    assert d.stop() == 0
+    assert "Traceback" not in d.logs()
