@@ -16,10 +16,12 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import re
 from typing import Any
 
 MAX_CLASSES = 2048  # distinct globals in one entry (a CompiledFxGraph names about 40)
 MAX_TEXT = 1 << 20  # characters kept of one string value (the graph code can be long)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Stub:
@@ -96,7 +98,7 @@ def clean(s: str, limit: int = MAX_TEXT) -> str:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
-        s = s.encode("utf-8", "replace").decode("utf-8")
+        s = _SURROGATE.sub("\ufffd", s)
     return s
 
 

@@ -1,0 +1,115 @@
+"""Fuzzing the readers with mutated real cache entries: no exception escapes, nothing a pickle names
+is ever run, and a parse worker stays within the memory bound cachemgr states
+(cachemgr.index.workers.WORKER_MEMORY above its start-up size)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cachemgr.index import describe
+from cachemgr.index.workers import WORKER_MEMORY, Job, Pool
+
+
+def _real_entries(root: Path) -> list[tuple[str, bytes]]:
+    """(kind, bytes) of the fixture's smaller fxgraph and AOTAutograd entries."""
+    out = []
+    for kind in ("fxgraph", "aotautograd"):
+        for p in sorted((root / kind).rglob("*")):
+            if p.is_file() and p.stat().st_size < 300_000:
+                out.append((kind, p.read_bytes()))
+    return out
+
+
+def _payload(canary: Path) -> bytes:
+    """Opcodes that, run by a real unpickler, would call os.system and create `canary`."""
+    cmd = f"touch {canary}".encode()
+    return (b"\x8c\x02os\x8c\x06system\x93" + b"\x8c" + bytes([len(cmd)]) + cmd + b"\x85R")  # TUPLE1, REDUCE
+
+
+def mutate(data: bytes, ops: list[tuple[int, int, int]], payload: bytes) -> bytes:
+    buf = bytearray(data)
+    for op, pos, val in ops:
+        if not buf:
+            break
+        i = pos % len(buf)
+        if op == 0:
+            buf[i] = val & 0xFF  # overwrite a byte
+        elif op == 1:
+            del buf[i : i + 1 + val % 64]  # drop a run
+        elif op == 2:
+            buf[i:i] = bytes([val & 0xFF]) * (1 + val % 8)  # insert
+        elif op == 3:
+            buf[i:i] = payload  # splice in a call of os.system
+        elif op == 4:
+            buf[i:i] = b"r" + struct.pack("<I", (val * 7919) & 0xFFFFFFFF)  # LONG_BINPUT: a huge memo index
+        else:
+            del buf[i:]  # truncate
+    return bytes(buf)
+
+
+@pytest.fixture(scope="module")
+def fuzz_root(gpu_cache_master, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz") / "cache"
+    (root / "fxgraph" / "ab").mkdir(parents=True)
+    return root, _real_entries(gpu_cache_master)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                    HealthCheck.too_slow])
+@given(pick=st.integers(min_value=0), ops=st.lists(
+    st.tuples(st.integers(0, 5), st.integers(min_value=0), st.integers(0, 1 << 20)), min_size=1, max_size=6))
+def test_mutated_entries_never_escape_the_reader(fuzz_root, pick, ops, tmp_path_factory):
+    root, entries = fuzz_root
+    kind, data = entries[pick % len(entries)]
+    canary = root.parent / "executed"
+    blob = mutate(data, ops, _payload(canary))
+    key = "fxgraph/ab/f" + "a" * 51 + "/entry" if kind == "fxgraph" else "aotautograd/a" + "b" * 51 + "/entry"
+    path = root / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(blob)
+    pool = _pool()
+    [(job, out)] = list(pool.run([Job(0, 1, str(root), kind, key, key.split("/")[-2])],
+                                 lambda job, why: describe.failed(why)))
+    assert isinstance(out, describe.Described)
+    assert isinstance(out.row.get("corrupt"), (str, type(None)))
+    assert not canary.exists(), "a pickle ran code"
+    for w in pool.idle:
+        assert _peak_rss(w.proc.pid) < _START_RSS + WORKER_MEMORY
+
+
+_POOL: list[Pool] = []
+_START_RSS = 64 << 20  # a worker's own start-up size, generously
+
+
+def _pool() -> Pool:
+    if not _POOL:
+        _POOL.append(Pool(1))
+    return _POOL[0]
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_the_payload_would_run_under_a_real_unpickler(tmp_path):
+    """The fuzzer's payload is real: plain pickle runs it (so the test above can fail)."""
+    canary = tmp_path / "ran"
+    pickle.loads(b"\x80\x04" + _payload(canary) + b".")  # noqa: S301 - proving the payload works
+    assert canary.exists()
+    os.unlink(canary)
+
+
+def teardown_module() -> None:
+    for p in _POOL:
+        p.close()

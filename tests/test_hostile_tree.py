@@ -1,0 +1,497 @@
+"""Hostile trees: what a cache root can hold or become that must never make cachemgr delete
+outside the root, stop indexing, or run out of memory. Every case runs cachemgr as a real
+process on a real cache and checks its exit code, that nothing outside the root changed, and
+that the index agrees with the disk afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hostile import (
+    AOT_CLASS,
+    AOT_MODULE,
+    busy_pickle,
+    fake_entry,
+    find_totals,
+    fxgraph_state,
+    many_classes,
+    memo_bomb,
+    slow_source,
+    snapshot,
+    victim_tree,
+)
+
+HOUR = 3600
+ROOTLESS = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"] if os.geteuid() == 0 else []
+
+
+def age(root: Path, seconds: float = HOUR) -> None:
+    t = time.time() - seconds
+    for p in [root, *root.rglob("*")]:
+        os.utime(p, (t, t), follow_symlinks=False)
+
+
+def run(cli, *args: str, timeout: float = 300, prefix: list[str] | None = None) -> subprocess.CompletedProcess:
+    from conftest import subprocess_env
+
+    cmd = [*(prefix or []), sys.executable, "-m", "cachemgr", *cli.base(), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def agrees_with_disk(cli) -> dict:
+    """After a full rescan the index holds what `find` sees: files and bytes alike."""
+    r = run(cli, "scan", "--full")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(run(cli, "stats", "--json").stdout)
+    assert (doc["files"], doc["bytes"]) == find_totals(cli.cache_dir)
+    return doc
+
+
+# -- deletion never leaves the root ------------------------------------------------------------------
+
+
+def test_kernel_dirs_swapped_for_symlinks_mid_eviction(gpu_cache_master, tmp_path, cli_for):
+    """A racer keeps swapping kernel directories (and the triton/0 folder above them) for symlinks
+    into a victim tree while `evict --max-size 0` runs: at different moments, over many runs, the
+    victim tree never changes (eviction goes by directory descriptors and (device, inode))."""
+    victim = victim_tree(tmp_path / "victim")
+    mirror = victim / "triton0"  # the names eviction looks for under triton/0, outside the root
+    for k in (gpu_cache_master / "triton" / "0").iterdir():
+        (mirror / k.name).mkdir(parents=True)
+        (mirror / k.name / "k.cubin").write_bytes(b"victim")
+    before = snapshot(victim)
+    rng = random.Random(7)
+    for attempt in range(8):
+        cache = tmp_path / f"cache{attempt}"
+        shutil.copytree(gpu_cache_master, cache, symlinks=True)
+        age(cache)
+        cli = cli_for(cache, db=f"sqlite:///{tmp_path}/idx{attempt}.db")
+        kernels = sorted((cache / "triton" / "0").iterdir())
+        stop = threading.Event()
+        pause = [0, 1e-4, 1e-3, 5e-3][attempt % 4]
+
+        def racer() -> None:
+            time.sleep(rng.random() * 0.5)  # the swap lands at a different moment each run
+            while not stop.is_set():
+                if rng.random() < 0.5:  # the folder above the kernels, for a mirror of it
+                    top, aside, target = cache / "triton" / "0", cache / "triton" / ".aside0", mirror
+                else:
+                    top = rng.choice(kernels)
+                    aside, target = top.parent / (".aside-" + top.name), mirror / top.name
+                try:
+                    os.rename(top, aside)
+                except OSError:
+                    continue
+                os.symlink(target, top)
+                time.sleep(pause)
+                os.unlink(top)
+                os.rename(aside, top)
+
+        t = threading.Thread(target=racer)
+        t.start()
+        try:
+            r = run(cli, "evict", "--max-size", "0", "--grace", "0", "--json")
+        finally:
+            stop.set()
+            t.join()
+        assert r.returncode == 0, r.stderr
+        assert snapshot(victim) == before, f"run {attempt} changed the victim tree"
+        agrees_with_disk(cli)
+
+
+def test_symlinked_top_level_folder_refuses_the_root(cpu_cache, tmp_path, cli_for):
+    """fxgraph/ a symlink to a folder outside: the root is refused (exit 7), nothing out there moves."""
+    outside = tmp_path / "outside"
+    shutil.move(str(cpu_cache / "fxgraph"), outside)
+    (outside / "empty-key-dir").mkdir()
+    (cpu_cache / "fxgraph").symlink_to(outside)
+    age(outside)
+    before = snapshot(outside)
+    cli = cli_for(cpu_cache)
+    for args in (["evict", "--max-size", "0", "--grace", "0"], ["purge", "--all", "--yes", "--grace", "0"]):
+        r = run(cli, *args)
+        assert r.returncode == 7, r.stderr
+        assert "fxgraph is not a folder Inductor makes" in r.stderr
+    assert snapshot(outside) == before
+
+
+@pytest.mark.parametrize("shape", ["site-packages", "home", "stray-file"])
+def test_roots_that_are_no_cache_are_refused(tmp_path, cli_for, shape):
+    root = tmp_path / shape
+    if shape == "site-packages":  # a triton/ folder, but Triton's package, not its cache
+        (root / "triton").mkdir(parents=True)
+        (root / "triton" / "__init__.py").write_text("x = 1\n")
+        (root / "numpy").mkdir()
+        (root / "numpy" / "core.py").write_text("y = 2\n")
+        (root / "six.py").write_text("z = 3\n")
+    elif shape == "home":  # only dotfiles
+        root.mkdir()
+        (root / ".bashrc").write_text("alias ll='ls -l'\n")
+        (root / ".ssh").mkdir()
+        (root / ".ssh" / "id_ed25519").write_text("secret")
+    else:  # a real-looking cache with one foreign file at the top
+        (root / "ab").mkdir(parents=True)
+        (root / "ab" / ("c" + "a" * 51 + ".py")).write_text("pass\n")
+        (root / "notes.txt").write_text("mine")
+    age(root)
+    before = snapshot(root)
+    cli = cli_for(root)
+    for args in (["evict", "--max-size", "0", "--grace", "0"], ["purge", "--all", "--yes", "--grace", "0"],
+                 ["evict", "--max-size", "0", "--dry-run"]):
+        r = run(cli, *args)
+        assert r.returncode == 7, r.stderr
+        assert "does not look like an Inductor cache directory (" in r.stderr
+    assert snapshot(root) == before
+
+
+def test_a_failure_inside_a_batch_leaves_index_and_disk_in_agreement(gpu_cache, cli_for):
+    """One kernel folder the process may not change (permissions, with root's override dropped):
+    everything else is evicted and recorded, that one is kept with its reason."""
+    age(gpu_cache)
+    cli = cli_for(gpu_cache)
+    assert run(cli, "scan").returncode == 0
+    locked = sorted((gpu_cache / "triton" / "0").iterdir())[3]
+    locked.chmod(0o555)  # its files cannot leave it; it cannot be emptied
+    (gpu_cache / "triton" / "0").chmod(0o555)  # and the kernel folders cannot leave triton/0
+    try:
+        r = run(cli, "evict", "--max-size", "0", "--grace", "0", "--json", prefix=ROOTLESS)
+    finally:
+        locked.chmod(0o755)
+        (gpu_cache / "triton" / "0").chmod(0o755)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    kept = dict((s["key"], s["reason"]) for s in doc["skipped"])
+    assert doc["evicted"] > 0 and "delete failed" in kept.values()
+    events = run(cli, "stats", "--json", "--window", "1d")
+    assert json.loads(events.stdout)["activity"]["evictions"] == doc["evicted"]
+    agrees_with_disk(cli)
+
+
+def test_trash_name_taken_by_a_file(gpu_cache, cli_for):
+    """A regular file named like the trash folder: eviction deletes in place, and says so."""
+    age(gpu_cache)
+    (gpu_cache / ".cachemgr-trash").write_text("not a folder")
+    cli = cli_for(gpu_cache)
+    r = run(cli, "evict", "--max-size", "0", "--grace", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["evicted"] > 0 and doc["in_place"] is True
+    assert (gpu_cache / ".cachemgr-trash").read_text() == "not a folder"
+    agrees_with_disk(cli)
+
+
+def test_two_evictions_at_once_count_each_entry_once(gpu_cache, cli_for):
+    age(gpu_cache)
+    cli = cli_for(gpu_cache)
+    assert run(cli, "scan").returncode == 0
+    entries = json.loads(run(cli, "stats", "--json").stdout)["entries"]
+    from conftest import subprocess_env
+
+    cmd = [sys.executable, "-m", "cachemgr", *cli.base(), "evict", "--max-size", "0", "--grace", "0", "--json"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+             for _ in range(2)]
+    docs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        docs.append(json.loads(out))
+    evicted = sum(d["evicted"] for d in docs)
+    left = json.loads(run(cli, "stats", "--json").stdout)
+    assert evicted == entries - left["entries"]
+    assert left["activity"]["evictions"] == evicted
+
+
+# -- one bad file stops nothing ---------------------------------------------------------------------
+
+BAD_ENTRIES = {
+    "newobj-no-build": lambda key: fake_entry({}, build=False),
+    "time-10e400": lambda key: fake_entry(fxgraph_state(key, _time_taken_ns=10**400)),
+    "not-a-list": lambda key: fake_entry(fxgraph_state(key, _fx_graph_cache_debug_lines={"a": 1},
+                                                       _triton_bundle="oops", device_types=7)),
+    "surrogate": lambda key: fake_entry(fxgraph_state(key, guards_expr="L['x'] \ud800 <= 4",
+                                                      _fx_graph_cache_debug_lines=["[h\udfff] gm: \ud800"])),
+    "nul": lambda key: fake_entry(fxgraph_state(key, guards_expr="a\0b", cache_key="c\0d")),
+    "memo-bomb": lambda key: memo_bomb(),
+    "classes": lambda key: many_classes(),
+    "slow-regex": lambda key: fake_entry(fxgraph_state(key, source_code=slow_source())),
+    "odd-aot": lambda key: fake_entry({"compiled_fw": 5, "compiled_bw": {"fx_graph_cache_key": ["x"]}},
+                                      AOT_MODULE, AOT_CLASS),
+}
+
+
+def plant_bad_entries(root: Path) -> dict[str, Path]:
+    """One entry file per hostile case, each in a key folder of its own (a real-shaped key)."""
+    out = {}
+    for i, (case, make) in enumerate(sorted(BAD_ENTRIES.items())):
+        key = "f" + f"{i:02d}".replace("0", "q").replace("1", "r") + "z" * 49
+        kind = "aotautograd" if case == "odd-aot" else "fxgraph"
+        d = root / "aotautograd" / ("a" + key[1:]) if kind == "aotautograd" else root / "fxgraph" / key[1:3] / key
+        d.mkdir(parents=True, exist_ok=True)
+        p = d / ("e" * 51)
+        p.write_bytes(make(key))
+        out[case] = p
+    return out
+
+
+def plant_bad_files(root: Path) -> list[Path]:
+    """Files no torch writes: a name that is not UTF-8, control characters, a symlink to
+    /dev/zero and a FIFO named like a C++ source, a sparse 3 GiB entry file."""
+    code = next(root.glob("??/c*.py"))
+    folder = code.parent
+    made = []
+    bad_name = os.fsencode(str(folder)) + b"/c\xff\xfe" + b"k" * 30 + b".py"
+    with open(bad_name, "wb") as f:
+        f.write(b"print('x')\n")
+    made.append(Path(os.fsdecode(bad_name)))
+    ctl = folder / ("c" + "n" * 30 + "\x1b[31m.py")
+    ctl.write_text("pass\n")
+    made.append(ctl)
+    stem = code.name.removesuffix(".py")
+    (folder / (stem + ".main.cpp")).symlink_to("/dev/zero")
+    other = sorted(root.glob("??/c*.py"))[1]
+    os.mkfifo(other.parent / (other.name.removesuffix(".py") + ".main.cpp"))
+    sparse_dir = root / "fxgraph" / "zz" / ("f" + "z" * 51)
+    sparse_dir.mkdir(parents=True)
+    with open(sparse_dir / ("s" * 51), "wb") as f:
+        f.truncate(3 << 30)
+    made.append(sparse_dir / ("s" * 51))
+    return made
+
+
+def test_bad_files_make_corrupt_rows_and_stop_nothing(cpu_cache, tmp_path, cli_for):
+    planted = plant_bad_entries(cpu_cache)
+    plant_bad_files(cpu_cache)
+    age(cpu_cache)
+    cli = cli_for(cpu_cache)
+    r = run(cli, "scan", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    corrupt = {c["key"]: c["reason"] for c in json.loads(r.stdout)["corrupt"]}
+    rel = {case: p.relative_to(cpu_cache).as_posix() for case, p in planted.items()}
+    for case in ("memo-bomb", "classes"):
+        assert rel[case] in corrupt, (case, corrupt)
+    assert "more than 2048 classes" in corrupt[rel["classes"]]
+    assert "too large" in corrupt["fxgraph/zz/f" + "z" * 51 + "/" + "s" * 51]
+    rows = {e["key"]: e for e in json.loads(run(cli, "ls", "--json").stdout)}
+    assert rows[rel["time-10e400"]]["compile_seconds"] is None and not rows[rel["time-10e400"]]["corrupt"]
+    assert "\ufffd" in rows[rel["surrogate"]]["guards"]
+    assert rows[rel["nul"]]["guards"] == "ab"
+    assert any("%FF%FE" in k for k in rows), "a non-UTF-8 name is indexed under an escaped key"
+    assert any("%1B" in k for k in rows)
+    for args in (["evict", "--max-size", "0", "--grace", "0", "--dry-run"], ["purge", "--corrupt", "--yes", "--grace", "0"],
+                 ["stats"], ["ls"]):
+        r = run(cli, *args, timeout=600)
+        assert r.returncode == 0, (args, r.stderr)
+    assert not planted["memo-bomb"].exists(), "corrupt entries are purged"
+    r = run(cli, "evict", "--max-size", "0", "--grace", "0", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert not any(p.exists() for p in planted.values())
+    agrees_with_disk(cli)
+
+
+def test_bad_entries_on_postgresql(cpu_cache, cli_for, pg_url):
+    """NUL bytes and lone surrogates reach PostgreSQL's text columns as nothing of either."""
+    plant_bad_entries(cpu_cache)
+    cli = cli_for(cpu_cache, db=pg_url)
+    r = run(cli, "scan", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(run(cli, "ls", "--json").stdout)
+    assert any(e["guards"] == "ab" for e in rows)
+
+
+@pytest.fixture
+def pg_url():
+    import psycopg
+
+    name = f"cachemgr_hostile_{os.getpid()}_{random.randrange(1 << 30)}"
+    with psycopg.connect("postgresql://127.0.0.1:5432/test", autocommit=True, connect_timeout=5) as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql+psycopg://127.0.0.1:5432/{name}"
+    finally:
+        with psycopg.connect("postgresql://127.0.0.1:5432/test", autocommit=True, connect_timeout=5) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_daemon_indexes_good_entries_beside_bad_ones(cpu_cache, tmp_path, cli_for):
+    """Daemon start-up on a hostile tree, then a batch holding hostile and valid new entries: the
+    daemon stays up and the valid ones are indexed (the bad ones as corrupt)."""
+    from conftest import subprocess_env
+
+    plant_bad_entries(cpu_cache)
+    cli = cli_for(cpu_cache)
+    d = subprocess.Popen([sys.executable, "-m", "cachemgr", *cli.base(), "daemon", "--debounce", "0.1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
+    try:
+        deadline = time.time() + 120
+        lines = []
+        while time.time() < deadline:
+            line = d.stdout.readline()
+            lines.append(line)
+            if "ready:" in line or not line:
+                break
+        assert any("ready:" in x for x in lines), "".join(lines)
+        fresh = cpu_cache / "fxgraph" / "yy" / ("f" + "y" * 51)
+        fresh.mkdir(parents=True)
+        (fresh / ("g" * 51)).write_bytes(fake_entry(fxgraph_state("f" + "y" * 51)))
+        (fresh / ("b" * 51)).write_bytes(memo_bomb())
+        want = {f"fxgraph/yy/f{'y' * 51}/{'g' * 51}", f"fxgraph/yy/f{'y' * 51}/{'b' * 51}"}
+        while time.time() < deadline:
+            keys = {e["key"] for e in json.loads(run(cli, "ls", "--json").stdout)}
+            if want <= keys:
+                break
+            time.sleep(0.2)
+        assert want <= keys
+        assert d.poll() is None, "the daemon stopped"
+    finally:
+        d.send_signal(signal.SIGTERM)
+        out, _ = d.communicate(timeout=30)
+    assert d.returncode == 0, out
+    assert "Traceback" not in out
+
+
+def test_unreadable_kernel_dir_heals_on_a_plain_rescan(gpu_cache, cli_for):
+    if not ROOTLESS and os.geteuid() == 0:
+        pytest.skip("needs setpriv to drop root's override")
+    cli = cli_for(gpu_cache)
+    kernel = sorted((gpu_cache / "triton" / "0").iterdir())[0]
+    files = len(list(kernel.iterdir()))
+    (gpu_cache / "triton" / "0").touch()  # a changed parent: the kernel folder is listed this time
+    kernel.chmod(0)
+    try:
+        r = run(cli, "scan", prefix=ROOTLESS)
+        assert r.returncode == 0 and "cannot read triton/0/" in r.stderr, r.stderr
+    finally:
+        kernel.chmod(0o755)
+    r = run(cli, "scan", prefix=ROOTLESS)
+    assert r.returncode == 0, r.stderr
+    row = [e for e in json.loads(run(cli, "ls", "--json").stdout) if e["key"] == f"triton/0/{kernel.name}"]
+    assert row and row[0]["files"] == files
+
+
+def test_killed_scan_leaves_no_parse_workers(cpu_cache, cli_for):
+    """kill -9 of a scan while its parse workers are busy: the workers die with it."""
+    from conftest import subprocess_env
+
+    for i in range(6):
+        d = cpu_cache / "fxgraph" / "xx" / ("f" + "x" * 50 + str(i))
+        d.mkdir(parents=True)
+        (d / ("b" * 51)).write_bytes(busy_pickle(30_000_000))
+    cli = cli_for(cpu_cache)
+    p = subprocess.Popen([sys.executable, "-m", "cachemgr", *cli.base(), "scan"], env=subprocess_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    deadline = time.time() + 60
+    while time.time() < deadline and not workers:
+        workers = [pid for pid in _pids() if b"cachemgr.index.workers" in _cmdline(pid) and _ppid(pid) == p.pid]
+        time.sleep(0.05)
+    assert workers, "the scan started no parse workers"
+    p.kill()
+    p.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_alive(w) for w in workers):
+        time.sleep(0.05)
+    assert not any(_alive(w) for w in workers)
+
+
+def _pids() -> list[int]:
+    return [int(n) for n in os.listdir("/proc") if n.isdigit()]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+# -- a full disk ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 48 MiB ext4 file system, loop-mounted (CI runs as root)."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
+        pytest.skip("needs root and mkfs.ext4 to mount a small file system")
+    img, mnt = tmp_path / "disk.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(48 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(img)], check=True)
+    subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Write 4 KiB blocks until the file system has none left."""
+    with open(path / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        except OSError:
+            pass
+    i = 0
+    while True:  # the last blocks and inodes: small files and folders until nothing fits
+        try:
+            (path / f"pad{i}").mkdir()
+            (path / f"pad{i}" / "x").write_bytes(b"\0" * 4096)
+        except OSError:
+            break
+        i += 1
+
+
+@pytest.mark.parametrize("index_on_disk", [False, True])
+def test_eviction_frees_a_full_disk(gpu_cache_master, small_disk, tmp_path, cli_for, index_on_disk):
+    """The cache's file system is full (no block, no room for a new folder): eviction still
+    frees space, and the index agrees with the disk. Also with the index on that same disk."""
+    cache = small_disk / "cache"
+    shutil.copytree(gpu_cache_master, cache, symlinks=True)
+    age(cache)
+    db = f"sqlite:///{small_disk / 'state' / 'index.db'}" if index_on_disk else f"sqlite:///{tmp_path / 'idx.db'}"
+    cli = cli_for(cache, db=db)
+    assert run(cli, "scan").returncode == 0
+    fill(small_disk)
+    free = shutil.disk_usage(small_disk).free
+    with pytest.raises(OSError):
+        os.mkdir(small_disk / "one-more")
+    r = run(cli, "evict", "--max-size", "1MiB", "--grace", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["evicted"] > 0 and doc["freed_bytes"] > 10 << 20
+    assert shutil.disk_usage(small_disk).free > free + (10 << 20)
+    for p in small_disk.glob("pad*"):
+        shutil.rmtree(p)
+    (small_disk / "filler").unlink()
+    agrees_with_disk(cli)
