@@ -8,6 +8,7 @@ not ids, because the target may not be on disk (an AOT entry whose forward graph
 from __future__ import annotations
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
     Boolean,
     Column,
@@ -16,6 +17,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    SmallInteger,
     String,
     Table,
     Text,
@@ -59,11 +61,15 @@ class Entry(Base):
         Index("ix_entries_cache_ref", "cache_id", "ref"),
         Index("ix_entries_cache_alias", "cache_id", "alias"),
         Index("ix_entries_cache_graph", "cache_id", "graph_key"),
+        Index("ix_entries_cache_dir", "cache_id", "dir"),
+        Index("ix_entries_cache_parse", "cache_id", "parse_state"),
+        Index("ix_entries_content", "content"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     cache_id: Mapped[int] = mapped_column(ForeignKey("caches.id", ondelete="CASCADE"))
     key: Mapped[str] = mapped_column(String(1024))  # path relative to the root
+    dir: Mapped[str] = mapped_column(String(1024), default="")  # the folder whose listing holds it (layout.home_dir)
     kind: Mapped[str] = mapped_column(String(16))
     ref: Mapped[str | None] = mapped_column(String(128))  # the name other entries use for it
     alias: Mapped[str | None] = mapped_column(String(64))  # second name (C++ kernel source hash)
@@ -84,8 +90,48 @@ class Entry(Base):
     torch_version_hash: Mapped[str | None] = mapped_column(String(64))
     system_hash: Mapped[str | None] = mapped_column(String(64))
     corrupt: Mapped[str | None] = mapped_column(Text)
+    # 0: its files were read; PENDING / PENDING_NEW: indexed from its names only (scan phase one),
+    # to be read (phase two). Whatever needs parsed fields treats a pending entry as unknown: kept.
+    parse_state: Mapped[int] = mapped_column(SmallInteger, default=0)
+    unrecorded: Mapped[str | None] = mapped_column(Text)  # what this entry's format does not record, ', '-joined
+    content: Mapped[str | None] = mapped_column(String(64))  # an entry file named by its bytes' hash: that name
 
     refs: Mapped[list[EntryRef]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
+
+
+PARSED, PENDING, PENDING_NEW = 0, 1, 2  # Entry.parse_state
+
+
+class ParsedContent(Base):
+    """What parsing an entry file gave, kept by the file's content name and size: torch names
+    fxgraph and AOTAutograd entry files by the hash of their bytes, so a rescan, a restored cache
+    and every other host of a fleet index parse each distinct entry once."""
+
+    __tablename__ = "parsed_content"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    bytes: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    row: Mapped[dict] = mapped_column(JSON)  # the entry's parsed columns
+    refs: Mapped[list] = mapped_column(JSON)  # [[kind, ref], ...]
+    parts: Mapped[dict] = mapped_column(JSON)  # part -> component set digest
+    parsed_at: Mapped[float] = mapped_column(Float)
+
+
+class Fingerprint(Base):
+    """What a torch build (or a host's system) is called: the hash an fxgraph entry records as
+    its `torch_version` (or `system_info`) component, learned from a process that runs that torch
+    (the recorder, the prewarm worker, `cachemgr check`). It names entries whose format records
+    only the hash, and says which builds a host still runs (`purge --stale`)."""
+
+    __tablename__ = "fingerprints"
+
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # 'torch' | 'system'
+    hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    host: Mapped[str] = mapped_column(String(255), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))  # '2.14.1+cu130'; for a system: 'NVIDIA H200, CUDA 13.0'
+    first_seen: Mapped[float] = mapped_column(Float)
+    last_seen: Mapped[float] = mapped_column(Float)
 
 
 class Dir(Base):

@@ -322,7 +322,8 @@ def _ids_of(conn, cache_id: int, keys: list[str]) -> dict[str, int]:
 
 def _new_row(cache_id: int, d: layout.DiskEntry, row: dict, now: float) -> dict:
     return {
-        "cache_id": cache_id, "key": d.key, "kind": d.kind, "ref": d.ref, "bytes": d.bytes, "files": d.files,
+        "cache_id": cache_id, "key": d.key, "dir": layout.home_dir(d.key, d.kind), "kind": d.kind, "ref": d.ref,
+        "bytes": d.bytes, "files": d.files,
         "mtime": d.mtime, "first_seen": now, "last_access": max(d.atime, d.mtime), "hit_count": 0,
         **{c: row.get(c) for c in ("alias", *_PARSED_COLUMNS)},
     }
