@@ -487,3 +487,92 @@ def test_sighup_with_hostile_values_keeps_the_running_config(tmp_path, start):  
     d.wait_log("reloading config: evict_interval")  # from the 10m it kept running with
     assert d.stop() == 0
     assert "Traceback" not in d.logs()
+
+
+# -- 4. one daemon per cache dir and index ---------------------------------------------------------
+
+def second_daemon(start, cache: Path, **kw):  # noqa: F811 - start: the fixture's function
+    d = start(cache, wait_ready=False, **kw)
+    assert d.proc.wait(60) == 10, d.logs()
+    lines = [x for x in d.logs().splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("cachemgr: error: another cachemgr daemon (PID "), d.logs()
+    return lines[0]
+
+
+def test_a_second_daemon_on_the_same_cache_and_index_exits_10(tmp_path, start):  # noqa: F811
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    first = start(cache)
+    line = second_daemon(start, cache)
+    assert f"(PID {first.proc.pid}) already serves cache dir {cache} and this index" in line
+    assert first.proc.poll() is None
+    assert first.stop() == 0
+    again = start(cache)  # the lock went with the process; its file (with the old PID) blocks nobody
+    assert again.stop() == 0
+
+
+def test_exit_10_is_documented():
+    r = run("daemon", "--help")
+    assert r.returncode == 0 and "10  another daemon already serves this cache dir or index" in r.stdout
+    assert "10 another daemon already serves the cache dir or index" in (REPO / "README.md").read_text()
+
+
+def test_a_second_daemon_with_another_index_exits_10(tmp_path, start):  # noqa: F811
+    """Two daemons on one cache with different indexes would both evict it."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    first = start(cache)
+    line = second_daemon(start, cache, db=f"sqlite:///{tmp_path / 'other.db'}")
+    assert f"(PID {first.proc.pid}) already serves cache dir {cache} (with another index" in line
+    assert first.stop() == 0
+
+
+def test_a_second_daemon_with_another_state_dir_exits_10(tmp_path, start):  # noqa: F811
+    """Another user, or the service beside a shell: other state dirs, other indexes. The lock on
+    the cache directory itself is what they share; /proc/locks names the holder."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    first = start(cache)
+    line = second_daemon(start, cache, db=f"sqlite:///{tmp_path / 'other.db'}",
+                         env={"XDG_STATE_HOME": str(tmp_path / "other-state")})
+    assert f"(PID {first.proc.pid}) already serves cache dir {cache} (perhaps as another user)" in line
+    assert first.stop() == 0
+
+
+def test_daemons_on_different_caches_share_one_index(tmp_path, start):  # noqa: F811
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = start(tmp_path / "a"), start(tmp_path / "b")
+    assert a.stop() == 0 and b.stop() == 0
+
+
+def test_reload_onto_a_cache_another_daemon_serves_keeps_the_running_config(tmp_path, start, db_url):  # noqa: F811
+    """SIGHUP with a config whose cache_dir another daemon holds: refused, the daemon goes on."""
+    from test_daemon import Daemon
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = start(tmp_path / "a")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'cache_dir = "{tmp_path / "b"}"\n')
+    d = Daemon(tmp_path / "b", db_url, config=cfg)
+    try:
+        # no --cache-dir flag: the config names the cache, so a reload can move it
+        d.proc.kill()
+        d.proc.wait()
+        d.log.truncate(0)
+        d.proc = subprocess.Popen([sys.executable, "-m", "cachemgr", "--db", db_url, "--host", "testhost", "--config",
+                                   str(cfg), "daemon"], env=subprocess_env(NOTIFY_SOCKET=d.sock_path),
+                                  stdout=d.log, stderr=subprocess.STDOUT)
+        d.wait_message("READY=1")
+        cfg.write_text(f'cache_dir = "{tmp_path / "a"}"\n')
+        n = len(d.messages)
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_message("READY=1", since=n)
+        assert (f"reload failed, keeping the running config: another cachemgr daemon (PID {first.proc.pid}) "
+                f"already serves cache dir {tmp_path / 'a'}") in d.logs()
+        assert f"STATUS=watching {tmp_path / 'b'}" in d.messages[-1]
+        assert d.stop() == 0 and first.stop() == 0
+    finally:
+        d.close()
+

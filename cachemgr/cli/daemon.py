@@ -23,14 +23,23 @@ from cachemgr.cli.common import DURATION, SIZE, emit_json, json_option, pass_app
 def daemon(app, verbose: bool, **flags) -> None:
     """Keep the index current and the cache within its limits, as a service.
 
-    Start-up: load the config, migrate the index, reconcile with a full scan, watch the cache
-    (inotify), start the eviction and rescan jobs, then tell systemd READY=1. SIGTERM or SIGINT
-    stop it; SIGHUP reloads the config. Logs go to stderr, one line per event (journald-friendly).
+    Start-up: load the config, lock the cache dir and index (one daemon each), migrate the index,
+    reconcile with a full scan, watch the cache (inotify), start the eviction and rescan jobs,
+    then tell systemd READY=1. SIGTERM or SIGINT stop it; SIGHUP reloads the config (a bad one is
+    logged and the running config kept). Logs go to stderr, one line per event (journald-friendly).
 
     \b
     Example:
         cachemgr --cache-dir /var/cache/inductor daemon --max-size 200GiB
         systemctl reload cachemgr          # re-read /etc/cachemgr/config.toml
+
+    \b
+    Exit codes:
+        0   stopped by SIGTERM or SIGINT
+        2   a bad flag, variable or config value
+        5   the index database cannot be opened
+        7   the cache dir does not look like an Inductor cache
+        10  another daemon already serves this cache dir or index (its PID is named)
     """
     import logging
 

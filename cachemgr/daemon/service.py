@@ -5,25 +5,38 @@ READY=1. The main thread only waits and supervises: SIGTERM/SIGINT stop it, SIGH
 config, and every tick it checks that the cache root is still there (a missing, removed or
 unreadable root is logged once; the daemon keeps running and recovers when the root comes back).
 Index writes happen on the watcher's consumer thread; eviction on the scheduler's.
+
+One daemon per cache dir and index (DaemonLocks): before anything else it takes exclusive flocks
+on lock files in its state dir, one named by a hash of (cache dir, index URL) and one by the
+cache dir alone (two daemons on one cache with different indexes would both evict it), plus,
+once the root is checked, a flock on the root's trash folder, which every user and state dir
+share. A second daemon exits at once with AlreadyRunning (exit 10), naming the PID that holds
+the lock.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import faulthandler
+import hashlib
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from pathlib import Path
 
-from cachemgr.config import Settings
+from cachemgr import layout
+from cachemgr.config import Settings, state_dir
 from cachemgr.daemon import systemd
 from cachemgr.daemon.watcher import Watcher
-from cachemgr.errors import CacheDirError, CachemgrError
+from cachemgr.errors import AlreadyRunning, CacheDirError, CachemgrError
 from cachemgr.index.db import Database, redact
 from cachemgr.index.scan import check_root
 
@@ -73,6 +86,139 @@ def tune_malloc() -> None:
         pass  # not glibc
 
 
+class DaemonLocks:
+    """The flocks that make one daemon per cache dir and index. Each is held by an open file
+    description of this process (O_CLOEXEC: no child keeps it), so it goes when the process does,
+    however it dies; a lock file left behind with an old PID in it blocks nobody."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = directory if directory is not None else state_dir() / "locks"
+        self.held: dict[str, int] = {}  # what the lock is on -> its fd
+
+    def hold(self, cache_dir: str, db: str, in_root: bool = False) -> None:
+        """Hold the locks of (cache_dir, db), keeping those already held and letting go of the
+        rest; AlreadyRunning (and nothing changed) when another process holds one. `in_root`: the
+        root has been checked (an Inductor cache, there and readable), so the lock inside it is
+        taken too; without it, one already held on the same root is kept."""
+        root = os.path.realpath(cache_dir)
+        wanted = {f"pair-{_digest(root, db)}": self._file, f"cache-{_digest(root)}": self._file}
+        inside = f"trash-{_digest(root)}-"
+        if in_root:
+            trash = os.path.join(root, layout.TRASH_DIR)
+            try:
+                os.mkdir(trash, 0o700)  # the evictor's own folder: made ahead of time is no harm
+            except OSError:
+                pass
+            try:
+                st = os.lstat(trash)
+                if stat.S_ISDIR(st.st_mode):
+                    wanted[f"{inside}{st.st_dev}-{st.st_ino}"] = self._trash
+            except OSError:
+                pass  # no room, no permission, or not a folder: the state dir's locks stand alone
+        else:
+            wanted.update((n, self._trash) for n in self.held if n.startswith(inside))
+        taken: dict[str, int] = {}
+        try:
+            for name, opener in wanted.items():
+                if name not in self.held:
+                    fd = opener(name, root)
+                    if fd is not None:
+                        taken[name] = fd
+        except BaseException:
+            for fd in taken.values():
+                os.close(fd)
+            raise
+        for name in [n for n in self.held if n not in wanted]:
+            os.close(self.held.pop(name))
+        self.held.update(taken)
+
+    def release(self) -> None:
+        for fd in self.held.values():
+            os.close(fd)
+        self.held.clear()
+
+    def _file(self, name: str, root: str) -> int | None:
+        path = self.directory / f"daemon-{name}.lock"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            # no writable state dir: the lock on the cache directory itself still stands
+            log.warning("cannot use the lock file %s (%s); relying on the cache directory's lock", path,
+                        e.strerror or e)
+            return None
+        if not _try_flock(fd):
+            pid = _pid_in(fd) or _flock_holder(os.fstat(fd))
+            os.close(fd)
+            raise AlreadyRunning(self._message(name, root, pid, path))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n{root}\n".encode(), 0)
+        return fd
+
+    def _trash(self, name: str, root: str) -> int | None:
+        """A flock on the root's trash folder: every user and state dir sees it. Not on the root
+        itself, which the evictor flocks for each run (a CLI evict beside the daemon waits on it)."""
+        try:
+            fd = os.open(os.path.join(root, layout.TRASH_DIR), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None  # gone meanwhile: the next hold takes the new one
+        st = os.fstat(fd)
+        if not name.endswith(f"-{st.st_dev}-{st.st_ino}"):
+            os.close(fd)
+            return None  # replaced between lstat and open: the next hold takes it
+        if not _try_flock(fd):
+            pid = _flock_holder(st)
+            os.close(fd)
+            raise AlreadyRunning(self._message(name, root, pid, None))
+        return fd
+
+    @staticmethod
+    def _message(name: str, root: str, pid: int | None, path: Path | None) -> str:
+        who = f"PID {pid}" if pid else "a process whose PID cannot be read"
+        what = {"pair": f"cache dir {root} and this index", "cache": f"cache dir {root} (with another index: two "
+                "daemons would both evict it)", "trash": f"cache dir {root} (perhaps as another user)"}[name.split("-")[0]]
+        where = f" (lock {path})" if path else ""
+        return f"another cachemgr daemon ({who}) already serves {what}{where}"
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogateescape")).hexdigest()[:20]
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+
+
+def _pid_in(fd: int) -> int | None:
+    """The PID the holder wrote into its lock file (the first line), if it did yet."""
+    try:
+        first = os.pread(fd, 64, 0).split(b"\n", 1)[0]
+    except OSError:
+        return None
+    return int(first) if first.isdigit() else None
+
+
+def _flock_holder(st: os.stat_result) -> int | None:
+    """Who holds a flock on this inode, from /proc/locks (Linux); None if it cannot be told."""
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if "FLOCK" in fields and ident in fields:
+                    pid = fields[fields.index(ident) - 1]
+                    return int(pid) if pid.isdigit() else None
+    except OSError:
+        pass
+    return None
+
+
 class Daemon:
     """`cachemgr daemon`. `load` re-reads the effective settings (at start and on SIGHUP)."""
 
@@ -91,6 +237,7 @@ class Daemon:
         self.evict_pending = False
         self.last_overflow_scan = -1e9
         self.last_trigger = -1e9  # monotonic time eviction was last started by crossing a cap
+        self.locks = DaemonLocks()
 
     # -- the process ---------------------------------------------------------------------------------
 
@@ -104,9 +251,11 @@ class Daemon:
         warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"watchdog\.")
         self.settings = self.load()
         s = self.settings
+        self.locks.hold(s.cache_dir, s.db)  # a second daemon stops here: AlreadyRunning, exit 10
         from cachemgr.evict.execute import refuse_foreign_root
 
         refuse_foreign_root(s.cache_dir, "watch and evict it")  # `/` or a home dir by mistake: never walked
+        self.locks.hold(s.cache_dir, s.db, in_root=True)  # an Inductor cache: the lock inside it (other users)
         log.info("starting: cache %s, index %s, max_size %s, evict every %gs, full scan every %gs",
                  s.cache_dir, redact(s.db), s.max_size, s.evict_interval, s.scan_interval)
         self._open(s)
@@ -168,6 +317,7 @@ class Daemon:
             os._exit(0)
         if self.db is not None:
             self.db.close()
+        self.locks.release()
         log.info("stopped")
 
     # -- components ----------------------------------------------------------------------------------
@@ -194,6 +344,7 @@ class Daemon:
         s = self.settings
         try:
             check_root(s.cache_dir)
+            self.locks.hold(s.cache_dir, s.db, in_root=True)  # the lock inside it too (AlreadyRunning: we stop)
             from cachemgr.index.scan import reconcile
 
             # full: every file stat'ed, since anything may have happened while no daemon watched
@@ -350,6 +501,7 @@ class Daemon:
             problem = str(e)
         if self.watcher is not None:
             if problem is None and not self.root_lost.is_set():
+                self.locks.hold(root, self.settings.db, in_root=True)  # a trash folder made anew: lock it too
                 return
             gone = problem is None or not os.path.exists(root)
             log.error("%s; index kept, watching stopped until it is back",
@@ -403,6 +555,13 @@ class Daemon:
             systemd.notify("READY=1", f"STATUS={self._status()}")
             return
         changed = sorted(k for k, v in new.values().items() if old.values()[k] != v)
+        if "cache_dir" in changed or "db" in changed:
+            try:
+                self.locks.hold(new.cache_dir, new.db)
+            except AlreadyRunning as e:
+                log.error("reload failed, keeping the running config: %s", e)
+                systemd.notify("READY=1", f"STATUS={self._status()}")
+                return
         log.info("reloading config: %s", ", ".join(changed) or "nothing changed")
         self.settings = new
         if any(k in changed for k in RESTART_KEYS):
