@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from cachemgr import procs
 from conftest import PROGRAMS, REPO, Cli, subprocess_env
 from test_daemon import start, wait_until  # noqa: F401 - start: a fixture (daemon processes)
 from test_fleet import pg_url  # noqa: F401 - fixture: a throwaway PostgreSQL database
@@ -191,19 +195,25 @@ def _rss_of(argv: list[str], env: dict) -> tuple[int, int, str]:
 
 
 def test_a_huge_spool_line_is_read_in_bounded_memory(gpu_cache, tmp_path, db_url):
-    """128 MiB in one line (no newline until the end): skipped, and the scan's peak RSS stays
-    under 200 MiB (the file is never held whole; a whole read and a split would be 256 MiB)."""
-    spool = tmp_path / "spool"
-    path = write_spool(spool, [])
+    """128 MiB in one line (no newline until the end): skipped, and the scan's peak RSS is within
+    32 MiB of the same scan with a small spool (the file is never held whole; a whole read and a
+    split, as before, cost 256 MiB more)."""
+    def scan(spool: Path, db: str) -> tuple[int, str]:
+        argv = [sys.executable, "-m", "cachemgr", *Cli(gpu_cache, db).base(), "--config",
+                str(config_for(tmp_path, spool)), "scan"]
+        code, rss, stderr = _rss_of(argv, subprocess_env())
+        assert code == 0, stderr
+        return rss, stderr
+
+    write_spool(tmp_path / "small", [GOOD])
+    base, _ = scan(tmp_path / "small", f"sqlite:///{tmp_path / 'base.db'}")
+    path = write_spool(tmp_path / "spool", [])
     with open(path, "wb") as f:
         f.write(b'{"model": "')
         f.seek(128 * 1024 * 1024)
         f.write(b'x"}\n' + GOOD)
-    cfg = config_for(tmp_path, spool)
-    argv = [sys.executable, "-m", "cachemgr", *Cli(gpu_cache, db_url).base(), "--config", str(cfg), "scan"]
-    code, rss, stderr = _rss_of(argv, subprocess_env())
-    assert code == 0, stderr
-    assert rss < 200, f"peak RSS {rss} MiB"
+    rss, stderr = scan(tmp_path / "spool", db_url)
+    assert rss - base < 32, f"peak RSS {rss} MiB, {base} MiB with a small spool"
     assert skipped_lines(stderr) == [f"cachemgr: spool: skipped {path.name}.ingesting:1: longer than 64 KiB"]
 
 
@@ -576,3 +586,236 @@ def test_reload_onto_a_cache_another_daemon_serves_keeps_the_running_config(tmp_
     finally:
         d.close()
 
+
+# -- 5. child processes die with their parent ------------------------------------------------------
+
+HANGING = """
+model = [
+    { name = "mlp", factory = "prewarm_models:mlp", train = true, shapes = [["f32[4,16]"], ["f32[8,16]"]] },
+    { name = "sleepy", factory = "prewarm_models:sleepy", compile = { backend = "eager" }, shapes = [["f32[2,2]"]] },
+]
+"""  # a run left alone would compile the mlp, then hang for 600 s in sleepy
+
+
+class Running:
+    """A `cachemgr prewarm` process whose stderr is read line by line as it comes."""
+
+    def __init__(self, cli: Cli, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "cachemgr", *cli.base(), "prewarm", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=subprocess_env(**PREWARM_ENV))
+        self.queue: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.queue.put(line.rstrip("\n"))
+        self.queue.put(None)
+
+    def wait_line(self, pattern: str, timeout: float = 300) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.queue.get(timeout=max(0.01, deadline - time.monotonic()))
+            assert line is not None, f"no line matching {pattern!r} before exit: {self.seen}"
+            self.seen.append(line)
+            if m := re.search(pattern, line):
+                return m
+
+    def rest(self) -> list[str]:
+        while (line := self.queue.get(timeout=60)) is not None:
+            self.seen.append(line)
+        return self.seen
+
+
+def tree(root: Path) -> dict[str, tuple[int, int]]:
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            st = os.lstat(os.path.join(dirpath, f))
+            out[os.path.relpath(os.path.join(dirpath, f), root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _cleanup(worker: int | None, run: Running) -> None:
+    if worker and procs.group_members(worker):
+        os.killpg(worker, signal.SIGKILL)
+    if run.proc.poll() is None:
+        run.proc.kill()
+        run.proc.wait()
+
+
+def test_ctrl_c_during_prewarm_stops_the_worker(tmp_path, db_url):
+    """SIGINT while the worker compiles: the CLI kills the worker's process group (torch's compile
+    processes in it too) and waits for it, then exits 130; nothing compiles or writes after."""
+    (tmp_path / "m.toml").write_text(HANGING)
+    cache = tmp_path / "cache"
+    p = Running(Cli(cache, db_url), "--manifest", str(tmp_path / "m.toml"))
+    worker = None
+    try:
+        worker = int(p.wait_line(r"worker (\d+) started on cpu").group(1))
+        p.wait_line(r"model 'mlp' shape #0 \(f32\[4,16\]\): compiling")
+        p.proc.send_signal(signal.SIGINT)
+        assert p.proc.wait(120) == 130
+        assert procs.group_members(worker) == []  # the worker and everything it started: gone
+        assert "cachemgr: interrupted" in p.rest()
+        before = tree(cache)
+        time.sleep(2)  # an observation window, not a synchronisation: nothing is left to write
+        assert tree(cache) == before
+    finally:
+        _cleanup(worker, p)
+
+
+def test_a_killed_prewarm_takes_its_worker_with_it(tmp_path, db_url):
+    """SIGKILL of the CLI (no chance to clean up): the worker dies too (PR_SET_PDEATHSIG)."""
+    (tmp_path / "m.toml").write_text(HANGING)
+    p = Running(Cli(tmp_path / "cache", db_url), "--manifest", str(tmp_path / "m.toml"))
+    worker = None
+    try:
+        worker = int(p.wait_line(r"worker (\d+) started on cpu").group(1))
+        p.wait_line(r"model 'mlp' shape #0 \(f32\[4,16\]\): compiling")
+        p.proc.kill()
+        p.proc.wait()
+        wait_until(lambda: not procs.group_members(worker), timeout=60)
+    finally:
+        _cleanup(worker, p)
+
+
+POOL = """
+import multiprocessing, os, sys, time
+from concurrent.futures import ProcessPoolExecutor
+from cachemgr import procs
+
+def pid(_):
+    return os.getpid()
+
+if __name__ == "__main__":
+    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=procs.die_with_parent, initargs=(os.getpid(),))
+    print(" ".join(str(p) for p in set(pool.map(pid, range(20)))), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_die_with_parent_as_a_pool_initializer_leaves_no_workers(tmp_path):
+    """A SIGKILLed scan used to leave its parse workers running: with the initializer they go."""
+    (tmp_path / "pool.py").write_text(POOL)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "pool.py")], stdout=subprocess.PIPE, text=True,
+                            env=subprocess_env())
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        assert pids and all(Path(f"/proc/{p}").exists() for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_until(lambda: not any(_alive(p) for p in pids), timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_die_with_parent_exits_when_the_parent_is_already_gone():
+    """The race the kernel cannot see (the parent died before the prctl) is closed by the check."""
+    r = subprocess.run([sys.executable, "-c", "from cachemgr import procs; procs.die_with_parent(1); print('alive')"],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert r.returncode == 1 and r.stdout == ""
+
+
+# -- 6. prewarm checks what it can before torch, and says what it does -----------------------------
+
+def test_cuda_on_a_host_without_cuda_is_exit_2_before_any_worker(tmp_path, db_url):
+    if os.path.exists("/proc/driver/nvidia/version"):
+        pytest.skip("this host has an NVIDIA driver")
+    (tmp_path / "m.toml").write_text('[[model]]\nname = "g"\nfactory = "prewarm_models:mlp"\ndevice = "cuda"\n'
+                                     'shapes = [["f32[2,16]"]]\n')
+    cli = Cli(tmp_path / "cache", db_url)
+    r = run(*cli.base(), "prewarm", "--manifest", str(tmp_path / "m.toml"), env=PREWARM_ENV)
+    one_error_line(r, 2, "model 'g': field 'device' 'cuda': this host has no CUDA device")
+    (tmp_path / "c.toml").write_text('[[model]]\nname = "c"\nfactory = "prewarm_models:mlp"\nshapes = [["f32[2,16]"]]\n')
+    r = run(*cli.base(), "prewarm", "--manifest", str(tmp_path / "c.toml"), "--devices", "cuda:0", env=PREWARM_ENV)
+    one_error_line(r, 2, "--devices cuda:0: this host has no CUDA device")
+    r = run(*cli.base(), "prewarm", "--manifest", str(tmp_path / "c.toml"), env={**PREWARM_ENV, "CUDA_VISIBLE_DEVICES": ""},
+            timeout=600)  # a CPU model runs whatever CUDA_VISIBLE_DEVICES says
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_factory_nowhere_to_import_is_exit_2_before_any_worker(tmp_path, db_url):
+    """Found as the import system would find it, but without running anything: a package whose
+    __init__ has side effects is not imported by the check."""
+    pkg = tmp_path / "pkgs" / "sidefx"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    factories = {"gone": "no_such_pkg.models:build", "flat": "prewarm_models.nope:build", "side": "sidefx.missing:build"}
+    (tmp_path / "m.toml").write_text("".join(f'[[model]]\nname = "{name}"\nfactory = "{factory}"\nshapes = [["f32[2,3]"]]\n'
+                                             for name, factory in factories.items()))
+    env = {"PYTHONPATH": os.pathsep.join((PREWARM_ENV["PYTHONPATH"], str(tmp_path / "pkgs")))}
+    r = run(*Cli(tmp_path / "cache", db_url).base(), "prewarm", "--manifest", str(tmp_path / "m.toml"), env=env)
+    one_error_line(r, 2, "model 'gone': field 'factory' 'no_such_pkg.models:build': cannot import module "
+                         "'no_such_pkg.models': no module named 'no_such_pkg'",
+                   "no module named 'prewarm_models.nope'", "no module named 'sidefx.missing'")
+    assert not (tmp_path / "ran").exists()
+
+
+def test_manifest_shapes_with_empty_dims_are_refused(tmp_path, db_url):
+    (tmp_path / "m.toml").write_text('[[model]]\nname = "a"\nfactory = "prewarm_models:mlp"\nshapes = [["f32[8,,32]"]]\n')
+    r = run(*Cli(tmp_path / "cache", db_url).base(), "prewarm", "--manifest", str(tmp_path / "m.toml"), env=PREWARM_ENV)
+    one_error_line(r, 2, "field 'shapes[0][0]'", "whole numbers between the commas", "'f32[8,,32]'")
+
+
+def test_progress_from_the_start_the_real_cause_of_a_shape_failure_and_human_bundle_lines(tmp_path, db_url):
+    """A line when the worker starts (before torch is up), per model and per shape; a wrong input
+    shape names the mismatch, not torch's wrapper; export and import print lines, not dicts;
+    export into a missing folder is one line, exit 2."""
+    (tmp_path / "m.toml").write_text("""
+[[model]]
+name = "head"
+factory = "prewarm_models:gelu_head"
+compile = { dynamic = false }
+shapes = [["f32[2,8]", 0.5]]
+
+[[model]]
+name = "wrong"
+factory = "prewarm_models:mlp"
+shapes = [["f32[8,3]"]]
+""")
+    cache = tmp_path / "cache"
+    cli = Cli(cache, db_url)
+    p = Running(cli, "--manifest", str(tmp_path / "m.toml"), "--json")
+    try:
+        p.wait_line(r"^prewarm: worker \d+ started on cpu \(2 model\(s\), 2 shape\(s\)\); starting torch$")
+        p.wait_line(r"^prewarm: worker \d+: torch \S+ ready on cpu$")
+        p.wait_line(r"^prewarm: model 'head': 1 shape\(s\) on cpu$")
+        p.wait_line(r"^prewarm: model 'head' shape #0 \(f32\[2,8\], 0.5\) no_grad: compiling$")
+        p.wait_line(r"^prewarm: model 'head' shape #0: ok in \d+\.\d s \(\d+ fxgraph hit\(s\), \d+ miss\(es\)\)$")
+        failed = p.wait_line(r"^prewarm: model 'wrong' shape #0: failed: (.*)$").group(1)
+        assert p.proc.wait(600) == 8
+    finally:
+        _cleanup(None, p)
+    assert failed.startswith("RuntimeError: a and b must have same reduction dim, but got [8, 3] X [16, 32]"), failed
+    assert "RuntimeError when making fake tensor call" in failed  # what torch raised it as, after the cause
+    doc = json.loads(p.proc.stdout.read())
+    assert any("[8, 3] X [16, 32]" in f for f in doc["failures"])
+
+    missing = tmp_path / "nope" / "x.bundle"
+    one_error_line(run(*cli.base(), "export", "--out", str(missing), env=PREWARM_ENV), 2,
+                   f"export --out {missing}: folder {missing.parent} does not exist")
+    out = tmp_path / "cache.bundle"
+    r = run(*cli.base(), "export", "--out", str(out), env=PREWARM_ENV, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.fullmatch(rf"wrote {re.escape(str(out))}: [\d.]+ (B|KiB|MiB), \d+ inductor.*; torch \S+, Triton .*, GPU -\n",
+                        r.stdout), r.stdout
+    r = run(*Cli(tmp_path / "other", db_url).base(), "import", str(out), env=PREWARM_ENV, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.fullmatch(rf"imported {re.escape(str(out))} into {re.escape(str(tmp_path / 'other'))}: \d+ inductor.*\n",
+                        r.stdout) and "{" not in r.stdout, r.stdout
+
+
+def test_prewarm_target_redis_without_a_redis_is_a_usage_error(tmp_path, db_url):
+    (tmp_path / "m.toml").write_text('[[model]]\nname = "a"\nfactory = "prewarm_models:mlp"\nshapes = [["f32[2,16]"]]\n')
+    r = run(*Cli(tmp_path / "cache", db_url).base(), "prewarm", "--manifest", str(tmp_path / "m.toml"),
+            "--target", "redis", env=PREWARM_ENV)
+    one_error_line(r, 2, "prewarm --target redis: no Redis is configured")

@@ -26,7 +26,8 @@ EXPORT_EXIT_CODES = """
     \b
     Exit codes:
         0  the bundle was written                  3  a model named does not exist
-        2  bad command line or manifest file       8  a model failed to replay, or writing failed
+        2  bad command line or manifest file,      8  a model failed to replay, or writing failed
+           or --out in a missing folder
     """
 IMPORT_EXIT_CODES = """
     \b
@@ -58,11 +59,21 @@ def worker_env(app, target: str = "local") -> dict[str, str]:
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.getcwd(), env.get("PYTHONPATH")) if p)
     if target == "redis":
-        if not app.settings.redis_url:
-            raise UsageError("--target redis needs redis_url (--config, CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL)")
-        env.update(TORCHINDUCTOR_REDIS_URL=app.settings.redis_url, TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
-                   TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1")
+        from cachemgr.fleet.remote import configured_url
+
+        env.update(TORCHINDUCTOR_REDIS_URL=configured_url(app.settings.redis_url, what="prewarm --target redis"),
+                   TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1", TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1")
     return env
+
+
+def _search_path(env: dict[str, str]) -> list[str]:
+    """Where the worker will look for factory modules: its PYTHONPATH, then this interpreter's path."""
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [p or os.getcwd() for p in sys.path]
+
+
+def _artifacts(counts: dict | None) -> str:
+    """`{"inductor": 12, "aot_autograd": 3}` as people read it: `12 inductor, 3 aot_autograd`."""
+    return ", ".join(f"{n} {kind}" for kind, n in (counts or {}).items()) or "no artifacts"
 
 
 @click.command()
@@ -110,30 +121,66 @@ def _devices(value: str | None) -> list[str] | None:
 
 
 @contextmanager
-def _progress(enabled: bool):
-    """Per-model progress bars on stderr (a terminal only); yields the event callback."""
-    if not enabled:
-        yield None
+def _progress(tty: bool, label: str = "prewarm"):
+    """Progress on stderr from the first second: a line when a worker starts and when torch is up
+    in it, per model, per shape (compiling, then its result). On a terminal, with per-model bars
+    under the lines. Yields the event callback."""
+    if not tty:
+        def on_line(ev: dict) -> None:
+            line = _progress_line(ev, label)
+            if line:
+                click.echo(line, err=True)
+
+        yield on_line
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True)) as p:
-        tasks: dict[tuple[str, str], int] = {}
+        tasks: dict[str, int] = {}
 
         def on(ev: dict) -> None:
+            line = _progress_line(ev, label)
+            if line:
+                p.console.print(Text(line))  # Text: a signature like '[s0, 32]' is not markup
             if ev["e"] == "model":
-                key = (ev["model"], ev.get("phase", ""))
-                if key not in tasks:
-                    tasks[key] = p.add_task(ev["model"], total=0)
-                p.update(tasks[key], total=(p.tasks[tasks[key]].total or 0) + ev["shapes"])
-            elif ev["e"] == "shape" and not ev.get("lead_in"):
-                key = (ev["model"], "")
-                if key in tasks:
-                    p.advance(tasks[key])
+                if ev["model"] not in tasks:
+                    tasks[ev["model"]] = p.add_task(Text(ev["model"]).plain, total=0)
+                task = tasks[ev["model"]]
+                p.update(task, total=(p.tasks[task].total or 0) + ev["shapes"])
+            elif ev["e"] == "shape" and not ev.get("lead_in") and ev["model"] in tasks:
+                p.advance(tasks[ev["model"]])
 
         yield on
+
+
+def _progress_line(ev: dict, label: str) -> str | None:
+    e = ev["e"]
+    if e == "worker_start":
+        return (f"{label}: worker {ev['pid']} started on {ev['device']} ({ev['models']} model(s), "
+                f"{ev['shapes']} shape(s)); starting torch")
+    if e == "worker_ready":
+        return f"{label}: worker {ev['pid']}: torch {ev['torch']} ready on {ev['device']}"
+    if e == "model":
+        return f"{label}: model {ev['model']!r}: {ev['shapes']} shape(s) on {ev.get('device', '?')}"
+    if e == "shape_start":
+        lead = " (lead-in)" if ev.get("lead_in") else ""
+        return f"{label}: model {ev['model']!r} shape #{ev['index']} {ev['signature']}{lead}: compiling"
+    if e == "shape":
+        c = ev.get("counters") or {}
+        if ev.get("ok"):
+            return (f"{label}: model {ev['model']!r} shape #{ev['index']}: ok in {ev.get('seconds') or 0:.1f} s "
+                    f"({c.get('fxgraph_cache_hit', 0)} fxgraph hit(s), {c.get('fxgraph_cache_miss', 0)} miss(es))")
+        return f"{label}: model {ev['model']!r} shape #{ev['index']}: failed: {ev.get('error')}"
+    if e == "model_error":
+        return f"{label}: {ev['error']}"
+    if e == "import_start":
+        return f"{label}: loading the bundle"
+    if e == "export_start":
+        return f"{label}: writing the bundle"
+    return None
 
 
 def _print_run(result, title: str) -> None:
@@ -175,7 +222,11 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
     Each shape is replayed through torch.compile in a worker process, in the order the workload
     first saw them; the result per shape is the compile time and the cache counters. A model that
     cannot be imported or raises is reported and the others go on. Use it as a container's init
-    step with TORCHINDUCTOR_CACHE_DIR on a volume the workload shares.
+    step with TORCHINDUCTOR_CACHE_DIR on a volume the workload shares. A manifest's factory is code
+    that prewarm imports and runs: trust a manifest as you would the workload itself.
+
+    Factories that are nowhere to import and CUDA devices this host lacks are named before torch
+    starts; progress (a line per worker, model and shape) goes to stderr from the first second.
 
     \b
     Example:
@@ -187,15 +238,22 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
     from cachemgr.prewarm import worker
 
     m = mf.load(manifest_path).select(model)
+    devs = _devices(devices)
+    for d in devs or ():
+        problem = worker.cuda_problem(d)
+        if problem:
+            raise UsageError(f"--devices {d}: {problem}")
+    env = worker_env(app, target)
     if bundle_path:
         from cachemgr.prewarm import bundle
 
         bundle.read(bundle_path, payload=False)  # missing (3) or not a bundle (9): said before torch starts
     plans, errors = worker.plan(m, _recorded(app) if any(x.shapes == "recorded" for x in m.models) else [])
+    # factories that are nowhere to import, CUDA on a host without it: said before torch starts
+    plans, unrunnable = worker.precheck(plans, _search_path(env), devs)
+    errors += unrunnable
     if errors and not plans and not bundle_path:  # nothing to run: a bad manifest (2), said before torch starts
         raise UsageError("; ".join(e for _, e in errors))
-    devs = _devices(devices)
-    env = worker_env(app, target)
     os.makedirs(app.settings.cache_dir, exist_ok=True)
 
     def jobs_for() -> worker.Jobs:
@@ -207,7 +265,8 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
                 by_dev.setdefault(d, []).extend(slices)
         return list(by_dev.items())
 
-    with _progress(sys.stderr.isatty() and not as_json) as on:
+    tty = sys.stderr.isatty()
+    with _progress(tty) as on:
         result = worker.run(jobs_for(), env, timeout=timeout, on_event=on,
                             import_bundle=os.path.abspath(bundle_path) if bundle_path else None)
     results = [result]
@@ -215,7 +274,8 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
     if result.imported is not None and not result.imported.get("ok"):
         failures.insert(0, result.imported["error"])
     if verify and plans:
-        v = worker.run(jobs_for(), env, phase="verify", timeout=timeout)
+        with _progress(tty, "verify") as on:
+            v = worker.run(jobs_for(), env, phase="verify", timeout=timeout, on_event=on)
         results.append(v)
         failures += [f for f in v.failures(verify=True) if f not in failures]
     if as_json:
@@ -230,7 +290,7 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
         if len(results) > 1:
             _print_run(results[1], "verify (fresh workers)")
         if result.imported and result.imported.get("ok"):
-            click.echo(f"imported {bundle_path}: {result.imported.get('artifacts')}")
+            click.echo(f"imported {bundle_path}: {_artifacts(result.imported.get('artifacts'))}")
         n = sum(1 for r in result.shapes if r.ok and not r.lead_in)
         click.echo(f"{n} shape(s) prewarmed in {result.seconds:.1f} s, {len(failures)} problem(s)")
     if failures:
@@ -260,26 +320,41 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
 
     if model and not manifest_path:
         raise UsageError("export --model needs --manifest: which entries a model uses is only known by replaying it")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise UsageError(f"export --out {out}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"export --out {out}: folder {folder} is not writable")
     jobs: worker.Jobs = [("cpu", [])]
     if manifest_path:
         from cachemgr.prewarm import manifest as mf
 
         m = mf.load(manifest_path).select(model)
+    env = worker_env(app)
+    if manifest_path:
+        from cachemgr.prewarm import manifest as mf
+
+        m = mf.load(manifest_path).select(model)
         plans, errors = worker.plan(m, _recorded(app) if any(x.shapes == "recorded" for x in m.models) else [])
+        plans, unrunnable = worker.precheck(plans, _search_path(env))
+        errors += unrunnable
         if errors:
             raise PrewarmError("; ".join(e for _, e in errors))
         dev = plans[0].spec.device if plans else "cpu"
         jobs = worker.distribute(plans, [dev])
-    result = worker.run(jobs, worker_env(app), phase="export",
-                        export={"out": os.path.abspath(out), "cache_dir": app.settings.cache_dir})
+    with _progress(sys.stderr.isatty(), "export") as on:
+        result = worker.run(jobs, env, phase="export", on_event=on,
+                            export={"out": os.path.abspath(out), "cache_dir": app.settings.cache_dir})
     ex = result.exported or {"ok": False, "error": "the export worker reported nothing"}
     failures = result.failures() + ([] if ex.get("ok") else [ex["error"]])
     if as_json:
         emit_json({"exported": ex, "replay": result.as_dict(), "failures": failures})
     elif ex.get("ok"):
+        from cachemgr.units import format_size
+
         h = ex["header"]
-        click.echo(f"wrote {out}: {h['bytes']} bytes, artifacts {h['artifacts']}, torch {h['torch']}, "
-                   f"triton {h['triton'] or '-'}, gpu {','.join(h['gpu_arch'] or []) or '-'}")
+        click.echo(f"wrote {out}: {format_size(h['bytes'])}, {_artifacts(h['artifacts'])}; torch {h['torch']}, "
+                   f"Triton {h['triton'] or '-'}, GPU {','.join(h['gpu_arch'] or []) or '-'}")
     if failures:
         raise PrewarmError("; ".join(failures))
 
@@ -301,12 +376,14 @@ def import_(app, bundle_path: str, as_json: bool) -> None:
 
     bundle.read(bundle_path, payload=False)  # not a bundle / missing: say so before starting torch
     os.makedirs(app.settings.cache_dir, exist_ok=True)
-    result = worker.run([("cpu", [])], worker_env(app), phase="import", import_bundle=os.path.abspath(bundle_path))
+    with _progress(sys.stderr.isatty(), "import") as on:
+        result = worker.run([("cpu", [])], worker_env(app), phase="import", on_event=on,
+                            import_bundle=os.path.abspath(bundle_path))
     imp = result.imported or {"ok": False, "error": "the import worker reported nothing"}
     if as_json:
         emit_json(imp)
     elif imp.get("ok"):
-        click.echo(f"imported {bundle_path} into {app.settings.cache_dir}: {imp['artifacts']}")
+        click.echo(f"imported {bundle_path} into {app.settings.cache_dir}: {_artifacts(imp['artifacts'])}")
     if not imp.get("ok"):
         raise bundle.BundleError(imp["error"])
 

@@ -17,6 +17,7 @@ still load. Only a file that is not TOML at all fails as a whole.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,7 @@ DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float6
           "i32": "int32", "i16": "int16", "i8": "int8", "u8": "uint8", "b8": "bool"}
 DTYPE_NAMES = set(DTYPES.values()) | {"complex64"}
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-SHAPE_RE = re.compile(r"^(?P<dtype>[a-z0-9]+)\[(?P<dims>[0-9, ]*)\](?P<grad>\*?)$")
+SHAPE_RE = re.compile(r"^(?P<dtype>[a-z0-9]+)\[(?P<dims>(?:\d{1,18}(?:,\d{1,18})*)?)\](?P<grad>\*?)$")  # spaces removed first
 MODEL_KEYS = {"name", "factory", "factory_kwargs", "compile", "device", "autocast", "train", "shapes"}
 COMPILE_KEYS = {"mode", "dynamic", "fullgraph", "options", "backend"}
 
@@ -197,6 +198,8 @@ def _arg(a: Any, where: str) -> dict:
     """One argument: 'f32[8,32]' ('*' after: requires_grad), a tensor table, a scalar, a list."""
     if isinstance(a, bool):
         return {"t": "bool", "v": a}
+    if isinstance(a, float) and not math.isfinite(a):
+        return {"t": "float", "v": str(a)}  # nan, inf, -inf: JSON has no such numbers
     if isinstance(a, (int, float)):
         return {"t": type(a).__name__, "v": a}
     if isinstance(a, list):
@@ -204,12 +207,14 @@ def _arg(a: Any, where: str) -> dict:
     if isinstance(a, str):
         m = SHAPE_RE.match(a.replace(" ", ""))
         if not m:
-            raise _FieldError(where, f"tensor spec must look like 'f32[8,32]' or 'bfloat16[4,3,224,224]', got {a!r}")
+            raise _FieldError(where, f"tensor spec must look like 'f32[8,32]' or 'bfloat16[4,3,224,224]' "
+                                     f"(whole numbers between the commas), got {a!r}")
         dims = [int(d) for d in m["dims"].split(",") if d]
         return _tensor(m["dtype"], dims, bool(m["grad"]), where)
     if isinstance(a, dict):
         extra = set(a) - {"shape", "dtype", "requires_grad"}
-        if extra or not isinstance(a.get("shape"), list) or not all(isinstance(d, int) and d >= 0 for d in a["shape"]):
+        if extra or not isinstance(a.get("shape"), list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62 for d in a["shape"]):
             raise _FieldError(where, "a tensor table is {shape = [..ints..], dtype = \"float32\", requires_grad = false}")
         return _tensor(a.get("dtype", "float32"), a["shape"], bool(a.get("requires_grad", False)), where)
     raise _FieldError(where, f"unsupported argument {a!r}")

@@ -6,6 +6,10 @@ device; a job is the models' shapes in their recorded order (automatic dynamic s
 that order: the first shape compiles a static graph, the next a dynamic one, as in the workload).
 The child reports JSON lines on a pipe of its own (the model may print on stdout); the parent
 enforces the per-shape timeout, and a worker that dies or hangs is replaced for the shapes left.
+
+Workers live in process groups of their own (cachemgr.procs): a terminal's Ctrl-C reaches only the
+CLI, which kills every worker group and waits for it before it exits 130; a worker (and the compile
+processes torch starts in its group) also dies with the CLI when that is killed.
 """
 
 from __future__ import annotations
@@ -13,15 +17,16 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from cachemgr import procs
 from cachemgr.prewarm.manifest import Manifest, ModelSpec
 
 COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
@@ -138,6 +143,79 @@ def _recorded_options(rows: list[dict]) -> dict:
     return dict(rows[-1]["options"])  # the latest; rows of one model share them in practice
 
 
+# -- what can be checked before torch starts -----------------------------------------------------
+
+def precheck(plans: list[ModelPlan], search_path: list[str], devices: list[str] | None = None,
+             environ: Mapping[str, str] = os.environ) -> tuple[list[ModelPlan], list[tuple[str, str]]]:
+    """Drop the models that cannot run, naming why, without importing torch or the models: a
+    factory module that is nowhere on the worker's path, or a CUDA device this host lacks (each
+    model's own device; `devices` from --devices are checked by the caller)."""
+    ok, errors = [], []
+    for p in plans:
+        m = p.spec
+        problem = factory_problem(m.factory, search_path)
+        if problem is None and devices is None:
+            dev = cuda_problem(m.device, environ)
+            problem = None if dev is None else f"field 'device' {m.device!r}: {dev}"
+        if problem is None:
+            ok.append(p)
+        else:
+            errors.append((m.name, f"model {m.name!r}: {problem}"))
+    return ok, errors
+
+
+def factory_problem(factory: str, search_path: list[str]) -> str | None:
+    """Why `pkg.module:function`'s module cannot be imported by a worker, or None. Finds it as the
+    import system would, but runs nothing: no package's __init__ is executed."""
+    import importlib.util
+    from importlib.machinery import PathFinder
+
+    mod = factory.partition(":")[0]
+    missing = f"field 'factory' {factory!r}: cannot import module {mod!r}: no module named {{!r}} on the worker's path"
+    parts = mod.split(".")
+    try:
+        spec = PathFinder.find_spec(parts[0], search_path) or importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):
+        spec = None
+    for i in range(1, len(parts) + 1):
+        if spec is None:
+            return missing.format(".".join(parts[:i]))
+        if i == len(parts):
+            return None
+        locations = spec.submodule_search_locations
+        try:
+            spec = PathFinder.find_spec(".".join(parts[: i + 1]), list(locations)) if locations else None
+        except (ImportError, ValueError):
+            spec = None
+    return None
+
+
+NO_CUDA = "this host has no CUDA device"
+
+
+def cuda_problem(device: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why `device` cannot be used on this host, judged without torch (the worker confirms with
+    torch.cuda); None for the CPU and for a CUDA device that may well be there."""
+    if not device.startswith("cuda"):
+        return None
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return f"{NO_CUDA} (CUDA_VISIBLE_DEVICES={visible!r} hides them all)"
+    if not any(os.path.exists(p) for p in ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/dxg")):
+        return f"{NO_CUDA} (no NVIDIA driver: /proc/driver/nvidia/version is missing)"
+    index = int(device.partition(":")[2] or 0)
+    if visible is not None:
+        count: int | None = len([x for x in visible.split(",") if x.strip()])
+    else:
+        try:
+            count = len(os.listdir("/proc/driver/nvidia/gpus"))
+        except OSError:
+            count = None  # cannot tell here: the worker will
+    if count is not None and index >= count:
+        return f"this host has {count} CUDA device(s): cuda:0 to cuda:{count - 1}" if count else NO_CUDA
+    return None
+
+
 @dataclass(frozen=True)
 class Slice:
     model: ModelPlan
@@ -173,15 +251,52 @@ def _slice(p: ModelPlan, idx: list[int]) -> Slice:
 Event = dict[str, Any]
 
 
+class _Workers:
+    """The live worker processes of one run. `stop()` (on Ctrl-C or any error in the caller) kills
+    every worker's process group, and no replacement worker starts after it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.live: set[subprocess.Popen] = set()
+        self.stopped = False
+
+    def add(self, proc: subprocess.Popen) -> bool:
+        with self.lock:
+            if not self.stopped:
+                self.live.add(proc)
+                return True
+        procs.kill_group(proc)  # started just as the run was stopped
+        return False
+
+    def discard(self, proc: subprocess.Popen) -> None:
+        with self.lock:
+            self.live.discard(proc)
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            live = list(self.live)
+        for proc in live:
+            procs.kill_group(proc)
+        for proc in live:
+            proc.wait()
+            procs.wait_group_gone(proc.pid)  # torch's compile workers in the group too
+
+
 def run(jobs: Jobs, env: dict[str, str], *, phase: str = "prewarm", timeout: float | None = None,
         on_event: Callable[[Event], None] | None = None, import_bundle: str | None = None,
         export: dict | None = None) -> RunResult:
-    """Run the jobs' workers concurrently (at least one, on the CPU); return every shape's result."""
+    """Run the jobs' workers concurrently (at least one, on the CPU); return every shape's result.
+
+    Interrupted (KeyboardInterrupt, or any exception in this thread), it kills every worker's
+    process group and waits until nothing of them runs, then re-raises: no compile and no cache
+    write happens after it returns."""
     t0 = time.monotonic()
     results: list[ShapeResult] = []
     model_errors: list[tuple[str, str]] = []
     extra: dict[str, Any] = {}
     lock = threading.Lock()
+    workers = _Workers()
 
     def emit(ev: Event) -> None:
         with lock:
@@ -191,17 +306,23 @@ def run(jobs: Jobs, env: dict[str, str], *, phase: str = "prewarm", timeout: flo
                 model_errors.append((ev["model"], ev["error"]))
             elif ev["e"] in ("imported", "exported"):
                 extra[ev["e"]] = ev
-            if on_event:
+            if on_event and not workers.stopped:
                 on_event(ev)
 
     threads = []
-    for i, (d, slices) in enumerate(jobs or [("cpu", [])]):
-        t = threading.Thread(target=_drive, args=(d, slices, env, phase, timeout, emit,
-                                                  import_bundle if i == 0 else None, export if i == 0 else None))
-        t.start()
-        threads.append(t)
-    for t in threads:
-        t.join()
+    try:
+        for i, (d, slices) in enumerate(jobs or [("cpu", [])]):
+            # daemon threads: an interrupted run never waits at exit for a thread whose worker is dead
+            t = threading.Thread(target=_drive, daemon=True,
+                                 args=(d, slices, env, phase, timeout, emit, workers,
+                                       import_bundle if i == 0 else None, export if i == 0 else None))
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join()
+    except BaseException:
+        workers.stop()
+        raise
     results.sort(key=lambda r: (r.model, r.phase, r.index, r.device, not r.lead_in))
     return RunResult(results, model_errors, extra.get("imported"), extra.get("exported"), time.monotonic() - t0)
 
@@ -214,11 +335,11 @@ def _job_doc(device: str, slices: list[Slice], phase: str, import_bundle: str | 
 
 
 def _drive(device: str, slices: list[Slice], env: dict[str, str], phase: str, timeout: float | None,
-           emit: Callable[[Event], None], import_bundle: str | None, export: dict | None) -> None:
+           emit: Callable[[Event], None], workers: _Workers, import_bundle: str | None, export: dict | None) -> None:
     """One device: run a worker; if it dies or hangs, fail that shape and start another for the rest."""
     remaining = list(slices)
     first = True
-    while remaining or first:
+    while (remaining or first) and not workers.stopped:
         job = _job_doc(device, remaining, phase, import_bundle if first else None, export if first else None)
         first = False
         done: set[tuple[str, int]] = set()
@@ -235,8 +356,8 @@ def _drive(device: str, slices: list[Slice], env: dict[str, str], phase: str, ti
                 done.update((ev["model"], i) for s in remaining if s.model.spec.name == ev["model"] for i in s.indices)
             emit(ev)
 
-        status = _one_worker(job, env, timeout, on)
-        if status is None:
+        status = _one_worker(job, env, timeout, on, workers)
+        if status is None or workers.stopped:
             return
         cur = current[0]
         if cur is None:  # died between shapes, or before the first: blame the next one
@@ -266,13 +387,24 @@ def _rest(s: Slice, done: set[tuple[str, int]]) -> Slice | None:
     return _slice(s.model, idx) if idx else None
 
 
-def _one_worker(job: dict, env: dict[str, str], timeout: float | None, on: Callable[[Event], None]) -> str | None:
+MAX_EVENT = 1 << 20  # bytes of one event line from a worker; more is not ours (a model writing to the fd)
+
+
+def _one_worker(job: dict, env: dict[str, str], timeout: float | None, on: Callable[[Event], None],
+                workers: _Workers) -> str | None:
     """Run one child to the end. None when it finished; else why it did not."""
     r, w = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-m", "cachemgr.prewarm.worker"], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(w,),
-                            env={**env, "CACHEMGR_WORKER_FD": str(w)}, start_new_session=True)
-    os.close(w)
+    try:
+        proc = procs.spawn([sys.executable, "-m", "cachemgr.prewarm.worker"], env={**env, "CACHEMGR_WORKER_FD": str(w)},
+                           stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(w,))
+    finally:
+        os.close(w)
+    if not workers.add(proc):
+        os.close(r)
+        proc.wait()
+        return "stopped"
+    on({"e": "worker_start", "device": job["device"], "pid": proc.pid, "phase": job["phase"],
+        "models": len(job["models"]), "shapes": sum(1 for m in job["models"] for s in m["shapes"] if not s.get("lead_in"))})
     stderr_tail: list[bytes] = []
     t_err = threading.Thread(target=_tail, args=(proc.stderr, stderr_tail), daemon=True)
     t_err.start()
@@ -291,7 +423,7 @@ def _one_worker(job: dict, env: dict[str, str], timeout: float | None, on: Calla
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
                 ready, _, _ = select.select([pipe], [], [], wait)
                 if not ready:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    procs.kill_group(proc)
                     proc.wait()
                     return f"timed out after {timeout:g} s (worker killed)"
                 chunk = pipe.read(65536)
@@ -300,7 +432,11 @@ def _one_worker(job: dict, env: dict[str, str], timeout: float | None, on: Calla
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    ev = json.loads(line)
+                    try:
+                        ev = json.loads(line)
+                        ev["e"]
+                    except (ValueError, TypeError, KeyError, RecursionError):
+                        continue  # not one of our events
                     if ev["e"] == "done":
                         finished = True
                     if ev["e"] in ("shape_start", "import_start", "export_start"):
@@ -308,8 +444,11 @@ def _one_worker(job: dict, env: dict[str, str], timeout: float | None, on: Calla
                     elif ev["e"] in ("shape", "imported", "exported"):
                         deadline = None
                     on(ev)
+                if len(buf) > MAX_EVENT:
+                    buf = b""
     finally:
         code = proc.wait()
+        workers.discard(proc)
         t_err.join(timeout=5)
     if finished and code == 0:
         return None
@@ -319,7 +458,7 @@ def _one_worker(job: dict, env: dict[str, str], timeout: float | None, on: Calla
 
 
 def _tail(stream, out: list[bytes]) -> None:
-    for line in stream:
+    while line := stream.readline(4096):  # bounded: a worker may write anything there
         out.append(line)
         del out[:-20]
 
@@ -356,19 +495,24 @@ class _Out:
 
 
 def child_main() -> None:
+    procs.die_with_parent_from_env()  # the CLI killed (or gone before this line): so are we
     out = _Out(int(os.environ["CACHEMGR_WORKER_FD"]))
     job = json.loads(sys.stdin.read())
     import torch
     from torch._dynamo.utils import counters
 
     device = job["device"]
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))  # kernels build and launch on this GPU
+    out(e="worker_ready", pid=os.getpid(), device=device, phase=job["phase"], torch=torch.__version__)
+    unusable = _device_problem(torch, device)
     if job.get("import_bundle"):
         out(e="import_start")
         out(e="imported", **_import_bundle(job["import_bundle"]))
     replay_models = job["models"]
     for m in replay_models:
+        if unusable:
+            name = m["spec"]["name"]
+            out(e="model_error", model=name, error=f"model {name!r}: device {device!r}: {unusable}")
+            continue
         _replay_model(m, device, job["phase"], out, torch, counters)
     if job.get("export"):
         out(e="export_start")
@@ -376,9 +520,39 @@ def child_main() -> None:
     out(e="done")
 
 
+def _device_problem(torch, device: str) -> str | None:
+    """Confirm with torch what cuda_problem judged without it; select the GPU when it is there."""
+    if not device.startswith("cuda"):
+        return None
+    if not torch.cuda.is_available():
+        return f"{NO_CUDA} (torch {torch.__version__} sees none: torch.cuda.is_available() is False)"
+    index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+    if index >= count:
+        return f"this host has {count} CUDA device(s): cuda:0 to cuda:{count - 1}"
+    torch.cuda.set_device(torch.device(device))  # kernels build and launch on this GPU
+    return None
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:400]}" if text else type(e).__name__
+
+
+def _reason(e: BaseException) -> str:
+    """What went wrong, as the innermost exception of the chain says it: torch.compile wraps the
+    real error (`a and b must have same reduction dim, but got [8, 3] X [16, 32]`) in a generic
+    one (`RuntimeError when making fake tensor call`), keeping it as __cause__ or __context__."""
+    inner, seen = e, {id(e)}
+    while len(seen) < 50:
+        nxt = inner.__cause__ or inner.__context__  # a suppressed context is still where it came from
+        if nxt is None or id(nxt) in seen:
+            break
+        seen.add(id(nxt))
+        inner = nxt
+    if inner is e:
+        return _first_line(e)
+    outer = _first_line(e)
+    return f"{_first_line(inner)} (raised as {outer[:200]})"
 
 
 def _resolve_factory(factory: str):
@@ -414,9 +588,9 @@ def _replay_model(m: dict, device: str, phase: str, out: _Out, torch, counters) 
         compiled = torch.compile(obj, **m["compile"])
     except Exception as e:  # noqa: BLE001 - a model that raises does not stop the others
         out(e="model_error", model=name, error=f"model {name!r}: factory {spec['factory']} or torch.compile "
-                                               f"raised {_first_line(e)}")
+                                               f"raised {_reason(e)}")
         return
-    out(e="model", model=name, shapes=sum(1 for s in m["shapes"] if not s.get("lead_in")))
+    out(e="model", model=name, device=device, phase=phase, shapes=sum(1 for s in m["shapes"] if not s.get("lead_in")))
     for s in m["shapes"]:
         base = {"model": name, "index": s["index"], "signature": s["signature"], "lead_in": bool(s.get("lead_in")),
             "worker": os.getpid()}
@@ -430,7 +604,7 @@ def _replay_model(m: dict, device: str, phase: str, out: _Out, torch, counters) 
             out(e="shape", device=device, phase=phase, ok=True, seconds=round(seconds, 4), counters=delta, **base)
         except Exception as e:  # noqa: BLE001 - one shape failing is that shape's result
             out(e="shape", device=device, phase=phase, ok=False, seconds=round(time.perf_counter() - t0, 4),
-                error=_first_line(e), **base)
+                error=_reason(e), **base)
 
 
 def _call(torch, compiled, spec: dict, device: str, model: dict) -> None:
@@ -470,7 +644,9 @@ def _tensors(torch, obj):
 def _build(torch, s: dict, device: str):
     t = s["t"]
     if t == "tensor":
-        dtype = getattr(torch, s["dtype"])
+        dtype = getattr(torch, s["dtype"], None)
+        if not isinstance(dtype, torch.dtype):  # a name from the index: only a dtype is taken from torch
+            raise TypeError(f"unknown dtype {s['dtype']!r}")
         x = torch.empty_strided(s["shape"], s.get("stride") or _contig(s["shape"]), dtype=dtype, device=device)
         if dtype.is_floating_point or dtype.is_complex:
             x.normal_()
@@ -490,6 +666,8 @@ def _build(torch, s: dict, device: str):
         return None
     if t == "object":
         raise TypeError(f"cannot rebuild an argument of type {s['type']} (give explicit shapes in the manifest)")
+    if t == "float" and isinstance(s["v"], str):  # nan, inf and -inf: JSON has no such numbers
+        return float(s["v"])
     return s["v"]
 
 
@@ -544,22 +722,52 @@ def _export(export: dict, models: list[str], device: str) -> dict:
         return {"ok": False, "error": _first_line(e)}
 
 
+MAX_ENTRY = 1 << 30  # bytes: a bigger file under fxgraph/ or aotautograd/ is no entry torch wrote
+
+
+def _read_regular(path: str, limit: int = MAX_ENTRY) -> bytes | None:
+    """A cache file's bytes, or None for anything that is not a regular file of sane size (a
+    symlink, a FIFO, a device): opened without following links and without blocking."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _record_disk(root: str, manager) -> None:
     manager._ensure_cache_artifacts_registered()  # a process that compiled nothing has not imported them
     for kind, typ in (("fxgraph", "inductor"), ("aotautograd", "aot_autograd")):
         base = os.path.join(root, kind)
+        if os.path.islink(base):  # never read outside the cache
+            continue
         for dirpath, _dirs, files in os.walk(base):
             for f in files:
                 if f.startswith(".") or ".tmp" in f:
                     continue
-                with open(os.path.join(dirpath, f), "rb") as fh:
-                    manager.record_artifact(typ, os.path.basename(dirpath), fh.read())
+                data = _read_regular(os.path.join(dirpath, f))
+                if data is not None:
+                    manager.record_artifact(typ, os.path.basename(dirpath), data)
     for dirpath, _dirs, files in os.walk(root):
         for f in files:
             if f.endswith(".best_config"):
                 p = os.path.join(dirpath, f)
-                with open(p) as fh:
-                    manager.record_artifact("autotune", os.path.relpath(p, root), json.load(fh))
+                data = _read_regular(p, 1 << 20)
+                try:
+                    config = json.loads(data) if data is not None else None
+                except (ValueError, RecursionError):
+                    config = None
+                if isinstance(config, dict):
+                    manager.record_artifact("autotune", os.path.relpath(p, root), config)
 
 
 if __name__ == "__main__":
