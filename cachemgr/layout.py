@@ -113,10 +113,13 @@ def home_dir(key: str, kind: str) -> str:
     return key if kind == Kind.TRITON else key.rpartition("/")[0]
 
 
+KERNEL_SOURCE = ".main.cpp"  # the C++ source torch 2.9+ builds a kernel module from (source + binding)
+READ_KINDS = frozenset({Kind.FXGRAPH, Kind.AOTAUTOGRAD, Kind.AUTOTUNE})  # kinds whose files are read
+
+
 def kernel_sources(code_key: str) -> list[str]:
-    """The files that may hold a code entry's C++ kernel source: the `.main.cpp` torch 2.9+
-    builds from (the source plus its Python binding)."""
-    return [code_key + ".main.cpp"]
+    """The files that may hold a code entry's C++ kernel source."""
+    return [code_key + KERNEL_SOURCE]
 
 
 def is_kernel_dir(key: str) -> bool:
@@ -136,6 +139,12 @@ class DiskEntry:
     mtime: float = 0.0
     atime: float = 0.0
     paths: list[str] = field(default_factory=list)  # keys of its regular files (if kept)
+    has_source: bool = False  # a code entry with a C++ kernel source: reading it names the kernel (alias)
+
+    @property
+    def needs_reading(self) -> bool:
+        """Is there more to learn from its files than their names (scan phase two)?"""
+        return self.kind in READ_KINDS or self.has_source
 
     def add(self, key: str, st: os.stat_result, keep_path: bool = True) -> None:
         self.bytes += st.st_size
@@ -153,12 +162,21 @@ class DiskEntry:
 
 @dataclass(slots=True)
 class DirWalk:
-    """What `walk_dirs` found: the entries of the directories it listed, and every directory's mtime."""
+    """What a walk found: the directories it listed, every directory's mtime, and (for
+    `walk_dirs`) the entries of the listed directories."""
 
     entries: dict[str, DiskEntry]  # entry key -> entry, for entries whose home is in `listed`
     listed: set[str]  # directories read (new or changed since `known`): their entries are all in `entries`
     mtimes: dict[str, int]  # every directory seen -> st_mtime_ns (RACY where it may still change unseen)
     unreadable: list[str] = field(default_factory=list)  # directories that could not be listed
+
+
+@dataclass(slots=True)
+class Listing:
+    """One directory read by `iter_dirs`: the entries whose home it is (complete)."""
+
+    dir: str
+    entries: list[DiskEntry]
 
 
 RACY = -1  # a directory mtime too recent (or a directory unreadable): the next walk reads it again
@@ -174,7 +192,21 @@ def walk(root: str | safefs.Root, subtree: str = "") -> Iterator[DiskEntry]:
 def walk_dirs(
     root: str | safefs.Root, subtree: str = "", known: dict[str, int] | None = None, keep_paths: bool = True
 ) -> DirWalk:
-    """Walk `root` (or `root/subtree`), reading only directories whose mtime differs from `known`.
+    """`iter_dirs`, collected: every entry of every directory read, in one DirWalk."""
+    state = DirWalk({}, set(), {})
+    for listing in iter_dirs(root, subtree, known, keep_paths, state):
+        for e in listing.entries:
+            state.entries[e.key] = e
+    return state
+
+
+def iter_dirs(
+    root: str | safefs.Root, subtree: str = "", known: dict[str, int] | None = None, keep_paths: bool = True,
+    state: DirWalk | None = None,
+) -> Iterator[Listing]:
+    """Walk `root` (or `root/subtree`), reading only directories whose mtime differs from `known`,
+    and yield each directory read with the entries whose home it is. `state` collects every
+    directory's mtime, the directories read and those that could not be.
 
     A directory's mtime moves whenever a name in it is created, removed or renamed, and Inductor
     and Triton only ever write by renaming a finished file into place: so a directory whose mtime
@@ -183,34 +215,35 @@ def walk_dirs(
     descriptor without following symlinks, and its mtime is read from that descriptor before it
     is listed, so a change made while it is listed moves its mtime past the one recorded. Files
     are lstat'ed through the same descriptor; anything but a regular file or a directory is
-    passed over. A Triton kernel directory is one entry: read whole or not at all. A directory
-    that cannot be listed is reported in `unreadable` and recorded as RACY, so it is tried again.
-    With `known` empty every directory is read. Without `keep_paths` the entries' `paths` stay
-    empty (a large scan needs only the totals).
+    passed over. A Triton kernel directory is one entry: yielded once its whole subtree is read,
+    or not at all. A directory that cannot be listed is reported in `unreadable` and recorded as
+    RACY, so it is tried again. Memory holds one directory's names per level, not the tree.
     """
+    state = state if state is not None else DirWalk({}, set(), {})
     if isinstance(root, str):
         try:
             r = safefs.Root(root)
         except OSError as e:  # a root that is gone has no entries; one out of reach is unreadable
-            return DirWalk({}, set(), {}, [] if e.errno in _GONE else [""])
+            if e.errno not in _GONE:
+                state.unreadable.append("")
+            return
         with r:
-            return walk_dirs(r, subtree, known, keep_paths)
+            yield from iter_dirs(r, subtree, known, keep_paths, state)
+        return
     known = known or {}
     children: dict[str, list[str]] = {}
     for d in known:
         if d:
             children.setdefault(d.rpartition("/")[0], []).append(d)
-    out = DirWalk({}, set(), {})
     sub = subtree.strip("/")
     try:
         fd = os.open(".", safefs.O_DIR, dir_fd=root.dir_fd(fs_path(sub))) if sub else os.dup(root.fd)
     except OSError as e:
         if e.errno not in _GONE:
-            out.unreadable.append(sub)
-            out.mtimes[sub] = RACY
-        return out
-    _Walker(out, children, known, keep_paths).visit(fd, sub, None)
-    return out
+            state.unreadable.append(sub)
+            state.mtimes[sub] = RACY
+        return
+    yield from _Walker(state, children, known, keep_paths).visit(fd, sub, None)
 
 
 class _Walker:
@@ -218,7 +251,7 @@ class _Walker:
         self.out, self.children, self.known, self.keep_paths = out, children, known, keep_paths
         self.racy_after = time.time_ns() - RACY_NS
 
-    def visit(self, fd: int, rel: str, kernel: DiskEntry | None) -> None:
+    def visit(self, fd: int, rel: str, kernel: DiskEntry | None) -> Iterator[Listing]:
         """Read directory `rel` (open as `fd`, which this closes) and what is below it."""
         out = self.out
         try:
@@ -227,24 +260,27 @@ class _Walker:
                 out.mtimes[rel] = m if m < self.racy_after else RACY
                 if self.known.get(rel) == m:
                     for child in self.children.get(rel, ()):
-                        self._descend(fd, child, child.rpartition("/")[2], None)
+                        yield from self._descend(fd, child, child.rpartition("/")[2], None)
                     return
                 out.listed.add(rel)
                 if is_kernel_dir(rel):
-                    kernel = out.entries.get(rel) or DiskEntry(Kind.TRITON, rel, rel.rpartition("/")[2])
-            subdirs = self._list(fd, rel, kernel)
+                    kernel = DiskEntry(Kind.TRITON, rel, rel.rpartition("/")[2])
+            entries: dict[str, DiskEntry] = {}
+            subdirs = self._list(fd, rel, kernel, entries)
             if subdirs is None:  # unreadable: the next walk tries again
                 out.unreadable.append(rel)
                 out.mtimes[rel] = RACY
                 return
-            if kernel is not None and rel == kernel.key:
-                out.entries[rel] = kernel  # only once its listing is whole
+            if kernel is None:  # (an empty listing too: the entries it had are gone)
+                yield Listing(rel, list(entries.values()))
             for key, name in subdirs:
-                self._descend(fd, key, name, kernel)
+                yield from self._descend(fd, key, name, kernel)
+            if kernel is not None and rel == kernel.key:
+                yield Listing(rel, [kernel])  # only once its whole subtree is read
         finally:
             os.close(fd)
 
-    def _descend(self, parent_fd: int, key: str, name: str, kernel: DiskEntry | None) -> None:
+    def _descend(self, parent_fd: int, key: str, name: str, kernel: DiskEntry | None) -> Iterator[Listing]:
         if key.count("/") >= safefs.MAX_DEPTH:
             self.out.unreadable.append(key)
             return
@@ -255,12 +291,14 @@ class _Walker:
                 self.out.unreadable.append(key)
                 self.out.mtimes[key] = RACY
             return
-        self.visit(fd, key, kernel)
+        yield from self.visit(fd, key, kernel)
 
-    def _list(self, fd: int, rel: str, kernel: DiskEntry | None) -> list[tuple[str, str]] | None:
-        """Add the regular files of directory `rel` to their entries; return its subdirectories
-        as (key, key name) pairs, or None when it cannot be listed."""
-        entries, keep = self.out.entries, self.keep_paths
+    def _list(self, fd: int, rel: str, kernel: DiskEntry | None,
+              entries: dict[str, DiskEntry]) -> list[tuple[str, str]] | None:
+        """Add the regular files of directory `rel` to their entries (the kernel's, or those in
+        `entries`); return its subdirectories as (key, key name) pairs, or None when it cannot be
+        listed."""
+        keep = self.keep_paths
         prefix = rel + "/" if rel else ""
         subdirs = []
         try:
@@ -292,6 +330,8 @@ class _Walker:
                         e = entries.get(c.key)
                         if e is None:
                             e = entries[c.key] = DiskEntry(c.kind, c.key, c.ref)
+                        if c.kind == Kind.CODE and name.endswith(KERNEL_SOURCE):
+                            e.has_source = True
                     e.add(prefix + name, st, keep)
             except OSError:
                 return None

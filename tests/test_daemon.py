@@ -220,8 +220,10 @@ def test_new_entry_visible_within_2s(tmp_path, start, cli_for, cpu_cache_master)
     wait_until(lambda: str(rel) in index_keys(cli), timeout=30, step=0.02)
     lag = time.monotonic() - t0
     assert lag < 2.0, f"entry visible after {lag:.2f} s"
+    # listed first (scan phase one), then read: parsed, not just listed
+    wait_until(lambda: cli.json("show", str(rel))["graph_key"] == rel.parts[2], timeout=30)
     row = cli.json("show", str(rel))
-    assert row["graph_key"] == rel.parts[2] and row["signature"]  # parsed, not just listed
+    assert row["signature"]
     assert row["hit_count"] == 0  # our own read of it (parsing) is not a hit
     with open(cache / rel, "rb") as f:  # a reader, as torch on a hit
         f.read()

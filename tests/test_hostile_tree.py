@@ -454,8 +454,9 @@ def small_disk(tmp_path):
 
 
 def fill(path: Path) -> None:
-    """Write 4 KiB blocks until the file system has none left."""
-    with open(path / "filler", "wb") as f:
+    """Write 4 KiB blocks, then small files and folders, until the file system has none left,
+    even after the kernel has flushed what it held back (delayed allocation frees reservations)."""
+    with open(path / "filler", "ab") as f:
         try:
             while True:
                 f.write(b"\0" * 4096)
@@ -463,13 +464,21 @@ def fill(path: Path) -> None:
         except OSError:
             pass
     i = 0
-    while True:  # the last blocks and inodes: small files and folders until nothing fits
+    for _ in range(20):
+        os.sync()
         try:
-            (path / f"pad{i}").mkdir()
-            (path / f"pad{i}" / "x").write_bytes(b"\0" * 4096)
+            os.mkdir(path / "probe")
         except OSError:
-            break
-        i += 1
+            return
+        os.rmdir(path / "probe")
+        while True:  # the last blocks and inodes
+            i += 1
+            try:
+                (path / f"pad{i}").mkdir()
+                (path / f"pad{i}" / "x").write_bytes(b"\0" * 4096)
+            except OSError:
+                break
+    raise AssertionError("could not fill the file system")
 
 
 @pytest.mark.parametrize("index_on_disk", [False, True])
@@ -479,6 +488,7 @@ def test_eviction_frees_a_full_disk(gpu_cache_master, small_disk, tmp_path, cli_
     cache = small_disk / "cache"
     shutil.copytree(gpu_cache_master, cache, symlinks=True)
     age(cache)
+    (small_disk / "state").mkdir()
     db = f"sqlite:///{small_disk / 'state' / 'index.db'}" if index_on_disk else f"sqlite:///{tmp_path / 'idx.db'}"
     cli = cli_for(cache, db=db)
     assert run(cli, "scan").returncode == 0

@@ -181,18 +181,17 @@ def test_a_scan_racing_another_writer_reads_again_instead_of_failing(gpu_cache, 
 
     db, other = Database(db_url), Database(db_url)
     cid = db.cache_id("testhost", str(gpu_cache))
-    real_prepare, raced = scan.prepare, []
+    real_sync, raced = scan.sync, []
 
-    def prepare_then_lose_the_race(*args, **kw):
-        prepared = real_prepare(*args, **kw)
+    def lose_the_race_then_sync(*args, **kw):
         if not raced:
-            raced.append(None)  # (the other writer's own prepare must not race again)
+            raced.append(None)  # (the other writer's own sync must not race again)
             raced[0] = scan.reconcile(other, cid, str(gpu_cache))  # it commits first
-        return prepared
+        return real_sync(*args, **kw)
 
-    monkeypatch.setattr(scan, "prepare", prepare_then_lose_the_race)
+    monkeypatch.setattr(scan, "sync", lose_the_race_then_sync)
     r = scan.reconcile(db, cid, str(gpu_cache))
-    assert len(raced[0].added) == 262 and not r.added and r.unchanged == 262
+    assert raced[0].added == 262 and not r.added and r.unchanged == 262
     with db.engine.connect() as conn:
         n, total = conn.execute(sa_text("SELECT COUNT(*), SUM(bytes) FROM entries WHERE cache_id = :c"), {"c": cid}).one()
     assert (n, total) == (262, find_bytes(gpu_cache))
@@ -206,17 +205,16 @@ def test_a_daemon_batch_racing_a_scan_reads_again_instead_of_failing(gpu_cache, 
     db, other = Database(db_url), Database(db_url)
     cid = db.cache_id("testhost", str(gpu_cache))
     paths = [p.relative_to(gpu_cache).as_posix() for p in gpu_cache.glob("fxgraph/*/*/*")]
-    real_prepare, raced = live.prepare, []
+    real_sync, raced = live.sync, []
 
-    def prepare_then_lose_the_race(*args, **kw):
-        prepared = real_prepare(*args, **kw)
+    def lose_the_race_then_sync(*args, **kw):
         if not raced:
             raced.append(scan.reconcile(other, cid, str(gpu_cache)))  # a CLI scan commits first
-        return prepared
+        return real_sync(*args, **kw)
 
-    monkeypatch.setattr(live, "prepare", prepare_then_lose_the_race)
+    monkeypatch.setattr(live, "sync", lose_the_race_then_sync)
     r = live.apply_batch(db, cid, str(gpu_cache), paths=paths)
-    assert len(paths) == 6 and set(paths) <= set(raced[0].added) and r.added == [] and r.removed == []
+    assert len(paths) == 6 and raced[0].added == 262 and r.added == [] and r.removed == []
 
 
 def test_an_unreadable_directory_keeps_its_entries_and_is_reported(gpu_cache, cli_for):

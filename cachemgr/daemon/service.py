@@ -348,9 +348,9 @@ class Daemon:
             from cachemgr.index.scan import reconcile
 
             # full: every file stat'ed, since anything may have happened while no daemon watched
-            r = reconcile(self.db, self.cache_id, s.cache_dir, full=True)
-            log.info("full scan: %d added, %d changed, %d removed, %d unchanged (%.2f s)", len(r.added),
-                     len(r.changed), len(r.removed), r.unchanged, r.seconds)
+            r = reconcile(self.db, self.cache_id, s.cache_dir, full=True, parse_now=False)  # phase one: READY after it
+            log.info("full scan: %d added, %d changed, %d removed, %d unchanged (%.2f s)", r.added,
+                     r.changed, r.removed, r.unchanged, r.seconds)
             if self.metrics is not None:
                 self.metrics.scanned(r.seconds)
                 self.metrics.watch(self.db, self.cache_id)  # a backlog found at start is no activity
@@ -358,6 +358,8 @@ class Daemon:
             w = Watcher(self.db, self.cache_id, s.cache_dir, s.debounce, s.max_wait,
                         on_batch=self._after_batch, on_root_lost=self._on_root_lost, on_overflow=self._on_overflow)
             w.start()
+            if r.pending:
+                w.request_parse()  # phase two in the background, between batches of file events
             self.watcher = w
         except CacheDirError as e:
             self._problem(f"{e}; waiting for it (checked every second)")
@@ -433,7 +435,7 @@ class Daemon:
             log.error("rescan failed: %s", e)
             return
         log.info("rescan (directories whose mtime moved): %d added, %d changed, %d removed, %d unchanged (%.2f s)",
-                 len(r.added), len(r.changed), len(r.removed), r.unchanged, r.seconds)
+                 r.added, r.changed, r.removed, r.unchanged, r.seconds)
         if self.metrics is not None:
             self.metrics.scanned(r.seconds)
         w.check_watches()

@@ -31,6 +31,7 @@ from cachemgr.daemon.reads import ReadWatcher
 from cachemgr.errors import CacheDirError, CachemgrError
 from cachemgr.index import live, scan
 from cachemgr.index.db import Database
+from cachemgr.index.workers import Pool, default_workers
 
 log = logging.getLogger("cachemgr.watcher")
 
@@ -44,8 +45,10 @@ EVENT_FILTER = [
 BURST = 20000
 BATCH = 1000  # paths that close a batch early: under a steady stream, entries appear in smaller steps
 SYSCTL = "fs.inotify.max_user_watches"
+PARSE_STEP = 500  # pending entries read between two batches of file events
+IDLE = 60.0  # seconds without work after which the parse workers are let go
 
-Item = tuple  # ('p'|'d'|'r', relpath) | ('scan', subtree, Future) | ('stop',)
+Item = tuple  # ("p"|"d"|"r", relpath) | ("scan", subtree, Future) | ("parse",) | ("stop",)
 
 
 class Handler(ev.FileSystemEventHandler):
@@ -85,6 +88,9 @@ class Watcher:
         self.q: queue.SimpleQueue[Item] = queue.SimpleQueue()
         self.observer = None
         self.consumer: threading.Thread | None = None
+        self.pool = Pool(min(2, default_workers()))  # parse workers: started on the first entry to read
+        self._parse_queued = False
+        self.parsed = threading.Event()  # set once no entry is pending
         self._own: dict[str, list] = {}  # path -> [reads of ours not yet seen as events, when]
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -122,6 +128,7 @@ class Watcher:
             self.observer.join(timeout)
         if self.consumer is not None:
             self.consumer.join(timeout)
+        self.pool.close()
         while True:  # a rescan asked for but never run: its caller must not wait forever
             try:
                 item = self.q.get_nowait()
@@ -148,12 +155,22 @@ class Watcher:
     def _consume(self) -> None:
         pending: Item | None = None
         while True:
-            item = pending or self.q.get()  # blocks while idle: no polling, no CPU
+            if pending is None:
+                try:
+                    item = self.q.get(timeout=IDLE)  # blocks while idle: no polling, no CPU
+                except queue.Empty:
+                    self.pool.close()  # idle: the parse workers go (started again on the next entry)
+                    continue
+            else:
+                item = pending
             pending = None
             if item[0] == "stop":
                 return
             if item[0] == "scan":
                 self._scan(item[1], item[2])
+                continue
+            if item[0] == "parse":
+                self._parse_step()
                 continue
             paths, dirs, reads = set(), set(), []
             first = last = time.monotonic()
@@ -166,7 +183,7 @@ class Watcher:
                     item = self.q.get(timeout=wait) if wait > 0 else self.q.get_nowait()
                 except queue.Empty:
                     break
-                if item[0] in ("stop", "scan"):
+                if item[0] in ("stop", "scan", "parse"):
                     pending = item  # apply what we hold first
                     break
                 last = time.monotonic()
@@ -195,7 +212,7 @@ class Watcher:
             if not (paths or dirs or reads):
                 return
             self._watch_reads(paths)  # before parsing: our own read of a new entry is then seen, and discounted
-            r = live.apply_batch(self.db, self.cache_id, self.root, paths, dirs, reads)
+            r = live.apply_batch(self.db, self.cache_id, self.root, paths, dirs, reads, self.pool, self._reading)
         except CacheDirError:
             self.on_root_lost()  # the daemon's supervisor says so, once
             return
@@ -205,7 +222,6 @@ class Watcher:
         except Exception as e:  # noqa: BLE001 - the consumer must outlive one bad batch
             log.exception("applying a batch failed: %s: %s", type(e).__name__, e)
             return
-        self._mark_own(live.own_reads(self.root, r.added + r.changed))
         if r.added or r.changed or r.removed or r.hits:
             log.debug("batch: %d added, %d changed, %d removed, %d hits (%.3f s)", len(r.added), len(r.changed),
                       len(r.removed), sum(r.hits.values()), r.seconds)
@@ -213,9 +229,39 @@ class Watcher:
             log.warning("corrupt entry %s: %s", key, reason)
         self.on_batch(r)
 
+    def request_parse(self) -> None:
+        """Read the entries a scan left pending, a step at a time between batches."""
+        if not self._parse_queued:
+            self._parse_queued = True
+            self.q.put(("parse",))
+
+    def _parse_step(self) -> None:
+        self._parse_queued = False
+        try:
+            p = scan.parse_pending(self.db, self.cache_id, self.root, limit=PARSE_STEP, pool=self.pool,
+                                   reading=self._reading)
+        except CachemgrError as e:
+            log.error("parsing pending entries failed: %s (tried again at the next scan)", e)
+            return
+        except Exception as e:  # noqa: BLE001 - the consumer must outlive it
+            log.exception("parsing pending entries failed: %s: %s", type(e).__name__, e)
+            return
+        for key, reason in p.corrupt:
+            log.warning("corrupt entry %s: %s", key, reason)
+        if p.parsed:
+            log.debug("parsed %d pending entries (%d known by content)", p.parsed, p.from_content)
+        if p.parsed >= PARSE_STEP:
+            self.request_parse()  # more: after the batches queued meanwhile
+        else:
+            self.parsed.set()
+        self.on_batch(p)
+
+    def _reading(self, entries: list[tuple[str, str]]) -> None:
+        self._mark_own(live.own_reads(entries))
+
     def _scan(self, subtree: str, future: Future | None) -> None:
         try:
-            r = scan.reconcile(self.db, self.cache_id, self.root, subtree=subtree)
+            r = scan.reconcile(self.db, self.cache_id, self.root, subtree=subtree, parse_now=False)
         except BaseException as e:  # noqa: BLE001 - handed to whoever asked
             if isinstance(e, CacheDirError):
                 self.on_root_lost()
@@ -226,8 +272,9 @@ class Watcher:
             return
         for d in r.unreadable:
             log.warning("cannot read %s/ under %s: its entries are kept as last indexed", d, self.root)
-        self._mark_own(live.own_reads(self.root, r.added + r.changed))  # before watching new dirs
-        self._watch_reads(r.added)
+        self._watch_reads(r.new_keys)
+        if r.pending:
+            self.request_parse()
         if future is not None:
             future.set_result(r)
         self.on_batch(r)

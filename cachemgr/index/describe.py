@@ -86,6 +86,7 @@ class Describer:
                 signature_hash=p.signature_hash, options_hash=p.options_hash, guards=p.guards,
                 device_types=p.device_types, compile_seconds=p.compile_seconds, torch_version=p.torch_version,
                 torch_version_hash=p.torch_version_hash, system_hash=p.system_hash, corrupt=p.corrupt,
+                unrecorded=", ".join(p.missing) or None,
             )
             for part, (digest, items) in parse.part_digests(p.components).items():
                 parts[part] = (digest, None if digest in self.sent else items)

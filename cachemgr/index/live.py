@@ -2,8 +2,8 @@
 
 The watcher hands over one debounced batch: paths that were written, created, moved or deleted,
 directories that appeared or went away, and the files that were opened for reading (in order).
-Only the entries those touch are re-stat'ed and reconciled (`scan.prepare` / `scan.write`, the
-same code as a full scan), and the reads become hits, all in one transaction.
+Only the entries those touch are re-stat'ed and reconciled (`scan.sync`, then `scan.parse_pending`
+for the new and changed ones: the same code as a full scan), and the reads become hits.
 
 Hits: Inductor's fxgraph and AOTAutograd caches keep several entries under one key (one per
 guard set) and a lookup reads them in order until one's guards pass, so within one key
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy import bindparam, insert, select, update
@@ -23,10 +23,13 @@ from sqlalchemy import bindparam, insert, select, update
 from cachemgr import layout, safefs
 from cachemgr.index.db import Database
 from cachemgr.index.scan import (
-    ENTRIES, EVENTS, KNOWN_COLUMNS, _chunks, at_or_below, check_root, once_more_on_race, prepare, write,
+    ENTRIES, EVENTS, KNOWN_COLUMNS, ParseResult, _chunks, at_or_below, check_root, once_more_on_race, parse_pending,
+    sync,
 )
+from cachemgr.index.workers import Pool
+from cachemgr.vocab import Kind
 
-GUARDED = ("fxgraph", "aotautograd")  # kinds whose lookups try candidates in order
+GUARDED = (Kind.FXGRAPH, Kind.AOTAUTOGRAD)  # kinds whose lookups try candidates in order
 
 
 @dataclass(frozen=True)
@@ -40,31 +43,32 @@ class LiveResult:
     seconds: float = 0.0
 
 
-def own_reads(root: str, keys: Iterable[str]) -> list[str]:
-    """The files `scan.describe` reads for these entry keys: reads of ours, not hits."""
+def own_reads(entries: Iterable[tuple[str, str]]) -> list[str]:
+    """The files `describe` reads for these (key, kind) entries: reads of ours, not hits."""
     out = []
-    for k in keys:
-        c = layout.classify(k)
-        if c is not None and c.kind in ("fxgraph", "aotautograd", "autotune"):
-            out.append(k)
-        elif c is not None and c.kind == "other" and os.path.exists(os.path.join(root, k + ".main.cpp")):
-            out.append(k + ".main.cpp")  # a code entry's key has no suffix; its C++ source is read
+    for key, kind in entries:
+        if kind in (Kind.FXGRAPH, Kind.AOTAUTOGRAD, Kind.AUTOTUNE):
+            out.append(layout.fs_path(key))
+        elif kind == Kind.CODE:
+            out.extend(layout.fs_path(k) for k in layout.kernel_sources(key))
     return out
 
 
 def apply_batch(db: Database, cache_id: int, root: str, paths: Iterable[str] = (), dirs: Iterable[str] = (),
-                reads: Sequence[str] = ()) -> LiveResult:
-    """Reconcile the entries under `paths` (files) and `dirs` (whole subtrees), then count `reads`.
+                reads: Sequence[str] = (), pool: Pool | None = None,
+                reading: Callable[[list[tuple[str, str]]], None] | None = None) -> LiveResult:
+    """Reconcile the entries under `paths` (files) and `dirs` (whole subtrees), read the new and
+    changed ones, then count `reads`.
 
     All paths are relative to `root`, '/'-separated. Transient paths are ignored. If another
     writer (a `cachemgr scan`) indexed some of the same new entries first, the write fails on a
     unique key, rolls back, and the batch is read again once.
     """
-    return once_more_on_race(_apply_batch, db, cache_id, root, list(paths), list(dirs), reads)
+    return once_more_on_race(_apply_batch, db, cache_id, root, list(paths), list(dirs), reads, pool, reading)
 
 
 def _apply_batch(db: Database, cache_id: int, root: str, paths: list[str], dirs: list[str],
-                 reads: Sequence[str]) -> LiveResult:
+                 reads: Sequence[str], pool: Pool | None, reading) -> LiveResult:  # noqa: ANN001
     t0 = time.monotonic()
     check_root(root)
     classified = {c.key: c for c in map(layout.classify, {layout.key_of(p) for p in paths}) if c is not None}
@@ -74,10 +78,9 @@ def _apply_batch(db: Database, cache_id: int, root: str, paths: list[str], dirs:
         for sub in subtrees:
             if sub not in classified:  # a kernel directory whose files were listed is stat'ed already
                 disk.update((d.key, d) for d in layout.walk(r, sub))
-
     # A directory that is itself an entry (a Triton kernel) needs an exact lookup; others a prefix.
-    exact = {sub for sub in subtrees if (c := layout.classify(sub + "/x")) is not None and c.key == sub}
-    with db.engine.connect() as conn:
+    exact = {sub for sub in subtrees if layout.is_kernel_dir(sub)}
+    with db.engine.connect() as conn:  # read outside the write (see scan._sync_dirs)
         keys = list(set(classified) | set(disk) | exact)
         known = {}
         for chunk in _chunks(keys):
@@ -86,18 +89,16 @@ def _apply_batch(db: Database, cache_id: int, root: str, paths: list[str], dirs:
         for sub in (s for s in subtrees if s not in exact):
             known.update((r.key, r) for r in conn.execute(select(*KNOWN_COLUMNS).where(
                 ENTRIES.c.cache_id == cache_id, at_or_below(conn, ENTRIES.c.key, sub))))
-        prepared = prepare(conn, cache_id, root, disk, known)
-    hits = _hits(reads, new_dirs={k.rsplit("/", 1)[0] for k in prepared.added})
-    now = time.time()
     with db.engine.begin() as conn:
-        corrupt = write(conn, cache_id, prepared)
-        applied = _write_hits(conn, cache_id, hits, now)
-    new_events = [
-        {"key": k, "graph_key": prepared.described[k].row.get("graph_key"),
-         "seconds": prepared.described[k].row.get("compile_seconds")}
-        for k in prepared.added if prepared.disk[k].kind == "fxgraph" and not prepared.described[k].row.get("corrupt")
-    ]
-    return LiveResult(prepared.added, prepared.changed, prepared.removed, applied, corrupt, new_events,
+        diff = sync(conn, cache_id, disk, known, time.time())
+    parsed = (parse_pending(db, cache_id, root, keys=diff.to_read, pool=pool, reading=reading) if diff.to_read
+              else ParseResult())
+    hits = _hits(reads, new_dirs={k.rsplit("/", 1)[0] for k in diff.added})
+    with db.engine.begin() as conn:
+        applied = _write_hits(conn, cache_id, hits, time.time())
+    new_events = [{"key": e["entry_key"], "graph_key": e["graph_key"], "seconds": e["seconds"]}
+                  for e in parsed.new_events]
+    return LiveResult(diff.added, diff.changed, diff.removed, applied, parsed.corrupt, new_events,
                       time.monotonic() - t0)
 
 

@@ -4,26 +4,36 @@ an unchanged tree (`queries.rescan_fast`) can answer without it."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cachemgr.errors import CacheDirError
 
 
 @dataclass(frozen=True)
 class ScanResult:
+    """What a scan did, as counts (a first scan of a million files lists no million keys)."""
+
     root: str
-    added: list[str] = field(default_factory=list)
-    changed: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)
+    added: int = 0
+    changed: int = 0
+    removed: int = 0
     unchanged: int = 0
-    corrupt: list[tuple[str, str]] = field(default_factory=list)  # (key, reason) of new/changed
+    corrupt: list[tuple[str, str]] = field(default_factory=list)  # (key, reason) of entries parsed now (capped)
     seconds: float = 0.0
     unreadable: list[str] = field(default_factory=list)  # directories not listed: their entries kept as they were
+    pending: int = 0  # entries indexed from their names, not read yet (scan phase two)
+    parsed: int = 0  # entries read in this scan (phase two)
+    new_keys: list[str] = field(default_factory=list)  # graph and AOT entries added or changed (capped)
+
+    def with_parsed(self, p) -> ScanResult:  # noqa: ANN001 - scan.ParseResult
+        """This result after phase two read `p.parsed` pending entries."""
+        return replace(self, corrupt=p.corrupt, parsed=p.parsed, pending=max(0, self.pending - p.parsed),
+                       seconds=self.seconds + p.seconds)
 
     def as_dict(self) -> dict:
         return {
-            "root": self.root, "added": len(self.added), "changed": len(self.changed),
-            "removed": len(self.removed), "unchanged": self.unchanged,
+            "root": self.root, "added": self.added, "changed": self.changed, "removed": self.removed,
+            "unchanged": self.unchanged, "parsed": self.parsed, "pending": self.pending,
             "corrupt": [{"key": k, "reason": r} for k, r in self.corrupt], "unreadable": self.unreadable,
             "seconds": round(self.seconds, 3),
         }

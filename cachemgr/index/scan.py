@@ -1,57 +1,76 @@
-"""Reconcile the index with the directory: new, changed and removed entries.
+"""Reconcile the index with the directory, in two phases.
 
-The bulk path is SQLAlchemy Core over the ORM's tables (executemany), not ORM objects. A rescan
-reads only the directories whose mtime moved since they were last read (the `dirs` table), so an
-unchanged tree costs one stat per directory; `full` stats every file. Files are never read
-except those of new and changed entries.
+Phase one (`index_names`): walk the tree (only directories whose mtime moved since the last scan,
+or every one with `full`) and, a batch of directories at a time, bring their index rows in line
+with what lstat says: new entries inserted, changed ones updated, gone ones deleted. No file is
+read, so after phase one every file is counted and the index is usable; entries whose files say
+more than their names (graph pickles, autotune results, C++ kernel sources) are left *pending*.
+Memory stays flat: one batch of directories is held at a time, never the tree.
+
+Phase two (`parse_pending`): read the pending entries. A parse result is kept by the entry
+file's content name and size (`parsed_content`: torch names fxgraph and AOTAutograd files by the
+hash of their bytes), so an entry seen before, here or on any host of a fleet index, is not read
+again; the rest go through the parse workers (cachemgr.index.workers). Fields, references and
+hash components are written, and a 'new' event for each newly compiled graph.
+
+The bulk path is SQLAlchemy Core over the ORM's tables (executemany), not ORM objects. If another
+process (a second scan, the daemon) indexes some of the same entries between a batch's read and
+its write, the write fails on a unique key, rolls back, and that batch runs once more.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import TypeVar
 
-from sqlalchemy import bindparam, delete, func, insert, or_, select, update
+from sqlalchemy import bindparam, delete, func, insert, or_, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 
 from cachemgr import layout, parse
 from cachemgr.index.db import Database
 from cachemgr.index.describe import Described, Parts, describe_all
 from cachemgr.index.models import (
-    Cache, ComponentSet, ComponentSetItem, Dir, Entry, EntryComponentSet, EntryRef, Event,
+    PARSED, PENDING, PENDING_NEW, Cache, ComponentSet, ComponentSetItem, Dir, Entry, EntryComponentSet, EntryRef,
+    Event, ParsedContent,
 )
 from cachemgr.index.result import ScanResult, check_root
+from cachemgr.index.workers import Pool
+from cachemgr.vocab import PICKLED, Kind
+from cachemgr.vocab import Event as Ev
 
 ENTRIES, REFS, EVENTS, DIRS = Entry.__table__, EntryRef.__table__, Event.__table__, Dir.__table__
 SETS, SET_ITEMS, ENTRY_SETS = ComponentSet.__table__, ComponentSetItem.__table__, EntryComponentSet.__table__
+CONTENT, CACHES = ParsedContent.__table__, Cache.__table__
 CHUNK = 500  # rows per IN (...) list: well under SQLite's and PostgreSQL's parameter limits
-BULK = 2000  # entry rows per executemany
+BULK = 2000  # entries per phase-one batch (and per executemany)
+PARSE_CHUNK = 500  # pending entries read per phase-two transaction
+MAX_REPORTED = 1000  # corrupt entries and new keys a result lists (the counts are whole)
 
 T = TypeVar("T")
 Progress = Callable[[int, int], None]  # (done, total) while parsing entries
 
-
-_PARSED_COLUMNS = (
+PARSED_COLUMNS = (
     "graph_key", "signature", "signature_hash", "options_hash", "guards", "device_types", "compile_seconds",
-    "torch_version", "torch_version_hash", "system_hash", "corrupt",
+    "torch_version", "torch_version_hash", "system_hash", "corrupt", "unrecorded",
 )
+KNOWN_COLUMNS = (ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.kind, ENTRIES.c.bytes, ENTRIES.c.files, ENTRIES.c.mtime,
+                 ENTRIES.c.last_access)
 
 
 def reconcile(
     db: Database, cache_id: int, root: str, subtree: str = "", progress: Progress | None = None,
-    full: bool = False,
+    full: bool = False, parse_now: bool = True, pool: Pool | None = None,
 ) -> ScanResult:
-    """Bring the index rows of `root` (or of one subtree) in line with the disk, in one transaction.
-
-    Only directories whose mtime moved since the last scan are read (`layout.walk_dirs`); `full`
-    reads every directory and stats every file, for file systems whose directory mtimes cannot be
-    trusted, or to pick up files rewritten in place. If another process (a second scan, the
-    daemon) indexes some of the same entries between our read and our write, the write fails on
-    a unique key, rolls back, and the scan runs once more against what is there now.
-    """
-    return once_more_on_race(_reconcile, db, cache_id, root, subtree, progress, full)
+    """Both phases: the index of `root` (or of one subtree) in line with the disk, then every
+    pending entry read. With `parse_now` False only phase one runs (the daemon parses after it
+    says READY)."""
+    r = index_names(db, cache_id, root, subtree, full)
+    if not parse_now:
+        return r
+    p = parse_pending(db, cache_id, root, progress, pool)
+    return r.with_parsed(p)
 
 
 def once_more_on_race(write_step: Callable[..., T], *args) -> T:
@@ -64,8 +83,35 @@ def once_more_on_race(write_step: Callable[..., T], *args) -> T:
         return write_step(*args)
 
 
-def _reconcile(db: Database, cache_id: int, root: str, subtree: str, progress: Progress | None,
-               full: bool) -> ScanResult:
+# -- phase one ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Diff:
+    """What one phase-one write changed: keys added and changed, ids removed."""
+
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    to_read: list[str] = field(default_factory=list)  # added or changed entries left pending
+
+
+@dataclass
+class Counts:
+    added: int = 0
+    changed: int = 0
+    removed: int = 0
+    new_keys: list[str] = field(default_factory=list)  # pickled entries added or changed (capped)
+
+    def add(self, d: Diff, pickled: Iterable[str]) -> None:
+        self.added += len(d.added)
+        self.changed += len(d.changed)
+        self.removed += len(d.removed)
+        self.new_keys.extend(list(pickled)[: MAX_REPORTED - len(self.new_keys)])
+
+
+def index_names(db: Database, cache_id: int, root: str, subtree: str = "", full: bool = False) -> ScanResult:
+    """Phase one: insert, update and delete index rows from a walk of names and lstat alone."""
     t0 = time.monotonic()
     check_root(root)
     sub = subtree.strip("/")
@@ -74,30 +120,113 @@ def _reconcile(db: Database, cache_id: int, root: str, subtree: str, progress: P
         if sub:
             q = q.where(at_or_below(conn, DIRS.c.path, sub))
         stored = dict(conn.execute(q).all())
-        walked = layout.walk_dirs(root, sub, None if full else stored, keep_paths=False)
-        # A directory gone since the last scan is stale: its entries leave the index. One that could
-        # not be read (permissions) is not gone: it and all below it keep their rows as last seen.
-        mtimes = walked.mtimes | {d: m for d, m in stored.items() if d not in walked.mtimes and any(
-            d == u or d.startswith(u + "/") for u in walked.unreadable)}
-        stale = walked.listed | {d for d in stored if d not in mtimes}
-        known = {}
-        if stale:
-            q = select(*KNOWN_COLUMNS, ENTRIES.c.kind).where(ENTRIES.c.cache_id == cache_id)
-            if sub:
-                q = q.where(below(conn, ENTRIES.c.key, sub))
-            known = {r.key: r for r in conn.execute(q)
-                     if r.key in walked.entries or layout.home_dir(r.key, r.kind) in stale}
-        q = select(func.count()).select_from(ENTRIES).where(ENTRIES.c.cache_id == cache_id)
-        indexed = conn.execute(q.where(below(conn, ENTRIES.c.key, sub)) if sub else q).scalar()
-        prepared = prepare(conn, cache_id, root, walked.entries, known, progress)
+        empty = conn.execute(select(ENTRIES.c.id).where(ENTRIES.c.cache_id == cache_id).limit(1)).first() is None
+    state = layout.DirWalk({}, set(), {})
+    counts = Counts()
+    now = time.time()
+    for batch in _batches(layout.iter_dirs(root, sub, None if full else stored, keep_paths=False, state=state)):
+        try:
+            d = _sync_dirs(db, cache_id, batch, empty, now)
+        except IntegrityError:  # another writer indexed some of these first: read their rows, once more
+            empty = False
+            d = _sync_dirs(db, cache_id, batch, empty, now)
+        kinds = {e.key: e.kind for listing in batch for e in listing.entries}
+        counts.add(d, (k for k in d.added + d.changed if kinds.get(k) in PICKLED))
+    # A directory gone since the last scan is stale: its entries leave the index. One that could
+    # not be read (permissions) is not gone: it and all below it keep their rows as last seen.
+    mtimes = state.mtimes | {d: m for d, m in stored.items() if d not in state.mtimes and any(
+        d == u or d.startswith(u + "/") for u in state.unreadable)}
+    gone = [d for d in stored if d not in mtimes]
     with db.engine.begin() as conn:
-        corrupt = write(conn, cache_id, prepared)
-        _write_dirs(conn, cache_id, stored, mtimes)
+        for chunk in _chunks(gone):
+            ids = list(conn.execute(select(ENTRIES.c.id).where(ENTRIES.c.cache_id == cache_id,
+                                                                 ENTRIES.c.dir.in_(chunk))).scalars())
+            delete_entries(conn, ids)
+            counts.removed += len(ids)
+        q = select(DIRS.c.path, DIRS.c.mtime_ns).where(DIRS.c.cache_id == cache_id)
+        now_stored = dict(conn.execute(q.where(at_or_below(conn, DIRS.c.path, sub)) if sub else q).all())
+        _write_dirs(conn, cache_id, now_stored, mtimes, gone)  # (another scan may have written some meanwhile)
         if not sub:
-            conn.execute(update(Cache.__table__).where(Cache.__table__.c.id == cache_id).values(last_scan=prepared.now))
-    p = prepared
-    return ScanResult(root, p.added, p.changed, p.removed, indexed - len(p.changed) - len(p.removed), corrupt,
-                      time.monotonic() - t0, walked.unreadable)
+            conn.execute(update(CACHES).where(CACHES.c.id == cache_id).values(last_scan=now))
+        unchanged = conn.execute(_count(conn, cache_id, sub)).scalar() - counts.added - counts.changed
+        pending = conn.execute(_count(conn, cache_id, sub).where(ENTRIES.c.parse_state != PARSED)).scalar()
+    return ScanResult(root, counts.added, counts.changed, counts.removed, unchanged, [], time.monotonic() - t0,
+                      state.unreadable, pending=pending, new_keys=counts.new_keys)
+
+
+def _count(conn, cache_id: int, sub: str):
+    q = select(func.count()).select_from(ENTRIES).where(ENTRIES.c.cache_id == cache_id)
+    return q.where(below(conn, ENTRIES.c.key, sub)) if sub else q
+
+
+def _batches(listings: Iterator[layout.Listing]) -> Iterator[list[layout.Listing]]:
+    """Listings grouped so one batch holds about BULK entries (or CHUNK directories)."""
+    batch: list[layout.Listing] = []
+    n = 0
+    for listing in listings:
+        batch.append(listing)
+        n += len(listing.entries)
+        if n >= BULK or len(batch) >= CHUNK:
+            yield batch
+            batch, n = [], 0
+    if batch:
+        yield batch
+
+
+def _sync_dirs(db: Database, cache_id: int, batch: list[layout.Listing], empty: bool, now: float) -> Diff:
+    """Bring the rows of these directories in line with their listings, in one transaction.
+    `empty`: the cache had no rows when the scan began (a first scan reads none back)."""
+    disk = {e.key: e for listing in batch for e in listing.entries}
+    known = {}
+    if not empty:  # read outside the write: a SQLite reader cannot take the write lock after another commit
+        with db.engine.connect() as conn:
+            for chunk in _chunks([listing.dir for listing in batch]):
+                known.update((r.key, r) for r in conn.execute(
+                    select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.dir.in_(chunk))))
+    with db.engine.begin() as conn:
+        return sync(conn, cache_id, disk, known, now)
+
+
+def sync(conn, cache_id: int, disk: dict[str, layout.DiskEntry], known: dict, now: float) -> Diff:
+    """Apply the difference between entries on disk and their rows (KNOWN_COLUMNS, the same set
+    of entries seen from the index) inside the caller's transaction: rows of new entries, sizes
+    of changed ones (which go back to pending when their files say more), gone ones deleted."""
+    added = [k for k in disk if k not in known]
+    removed = [known[k].id for k in known if k not in disk]
+    changed, touched = [], []
+    for k, d in disk.items():
+        r = known.get(k)
+        if r is None:
+            continue
+        if r.bytes != d.bytes or r.files != d.files or abs(r.mtime - d.mtime) > 1e-6:
+            changed.append(d)
+        elif max(d.atime, d.mtime) > r.last_access + 1:
+            touched.append({"b_id": r.id, "b_last_access": max(d.atime, d.mtime)})
+    delete_entries(conn, removed)
+    if touched:
+        conn.execute(update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id"))
+                     .values(last_access=bindparam("b_last_access")), touched)
+    if changed:
+        conn.execute(update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(
+            bytes=bindparam("b_bytes"), files=bindparam("b_files"), mtime=bindparam("b_mtime"),
+            parse_state=bindparam("b_state")), [
+            {"b_id": known[d.key].id, "b_bytes": d.bytes, "b_files": d.files, "b_mtime": d.mtime,
+             "b_state": PENDING if d.needs_reading else PARSED} for d in changed])
+    for chunk in _chunks(added, BULK):
+        insert_rows(conn, ENTRIES, [_new_row(cache_id, disk[k], now) for k in chunk])
+    to_read = [k for k in added if disk[k].needs_reading] + [d.key for d in changed if d.needs_reading]
+    return Diff(added, [d.key for d in changed], [k for k in known if k not in disk], to_read)
+
+
+def _new_row(cache_id: int, d: layout.DiskEntry, now: float) -> dict:
+    return {
+        "cache_id": cache_id, "key": d.key, "dir": layout.home_dir(d.key, d.kind), "kind": d.kind, "ref": d.ref,
+        "bytes": d.bytes, "files": d.files, "mtime": d.mtime, "first_seen": now,
+        "last_access": max(d.atime, d.mtime), "hit_count": 0,
+        "parse_state": PENDING_NEW if d.needs_reading else PARSED,
+        "content": d.key.rpartition("/")[2][:64] if d.kind in PICKLED else None,
+        **{c: None for c in ("alias", *PARSED_COLUMNS)},
+    }
 
 
 def below(conn, column, sub: str):
@@ -114,118 +243,191 @@ def at_or_below(conn, column, sub: str):
     return or_(column == sub, below(conn, column, sub))
 
 
-def _write_dirs(conn, cache_id: int, stored: dict[str, int], seen: dict[str, int]) -> None:
+def _write_dirs(conn, cache_id: int, stored: dict[str, int], seen: dict[str, int], gone: list[str]) -> None:
     """Record the mtime each directory had when it was read; forget directories that are gone."""
-    gone = [d for d in stored if d not in seen]
     for chunk in _chunks(gone):
         conn.execute(delete(DIRS).where(DIRS.c.cache_id == cache_id, DIRS.c.path.in_(chunk)))
     new = [{"cache_id": cache_id, "path": d, "mtime_ns": m} for d, m in seen.items() if d not in stored]
-    if new:
-        insert_rows(conn, DIRS, new)
+    for chunk in _chunks(new, BULK):
+        insert_rows(conn, DIRS, chunk)
     moved = [{"b_path": d, "b_mtime": m} for d, m in seen.items() if d in stored and stored[d] != m]
     if moved:
         conn.execute(update(DIRS).where(DIRS.c.cache_id == cache_id, DIRS.c.path == bindparam("b_path"))
                      .values(mtime_ns=bindparam("b_mtime")), moved)
 
 
-KNOWN_COLUMNS = (ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.bytes, ENTRIES.c.files, ENTRIES.c.mtime, ENTRIES.c.last_access)
+# -- phase two ------------------------------------------------------------------------------------
 
 
 @dataclass
-class Prepared:
-    """The difference between some entries on disk and their index rows, parsed, ready to write."""
-
-    now: float
-    disk: dict[str, layout.DiskEntry]
-    known: dict
-    added: list[str]
-    changed: list[str]
-    removed: list[str]
-    touched: list[dict]
-    described: dict[str, Described]
-    known_graphs: set[str]
+class ParseResult:
+    parsed: int = 0
+    from_content: int = 0  # taken from parse results kept by content, not read
+    corrupt: list[tuple[str, str]] = field(default_factory=list)  # (key, reason), capped
+    new_events: list[dict] = field(default_factory=list)  # the 'new' events written, for this run's caller
+    seconds: float = 0.0
 
 
-def prepare(conn, cache_id: int, root: str, disk: dict[str, layout.DiskEntry], known: dict,
-            progress: Progress | None = None) -> Prepared:
-    """Diff `disk` against `known` rows (KNOWN_COLUMNS, the same set of keys seen from the index)
-    and parse new and changed entries. Parsing happens outside the write transaction, so readers
-    and the daemon's writes are not held up."""
-    now = time.time()
-    added = [k for k in disk if k not in known]
-    removed = [k for k in known if k not in disk]
-    changed, touched = [], []
-    for k, d in disk.items():
-        r = known.get(k)
-        if r is None:
-            continue
-        if r.bytes != d.bytes or r.files != d.files or abs(r.mtime - d.mtime) > 1e-6:
-            changed.append(k)
-        elif max(d.atime, d.mtime) > r.last_access + 1:
-            touched.append({"b_id": r.id, "b_last_access": max(d.atime, d.mtime)})
+def parse_pending(db: Database, cache_id: int, root: str, progress: Progress | None = None,
+                  pool: Pool | None = None, keys: Iterable[str] | None = None,
+                  limit: int | None = None, reading: Callable[[list[tuple[str, str]]], None] | None = None
+                  ) -> ParseResult:
+    """Phase two: read pending entries (all of them, those of `keys`, or at most `limit`), a
+    chunk per transaction. `reading` hears the (key, kind) of each entry just before its files
+    are read (the daemon's read watch must not take our reads for hits)."""
+    t0 = time.monotonic()
+    out = ParseResult()
+    wanted = None if keys is None else list(dict.fromkeys(keys))
+    with db.engine.connect() as conn:
+        q = select(func.count()).select_from(ENTRIES).where(ENTRIES.c.cache_id == cache_id,
+                                                            ENTRIES.c.parse_state != PARSED)
+        total = conn.execute(q).scalar() if wanted is None else len(wanted)
+    total = min(total, limit) if limit is not None else total
+    own = pool is None
+    pool = pool or Pool(min(max(1, total // 8), Pool().size))
+    try:
+        last_id = 0
+        for key_chunk in ([None] if wanted is None else _chunks(wanted, PARSE_CHUNK)):
+            while out.parsed < total:
+                with db.engine.connect() as conn:
+                    q = select(ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.kind, ENTRIES.c.ref, ENTRIES.c.bytes,
+                               ENTRIES.c.content, ENTRIES.c.parse_state, ENTRIES.c.mtime).where(
+                        ENTRIES.c.cache_id == cache_id, ENTRIES.c.parse_state != PARSED)
+                    if key_chunk is not None:
+                        q = q.where(ENTRIES.c.key.in_(key_chunk))
+                    else:
+                        q = q.where(ENTRIES.c.id > last_id).order_by(ENTRIES.c.id)
+                    rows = conn.execute(q.limit(min(PARSE_CHUNK, total - out.parsed))).fetchall()
+                    if not rows:
+                        break
+                    described, hits = _from_content(conn, rows)
+                last_id = rows[-1].id
+                misses = [r for r in rows if r.id not in described]
+                if misses and reading:
+                    reading([(r.key, r.kind) for r in misses])
+                if misses:
+                    got = describe_all(root, [layout.DiskEntry(r.kind, r.key, r.ref) for r in misses], pool=pool)
+                    described.update((r.id, got[r.key]) for r in misses)
+                with db.engine.begin() as conn:
+                    _write_parsed(conn, cache_id, rows, described, {r.id for r in misses}, out)
+                out.from_content += hits
+                out.parsed += len(rows)
+                if progress:
+                    progress(out.parsed, total)
+                if key_chunk is not None:
+                    break
+    finally:
+        if own:
+            pool.close()
+    out.seconds = time.monotonic() - t0
+    return out
 
-    described = describe_all(root, [disk[k] for k in added + changed], progress)
-    # Graph keys of the new fxgraph entries that the index already holds: those are recompilations.
-    new_graphs = list({gk for k in added if (gk := described[k].row.get("graph_key"))})
-    known_graphs: set[str] = set()
-    for chunk in _chunks(new_graphs):
-        known_graphs.update(conn.execute(select(ENTRIES.c.graph_key).distinct().where(
-            ENTRIES.c.cache_id == cache_id, ENTRIES.c.graph_key.in_(chunk))).scalars())
-    return Prepared(now, disk, known, added, changed, removed, touched, described, known_graphs)
+
+def _from_content(conn, rows) -> tuple[dict[int, Described], int]:
+    """Described entries for the pending rows whose content was parsed before (same name and
+    size), when every component set they name is still stored."""
+    keyed = [(r.content, r.bytes) for r in rows if r.kind in PICKLED and r.content]
+    if not keyed:
+        return {}, 0
+    cached = {}
+    for chunk in _chunks(keyed):
+        for c in conn.execute(select(CONTENT).where(tuple_(CONTENT.c.name, CONTENT.c.bytes).in_(chunk))):
+            cached[(c.name, c.bytes)] = c
+    digests = {d for c in cached.values() for d in (c.parts or {}).values()}
+    have: set[str] = set()
+    for chunk in _chunks(sorted(digests)):
+        have.update(conn.execute(select(SETS.c.digest).where(SETS.c.digest.in_(chunk))).scalars())
+    out = {}
+    for r in rows:
+        c = cached.get((r.content, r.bytes))
+        if c is not None and c.kind == r.kind and set((c.parts or {}).values()) <= have:
+            out[r.id] = Described(dict(c.row), [tuple(x) for x in c.refs], {p: (d, None) for p, d in c.parts.items()})
+    return out, len(out)
 
 
-def write(conn, cache_id: int, p: Prepared) -> list[tuple[str, str]]:
-    """Apply a prepared diff inside the caller's transaction; return the corrupt (key, reason)s."""
-    disk, known, described, now = p.disk, p.known, p.described, p.now
-    delete_entries(conn, [known[k].id for k in p.removed])
-    changed_ids = [known[k].id for k in p.changed]
-    replaced = _sets_of(conn, changed_ids)  # component sets the changed entries had: kept while still used
-    if p.touched:
-        conn.execute(
-            update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(last_access=bindparam("b_last_access")),
-            p.touched,
-        )
-    if p.changed:
-        for chunk in _chunks(changed_ids):
-            conn.execute(delete(REFS).where(REFS.c.entry_id.in_(chunk)))
-            conn.execute(delete(ENTRY_SETS).where(ENTRY_SETS.c.entry_id.in_(chunk)))
-        conn.execute(
-            update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(
-                {c: bindparam("b_" + c) for c in ("bytes", "files", "mtime", "alias", *_PARSED_COLUMNS)}
-            ),
-            [
-                {"b_id": known[k].id, "b_bytes": disk[k].bytes, "b_files": disk[k].files, "b_mtime": disk[k].mtime,
-                 **{"b_" + c: described[k].row.get(c) for c in ("alias", *_PARSED_COLUMNS)}}
-                for k in p.changed
-            ],
-        )
-    for chunk in _chunks(p.added, BULK):  # rows built a chunk at a time: a first scan's peak memory stays flat
-        insert_rows(conn, ENTRIES, [_new_row(cache_id, disk[k], described[k].row, now) for k in chunk])
-    ids = _ids_of(conn, cache_id, p.added)
-    ids.update({k: known[k].id for k in p.changed})
-    refs, entry_sets, events, corrupt = [], [], [], []
-    sets = ComponentSets(conn, [described[k].parts for k in p.added + p.changed])
-    for k in p.added + p.changed:
-        desc, eid = described[k], ids[k]
-        refs.extend({"entry_id": eid, "kind": kind, "ref": ref} for kind, ref in desc.refs)
-        entry_sets.extend({"entry_id": eid, "part": part, "set_id": set_id}
-                          for part, set_id in sets.ids_for(desc.parts).items())
-        if desc.row.get("corrupt"):
-            corrupt.append((k, desc.row["corrupt"]))
-    known_graphs = set(p.known_graphs)
-    for k in p.added:
-        d, row = disk[k], described[k].row
-        if d.kind == "fxgraph" and not row.get("corrupt"):
-            gk = row.get("graph_key")
-            events.append({"cache_id": cache_id, "ts": d.mtime, "kind": "new", "entry_kind": d.kind,
-                           "entry_key": k, "graph_key": gk, "recompile": gk in known_graphs,
-                           "bytes": d.bytes, "seconds": row.get("compile_seconds")})
-            known_graphs.add(gk)
+def _write_parsed(conn, cache_id: int, rows, described: dict[int, Described], read: set[int],
+                  out: ParseResult) -> None:
+    """Write what parsing said, for the rows still pending now (another process may have
+    written them, or an eviction deleted them, since they were read)."""
+    conn.execute(update(CACHES).where(CACHES.c.id == cache_id).values(id=cache_id))  # SQLite: the write lock first
+    ids = [r.id for r in rows]
+    still = set()
+    for chunk in _chunks(ids):
+        still.update(conn.execute(select(ENTRIES.c.id).where(ENTRIES.c.id.in_(chunk),
+                                                             ENTRIES.c.parse_state != PARSED)).scalars())
+    rows = [r for r in rows if r.id in still]
+    if not rows:
+        return
+    replaced = _sets_of(conn, [r.id for r in rows])  # sets a changed entry had: kept while still used
+    for chunk in _chunks([r.id for r in rows]):
+        conn.execute(delete(REFS).where(REFS.c.entry_id.in_(chunk)))
+        conn.execute(delete(ENTRY_SETS).where(ENTRY_SETS.c.entry_id.in_(chunk)))
+    conn.execute(update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(
+        parse_state=PARSED, **{c: bindparam("b_" + c) for c in ("alias", *PARSED_COLUMNS)}),
+        [{"b_id": r.id, **{"b_" + c: described[r.id].row.get(c) for c in ("alias", *PARSED_COLUMNS)}} for r in rows])
+    sets = ComponentSets(conn, [described[r.id].parts for r in rows])
+    refs, entry_sets = [], []
+    for r in rows:
+        d = described[r.id]
+        refs.extend({"entry_id": r.id, "kind": kind, "ref": ref} for kind, ref in d.refs)
+        entry_sets.extend({"entry_id": r.id, "part": part, "set_id": set_id}
+                          for part, set_id in sets.ids_for(d.parts).items())
+        if d.row.get("corrupt") and len(out.corrupt) < MAX_REPORTED:
+            out.corrupt.append((r.key, d.row["corrupt"]))
     sets.flush()
-    for table, rows in ((REFS, refs), (ENTRY_SETS, entry_sets), (EVENTS, events)):
-        insert_rows(conn, table, rows)
+    insert_rows(conn, REFS, refs)
+    insert_rows(conn, ENTRY_SETS, entry_sets)
     _drop_unused_sets(conn, replaced)
-    return corrupt
+    events = _new_events(conn, cache_id, [r for r in rows if r.parse_state == PENDING_NEW], described)
+    insert_rows(conn, EVENTS, events)
+    out.new_events.extend(events[: MAX_REPORTED - len(out.new_events)])
+    _keep_content(conn, [r for r in rows if r.id in read], described)
+
+
+def _new_events(conn, cache_id: int, new_rows, described: dict[int, Described]) -> list[dict]:
+    """A 'new' event per newly compiled graph; a recompile when its graph key had an entry before."""
+    graphs = [(r, d.row.get("graph_key")) for r in sorted(new_rows, key=lambda r: r.mtime)
+              if r.kind == Kind.FXGRAPH and not (d := described[r.id]).row.get("corrupt")]
+    keys = list({gk for _, gk in graphs if gk})
+    new_ids = [r.id for r, _ in graphs]
+    known: set[str] = set()
+    for chunk in _chunks(keys):
+        known.update(conn.execute(select(ENTRIES.c.graph_key).distinct().where(
+            ENTRIES.c.cache_id == cache_id, ENTRIES.c.graph_key.in_(chunk), ENTRIES.c.id.not_in(new_ids))).scalars())
+    events = []
+    for r, gk in graphs:
+        events.append({"cache_id": cache_id, "ts": r.mtime, "kind": Ev.NEW, "entry_kind": r.kind, "entry_key": r.key,
+                       "graph_key": gk, "recompile": gk in known, "bytes": r.bytes,
+                       "seconds": described[r.id].row.get("compile_seconds")})
+        known.add(gk)
+    return events
+
+
+def _keep_content(conn, rows, described: dict[int, Described]) -> None:
+    """Keep the parse results of content-named entries that parsed cleanly, for their next copy."""
+    kept = []
+    for r in rows:
+        d = described[r.id]
+        if r.kind in PICKLED and r.content and not d.row.get("corrupt"):
+            kept.append({"name": r.content, "bytes": r.bytes, "kind": r.kind, "row": d.row, "refs": d.refs,
+                         "parts": {p: digest for p, (digest, _) in d.parts.items()}, "parsed_at": time.time()})
+    if not kept:
+        return
+    kept = list({(k["name"], k["bytes"]): k for k in kept}.values())
+    if conn.dialect.name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as upsert
+    else:
+        from sqlalchemy.dialects.postgresql import insert as upsert
+    conn.execute(upsert(CONTENT).on_conflict_do_nothing(), kept)
+
+
+def forget_unused_content(conn) -> int:
+    """Parse results no entry of any cache has any more."""
+    return conn.execute(delete(CONTENT).where(
+        ~select(ENTRIES.c.id).where(ENTRIES.c.content == CONTENT.c.name).exists())).rowcount
+
+
+# -- shared row helpers ---------------------------------------------------------------------------
 
 
 def delete_entries(conn, ids: list[int]) -> None:
@@ -303,30 +505,6 @@ def insert_rows(conn, table, rows: list[dict]) -> None:
     quote = conn.dialect.identifier_preparer.quote
     sql = f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, names))}) VALUES ({', '.join('?' * len(names))})"
     conn.exec_driver_sql(sql, [tuple([r[n] for n in names]) for r in rows])
-
-
-def _ids_of(conn, cache_id: int, keys: list[str]) -> dict[str, int]:
-    """key -> id of entries just inserted. (INSERT ... RETURNING with many rows is several times
-    slower than this on psycopg, and so are many IN lists there: past a few lists, read the
-    cache's ids whole.)"""
-    if len(keys) > CHUNK * 4:
-        wanted = set(keys)
-        return {key: eid for eid, key in conn.execute(
-            select(ENTRIES.c.id, ENTRIES.c.key).where(ENTRIES.c.cache_id == cache_id)) if key in wanted}
-    out: dict[str, int] = {}
-    for chunk in _chunks(keys):
-        out.update((k, i) for i, k in conn.execute(
-            select(ENTRIES.c.id, ENTRIES.c.key).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk))))
-    return out
-
-
-def _new_row(cache_id: int, d: layout.DiskEntry, row: dict, now: float) -> dict:
-    return {
-        "cache_id": cache_id, "key": d.key, "dir": layout.home_dir(d.key, d.kind), "kind": d.kind, "ref": d.ref,
-        "bytes": d.bytes, "files": d.files,
-        "mtime": d.mtime, "first_seen": now, "last_access": max(d.atime, d.mtime), "hit_count": 0,
-        **{c: row.get(c) for c in ("alias", *_PARSED_COLUMNS)},
-    }
 
 
 def _chunks(items: list, n: int = CHUNK) -> Iterable[list]:
