@@ -10,7 +10,13 @@ An *entry* is the unit cachemgr indexes and evicts:
 | code        | <2ch>/c<hash>  (.py .cpp .so ...)  | c<hash> (module / source stem)      |
 | autotune    | <2ch>/<sha256>.best_config         | sha256                              |
 | lock        | locks/<name>.lock                  | name                                |
+| precompile  | dynamo/<sha256>/entry              | sha256 (of the function's name)     |
+| pgo         | dynamo/code_state_<job>.pkl        | file name (its lock: kind lock)     |
+| tuning      | cache/... (benchmark timings)      | -                                   |
 | other       | the file's own path                | -                                   |
+
+Which torch writes which, and what each costs to lose, read off the wheels' own source:
+docs/formats.md.
 
 Names that start with '.' and names containing '.tmp' or starting with 'tmp.' are writes in
 progress (Inductor's write_atomic, Triton's tmp.pid_* directories) or cachemgr's own trash: never
@@ -41,6 +47,7 @@ LOCKS_DIR = "locks"
 _TWO_CHAR = re.compile(r"^[a-z0-9]{2}$")
 _CODE_NAME = re.compile(r"^(c[a-z0-9]{20,})(\..+)$")
 _AOT_KEY = re.compile(r"^a[a-z0-9]{51}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _DEVICE = re.compile(r"^\d{1,3}$")
 
 
@@ -98,6 +105,15 @@ def classify(key: str) -> Classified | None:
         return Classified(Kind.TRITON, "/".join(parts[:3]), parts[2])
     if top == LOCKS_DIR and n == 2:
         return Classified(Kind.LOCK, key, parts[1].removesuffix(".lock"))
+    if top == "dynamo":
+        if n == 3 and parts[2] == "entry" and _HEX64.match(parts[1]):
+            return Classified(Kind.PRECOMPILE, key, parts[1])
+        if n == 2 and parts[1].startswith("code_state_"):
+            if parts[1].endswith(".lock"):
+                return Classified(Kind.LOCK, key, parts[1].removesuffix(".lock"))
+            return Classified(Kind.PGO, key, parts[1])
+    if top == "cache" and n >= 2:
+        return Classified(Kind.TUNING, key, None)
     if n == 2 and _TWO_CHAR.match(top):
         name = parts[1]
         if name.endswith(".best_config"):
@@ -113,13 +129,15 @@ def home_dir(key: str, kind: str) -> str:
     return key if kind == Kind.TRITON else key.rpartition("/")[0]
 
 
-KERNEL_SOURCE = ".main.cpp"  # the C++ source torch 2.9+ builds a kernel module from (source + binding)
-READ_KINDS = frozenset({Kind.FXGRAPH, Kind.AOTAUTOGRAD, Kind.AUTOTUNE})  # kinds whose files are read
+# The C++ source a kernel module is built from (the kernel plus its Python binding): c<h>.main.cpp
+# since torch 2.9, c<h>.cpp before (where 2.9+ writes a c<h>.cpp alone, it is a CPU-feature probe).
+KERNEL_SOURCES = (".main.cpp", ".cpp")
+READ_KINDS = frozenset({Kind.FXGRAPH, Kind.AOTAUTOGRAD, Kind.AUTOTUNE, Kind.PRECOMPILE})  # kinds whose files are read
 
 
 def kernel_sources(code_key: str) -> list[str]:
-    """The files that may hold a code entry's C++ kernel source."""
-    return [code_key + KERNEL_SOURCE]
+    """The files that may hold a code entry's C++ kernel source, the one to read first."""
+    return [code_key + suffix for suffix in KERNEL_SOURCES]
 
 
 def is_kernel_dir(key: str) -> bool:
@@ -330,7 +348,7 @@ class _Walker:
                         e = entries.get(c.key)
                         if e is None:
                             e = entries[c.key] = DiskEntry(c.kind, c.key, c.ref)
-                        if c.kind == Kind.CODE and name.endswith(KERNEL_SOURCE):
+                        if c.kind == Kind.CODE and name.endswith(".cpp"):
                             e.has_source = True
                     e.add(prefix + name, st, keep)
             except OSError:

@@ -17,11 +17,14 @@ class Kind(StrEnum):
     TRITON = "triton"  # one Triton kernel directory, whole
     CODE = "code"  # a generated module c<hash>.py, or a C++ kernel's .cpp/.so builds
     AUTOTUNE = "autotune"  # a Triton kernel's .best_config
-    LOCK = "lock"  # an Inductor file lock under locks/
+    LOCK = "lock"  # an Inductor file lock under locks/ (or beside a PGO profile)
+    PRECOMPILE = "precompile"  # dynamo/<hash>/entry: a whole function's compile, self-contained (caching_precompile)
+    PGO = "pgo"  # dynamo/code_state_*.pkl: which dims went dynamic (profile-guided), re-learned if lost
+    TUNING = "tuning"  # cache/...: benchmark timings (GEMM autotune, pad_mm), re-measured if lost
     OTHER = "other"  # anything else under the root
 
 
-PICKLED = frozenset({Kind.FXGRAPH, Kind.AOTAUTOGRAD})  # the kinds whose entries are pickles to parse
+PICKLED = frozenset({Kind.FXGRAPH, Kind.AOTAUTOGRAD, Kind.PRECOMPILE})  # entries that are pickles to parse
 
 
 class Part(StrEnum):
@@ -71,3 +74,4 @@ class Event(StrEnum):
     NEW = "new"  # a compile wrote an entry
     HIT = "hit"  # a workload read an entry
     EVICT = "evict"  # cachemgr deleted an entry
+    LOADED = "loaded"  # an entry written by `cachemgr import` or filled from a remote cache: no compile

@@ -203,7 +203,7 @@ def test_cost_keeps_the_expensive_graph_where_lru_does_not(aged_cpu, db_url):
     limits = Limits(max_size=total - recreatable - 1, low_water=1.0)  # one graph group must go
     lru = evict(db, cid, str(aged_cpu), limits, "lru", dry_run=True)
     cost = evict(db, cid, str(aged_cpu), limits, "cost", dry_run=True)
-    lru_keys, cost_keys = {k for k, _, _ in lru.entries}, {k for k, _, _ in cost.entries}
+    lru_keys, cost_keys = {k for k, *_ in lru.entries}, {k for k, *_ in cost.entries}
     assert dearest.entries[0].key in lru_keys and dearest.entries[0].key not in cost_keys
     assert cheapest.entries[0].key in cost_keys
     assert heads[0] != heads[-1]

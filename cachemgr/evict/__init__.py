@@ -30,7 +30,7 @@ class EvictResult:
     freed_files: int
     remaining_bytes: int
     recreatable_freed_bytes: int
-    entries: tuple[tuple[str, str, int], ...]  # (key, kind, bytes) evicted (or, dry run, that would be)
+    entries: tuple[tuple[str, str, int, str], ...]  # (key, kind, bytes, reason) evicted (or, dry run, would be)
     skipped: tuple[tuple[str, str], ...]  # (key, reason)
     in_place: bool = False  # some units were deleted in place: no room for the trash (a full disk)
 
@@ -40,7 +40,7 @@ class EvictResult:
             "expected_freed_bytes": self.expected_freed_bytes, "evicted": self.evicted,
             "freed_bytes": self.freed_bytes, "freed_files": self.freed_files,
             "remaining_bytes": self.remaining_bytes, "recreatable_freed_bytes": self.recreatable_freed_bytes,
-            "entries": [{"key": k, "kind": kind, "bytes": b} for k, kind, b in self.entries],
+            "entries": [{"key": k, "kind": kind, "bytes": b, "reason": why} for k, kind, b, why in self.entries],
             "skipped": [{"key": k, "reason": r} for k, r in self.skipped], "in_place": self.in_place,
         }
 
@@ -52,7 +52,7 @@ def load_rows(db: Database, cache_id: int, root: safefs.Root | str) -> list[Row]
             return load_rows(db, cache_id, opened)
     from sqlalchemy import select as sql_select
 
-    from cachemgr.index.models import Entry, EntryRef
+    from cachemgr.index.models import PARSED, Entry, EntryRef
     from cachemgr.index.queries import pin_keys, pinned_by
 
     e, r = Entry.__table__, EntryRef.__table__
@@ -63,7 +63,8 @@ def load_rows(db: Database, cache_id: int, root: safefs.Root | str) -> list[Row]
                                            .where(e.c.cache_id == cache_id)):
             refs.setdefault(eid, []).append((kind, ref))
         cols = (e.c.id, e.c.key, e.c.kind, e.c.ref, e.c.alias, e.c.bytes, e.c.files, e.c.mtime, e.c.last_access,
-                e.c.compile_seconds, e.c.graph_key, e.c.torch_version, e.c.system_hash, e.c.corrupt, e.c.hit_count)
+                e.c.compile_seconds, e.c.graph_key, e.c.torch_version, e.c.system_hash, e.c.corrupt, e.c.hit_count,
+                e.c.torch_version_hash, e.c.parse_state)
         rows = conn.execute(sql_select(*cols).where(e.c.cache_id == cache_id)).fetchall()
     referenced = {ref for rs in refs.values() for kind, ref in rs if kind == "triton"}
     out = []
@@ -71,7 +72,8 @@ def load_rows(db: Database, cache_id: int, root: safefs.Root | str) -> list[Row]
         launcher = m.kind == "triton" and m.ref not in referenced and _holds_binary(root, m.key)
         out.append(Row(m.id, m.key, m.kind, m.ref, m.alias, m.bytes, m.files, m.mtime, m.last_access,
                        m.compile_seconds, m.graph_key, m.torch_version, m.system_hash, m.corrupt,
-                       pinned_by(m._mapping, pins) is not None, m.hit_count or 0, launcher, tuple(refs.get(m.id, ()))))
+                       pinned_by(m._mapping, pins) is not None, m.hit_count or 0, launcher, tuple(refs.get(m.id, ())),
+                       m.torch_version_hash, m.parse_state == PARSED))
     return out
 
 
@@ -120,7 +122,7 @@ def carry_out(db: Database, cache_id: int, root: safefs.Root | str, p: Plan, row
         policy=p.policy, dry_run=dry_run, planned=len(p.entries), expected_freed_bytes=p.expected_freed_bytes,
         evicted=len(out.removed), freed_bytes=out.freed_bytes, freed_files=out.freed_files,
         remaining_bytes=remaining, recreatable_freed_bytes=sum(r.bytes for r in out.removed if r.recreatable),
-        entries=tuple((r.key, r.kind, r.bytes) for r in out.removed), skipped=tuple(sorted(skipped.items())),
+        entries=tuple((r.key, r.kind, r.bytes, r.reason) for r in out.removed), skipped=tuple(sorted(skipped.items())),
         in_place=out.in_place,
     )
 

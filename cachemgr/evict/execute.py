@@ -88,6 +88,7 @@ class Removed:
     kind: str
     bytes: int
     recreatable: bool
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,8 @@ class Executor:
                     for e, f in zip(t.unit.entries, t.files):
                         if not f.paths:
                             continue  # an entry of the unit that was gone already: not ours to count
-                        removed.append(Removed(e.key, e.kind, f.bytes, e.recreatable and t.unit.reason == Reason.RECREATABLE))
+                        removed.append(Removed(e.key, e.kind, f.bytes, e.recreatable and t.unit.reason == Reason.RECREATABLE,
+                                               e.reason))
                         freed += f.bytes
                         nfiles += len(f.paths)
                     if unlinker is not None:

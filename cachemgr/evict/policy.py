@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from cachemgr.units import parse_size_or_percent
+from cachemgr.vocab import Held, Kind
 
 POLICIES = ("lru", "cost")
 DEFAULT_COST = 1.0  # seconds, for a group whose compile time is unknown
@@ -72,6 +73,8 @@ class Row:
     hit_count: int = 0
     launcher: bool = False  # a triton dir holding a built .so (cuda_utils), not a kernel
     refs: tuple[tuple[str, str], ...] = ()
+    torch_version_hash: str | None = None
+    parsed: bool = True  # False: indexed from its names only (scan phase one); its refs are unknown
 
     @property
     def touched(self) -> float:
@@ -159,6 +162,8 @@ class Graph:
                 targets = names.get((kind, ref), [])
                 if kind == "triton":
                     targets = targets + tuned.get(ref, [])
+                elif len(targets) > 1 and kind == "code":
+                    targets = [nearest_build(rows, targets, r)]
                 for t in targets:
                     if t != i:
                         g.children[i].add(t)
@@ -167,12 +172,15 @@ class Graph:
         return g
 
     def is_orphan(self, i: int) -> bool:
+        """Nothing can hit through it: a module, C++ build, kernel or autotune result no entry
+        names (a C++ build no graph matches is a CPU-feature probe, or a gone graph's), a corrupt
+        entry, an AOT entry whose graphs are all gone."""
         r = self.rows[i]
         if self.parents[i]:
             return False
         if r.corrupt or self.dead[i]:
             return True
-        return (r.kind == "code" and not r.alias) or (r.kind == "triton" and not r.launcher) or r.kind == "autotune"
+        return r.kind == "code" or (r.kind == "triton" and not r.launcher) or r.kind == "autotune"
 
     def is_recreatable(self, i: int) -> bool:
         r = self.rows[i]
@@ -212,6 +220,16 @@ class Graph:
         return seen
 
 
+def nearest_build(rows: Sequence[Row], builds: list[int], entry: Row) -> int:
+    """Of several C++ builds of one kernel source (two torch versions build a byte-identical
+    kernel under two names), the one the entry's own compile wrote: the latest written at or
+    before the entry, else the nearest. The other build belongs to the other version's graphs."""
+    before = [b for b in builds if rows[b].mtime <= entry.mtime + 1]
+    if before:
+        return max(before, key=lambda b: rows[b].mtime)
+    return min(builds, key=lambda b: abs(rows[b].mtime - entry.mtime))
+
+
 # -- planning -----------------------------------------------------------------------------------
 
 
@@ -224,11 +242,21 @@ class _Candidate:
     watch: tuple[int, ...] = ()
 
 
+REFERENCED = frozenset({Kind.CODE, Kind.TRITON, Kind.AUTOTUNE})  # kinds other entries name
+
+
 class _Builder:
-    """Collects units in order, never taking an entry twice."""
+    """Collects units in order, never taking an entry twice.
+
+    Entries not parsed yet (scan phase one) are kept, and so, while any is, is every entry of a
+    kind they could name: what references a module or kernel is not known until all are read."""
 
     def __init__(self, g: Graph, now: float, grace: float, pinned: set[int]) -> None:
         self.g, self.now, self.grace, self.pinned = g, now, grace, pinned
+        unparsed = [i for i, r in enumerate(g.rows) if not r.parsed]
+        self.unknown = set(unparsed)
+        if unparsed:
+            self.unknown |= {i for i, r in enumerate(g.rows) if r.kind in REFERENCED}
         self.taken: set[int] = set()
         self.units: list[Unit] = []
         self.skipped: dict[str, str] = {}
@@ -246,6 +274,10 @@ class _Builder:
 
     def take(self, c: _Candidate, reason: str | None = None) -> bool:
         members = [i for i in c.members if i not in self.taken]
+        held = [i for i in members if i in self.unknown]
+        for i in held:
+            self.skipped.setdefault(self.g.rows[i].key, Held.UNPARSED)
+        members = [i for i in members if i not in self.unknown]
         if not members or not self.usable(c):
             return False
         rows = self.g.rows

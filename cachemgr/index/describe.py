@@ -70,6 +70,8 @@ class Describer:
                 p = parse.parse_fxgraph(root.read(layout.fs_path(key), parse.MAX_ENTRY_BYTES), graph_key=ref)
             elif kind == Kind.AOTAUTOGRAD:
                 p = parse.parse_aotautograd(root.read(layout.fs_path(key), parse.MAX_ENTRY_BYTES))
+            elif kind == Kind.PRECOMPILE:
+                p = parse.parse_precompile(root.read(layout.fs_path(key), parse.MAX_ENTRY_BYTES))
             elif kind == Kind.AUTOTUNE:
                 refs = parse.autotune_refs(root.read(layout.fs_path(key), MAX_SMALL_FILE))
             elif kind == Kind.CODE:

@@ -15,11 +15,12 @@ from cachemgr.parse.entries import (
     cpp_sources,
     parse_aotautograd,
     parse_fxgraph,
+    parse_precompile,
 )
 from cachemgr.parse.unpickle import clean, safe_load, state_of
 
 __all__ = [
     "MAX_ENTRY_BYTES", "Component", "Parsed", "autotune_refs", "clean", "component_part", "components_of",
-    "cpp_source_ref", "cpp_sources", "options_hash", "parse_aotautograd", "parse_fxgraph", "part_digests",
+    "cpp_source_ref", "cpp_sources", "options_hash", "parse_aotautograd", "parse_fxgraph", "parse_precompile", "part_digests",
     "safe_load", "short_hash", "state_of",
 ]

@@ -24,7 +24,7 @@ from typing import Any
 
 from cachemgr import signatures
 from cachemgr.parse.components import Component, components_of, options_hash, short_hash
-from cachemgr.parse.unpickle import class_name, items, safe_load, seconds, state_of, text
+from cachemgr.parse.unpickle import Stub, class_name, items, safe_load, seconds, state_of, text
 from cachemgr.vocab import Kind
 
 MAX_ENTRY_BYTES = 1 << 30  # larger entry files are corrupt, never read (checked before reading)
@@ -93,6 +93,24 @@ def cpp_sources(source: str) -> list[str]:
     return out
 
 
+def included_headers(source: str) -> list[str]:
+    """The c<h> stems of the cache's own headers a C++ kernel includes: torch 2.5/2.6 include their
+    prefix header by absolute path (`#include "<root>/<2ch>/c<h>.h"`), and a hit whose header is
+    gone crashes instead of recompiling. Matched by the last two path parts (the root may move)."""
+    out = []
+    at = 0
+    while (start := source.find('#include "', at)) >= 0:
+        end = source.find('"', start + 10, start + 4096)
+        if end < 0:
+            break
+        path = source[start + 10 : end]
+        at = end
+        folder, _, name = path.rpartition("/")
+        if name.startswith("c") and name.endswith(".h") and len(folder) >= 2 and folder[-3:-2] in ("/", ""):
+            out.append(text(name[:-2], 128) or "")
+    return [h for h in out if h]
+
+
 def _string_set(obj: Any) -> list[str]:
     """OrderedSet/set stand-ins hold their items in constructor args or state."""
     for cand in (getattr(obj, "args", None), getattr(obj, "state", None), obj):
@@ -107,9 +125,17 @@ def _string_set(obj: Any) -> list[str]:
 
 def parse_fxgraph(data: bytes, graph_key: str | None = None) -> Parsed:
     p = Parsed(Kind.FXGRAPH, graph_key=graph_key)
-    st = _load_state(data, p)
+    obj, st = _load(data, p)
     if st is None:
         return p
+    _fx_fields(p, obj, st, graph_key)
+    if not p.graph_key:
+        p.corrupt = "no graph key in entry"
+    return p
+
+
+def _fx_fields(p: Parsed, obj: Any, st: dict[str, Any], graph_key: str | None) -> None:
+    """A CompiledFxGraph's fields (an fxgraph entry's, or one inside a precompile entry)."""
     p.graph_key = text(st.get("_fx_graph_cache_key"), 64) or graph_key
     p.module = text(st.get("cache_key"), 128)
     p.guards = text(st.get("guards_expr"), MAX_GUARDS)
@@ -137,6 +163,8 @@ def parse_fxgraph(data: bytes, graph_key: str | None = None) -> Parsed:
     p.torch_version = text(m.group(1), 64) if m else None
     if p.torch_version is None:
         p.missing.append(VERSION)
+        if not p.components:  # torch 2.5/2.6 record neither: their field sets still tell them apart
+            p.torch_version = _fx_family(obj, st)
     if p.compile_seconds is None:
         p.missing.append(COMPILE_TIME)
     refs: list[tuple[str, str]] = []
@@ -144,7 +172,9 @@ def parse_fxgraph(data: bytes, graph_key: str | None = None) -> Parsed:
         refs.append((Kind.CODE, p.module))
     source = st.get("source_code")
     if isinstance(source, str):
-        refs.extend((Kind.CODE, cpp_source_ref(src)) for src in cpp_sources(source))
+        for src in cpp_sources(source):
+            refs.append((Kind.CODE, cpp_source_ref(src)))
+            refs.extend((Kind.CODE, h) for h in included_headers(src))
     bundle = state_of(st.get("_triton_bundle"))
     for art in items(bundle.get("kernel_artifacts"))[:MAX_REFS]:
         h = text(state_of(art).get("kernel_hash"), 128)
@@ -155,14 +185,20 @@ def parse_fxgraph(data: bytes, graph_key: str | None = None) -> Parsed:
         if key:
             refs.append((Kind.CODE, key))  # the kernel's own c<hash>.py module
     p.refs = list(dict.fromkeys(refs))
-    if not p.graph_key:
-        p.corrupt = "no graph key in entry"
-    return p
+
+
+def _fx_family(obj: Any, st: dict[str, Any]) -> str | None:
+    """The torch release family of an entry that records no version (docs/formats.md, section 7)."""
+    if getattr(type(obj), "_module", "") == "torch._inductor.codecache" and "_fx_graph_cache_key" not in st:
+        return "2.5.*"
+    if "allocated_constant_name" in st:
+        return "2.6.*"
+    return None
 
 
 def parse_aotautograd(data: bytes) -> Parsed:
     p = Parsed(Kind.AOTAUTOGRAD)
-    st = _load_state(data, p)
+    _, st = _load(data, p)
     if st is None:
         return p
     p.guards = text(st.get("guards_expr"), MAX_GUARDS)
@@ -171,18 +207,92 @@ def parse_aotautograd(data: bytes) -> Parsed:
     p.compile_seconds = sum(times) if times else None
     if p.compile_seconds is None:
         p.missing.append(COMPILE_TIME)
+    old_format = False
     for name in ("compiled_fw", "compiled_bw"):
         graph = state_of(st.get(name))
         info = items(graph.get("fx_graph_cache_info"))  # 2.9+: (key, debug lines)
-        key = text(info[0], 64) if info else text(graph.get("fx_graph_cache_key"), 64)  # 2.5-2.6
+        if info:
+            key = text(info[0], 64)
+            if p.torch_version_hash is None and len(info) > 1:
+                tv = next((c for c in components_of(info[1]) if c.name == "torch_version"), None)
+                p.torch_version_hash = tv.hash[:64] if tv else None
+        else:
+            key = text(graph.get("fx_graph_cache_key"), 64)  # 2.5-2.6
+            old_format = old_format or key is not None
         if key:
             p.refs.append((Kind.FXGRAPH, key))
+    if old_format:  # 2.5 records no compile times
+        p.torch_version = "2.6.*" if p.compile_seconds is not None else "2.5.*"
+    if p.torch_version is None:
+        p.missing.append(VERSION)
     if not p.refs:
         if "compiled_fw" not in st:
             p.corrupt = f"not an AOTAutograd entry ({class_name(st)})"
-        else:
+        else:  # a bundled entry (caching precompile) holds its graphs inline: it needs what they load
             p.missing.append(GRAPH_REFS)
+            _take_inline(p, st)
     return p
+
+
+def _take_inline(p: Parsed, root: Any) -> None:
+    """What the CompiledFxGraphs held inline in an entry load (modules, C++ builds, kernels), and
+    the torch build they name."""
+    refs: list[tuple[str, str]] = []
+    for graph in _instances(root, "CompiledFxGraph"):
+        inner = Parsed(Kind.FXGRAPH)
+        _fx_fields(inner, graph, state_of(graph), None)
+        refs.extend(inner.refs)
+        p.torch_version_hash = p.torch_version_hash or inner.torch_version_hash
+        p.system_hash = p.system_hash or inner.system_hash
+        if p.torch_version is None and inner.torch_version and not inner.torch_version.endswith(".*"):
+            p.torch_version = inner.torch_version
+            if VERSION in p.missing:
+                p.missing.remove(VERSION)
+    p.refs = list(dict.fromkeys(refs))[:MAX_REFS]
+
+
+def parse_precompile(data: bytes) -> Parsed:
+    """A dynamo precompile entry (`dynamo/<hash>/entry`): a function's whole compile, its graphs
+    held inline; it names the version string of the torch that wrote it, and the generated
+    modules and C++ builds its graphs load."""
+    p = Parsed(Kind.PRECOMPILE)
+    obj, st = _load(data, p)
+    if st is None:
+        return p
+    dynamo = state_of(st.get("dynamo"))
+    info = dynamo.get("system_info")
+    info = info if isinstance(info, dict) else state_of(info)
+    version = info.get("torch_version")
+    version = version if isinstance(version, str) else next(iter(items(getattr(version, "args", ()))), None)
+    p.torch_version = text(version, 64) if isinstance(version, str) else None
+    if p.torch_version is None:
+        p.missing.append(VERSION)
+    p.missing.append(COMPILE_TIME)
+    _take_inline(p, st.get("backends"))
+    if not dynamo:
+        p.corrupt = f"not a precompile entry ({class_name(obj)})"
+    return p
+
+
+def _instances(root: Any, name: str, budget: int = 200_000) -> list[Any]:
+    """Stand-in objects of class `name` anywhere below `root` (breadth first, at most `budget`
+    nodes visited: a hostile tree costs bounded time)."""
+    out: list[Any] = []
+    queue, seen = [root], 0
+    while queue and seen < budget:
+        node = queue.pop()
+        seen += 1
+        if isinstance(node, Stub):
+            if node._name == name:
+                out.append(node)
+                continue
+            queue.extend(node.args)
+            node = node.state
+        if isinstance(node, dict):
+            queue.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            queue.extend(node)
+    return out
 
 
 def autotune_refs(data: bytes) -> list[tuple[str, str]]:
@@ -195,29 +305,30 @@ def autotune_refs(data: bytes) -> list[tuple[str, str]]:
     return [(Kind.TRITON, h)] if h else []
 
 
-def _load_state(data: bytes, p: Parsed) -> dict[str, Any] | None:
+def _load(data: bytes, p: Parsed) -> tuple[Any, dict[str, Any] | None]:
+    """(the unpickled object, its state), or (None, None) with `p.corrupt` saying why."""
     if not data:
         p.corrupt = "empty file"
-        return None
+        return None, None
     if len(data) > MAX_ENTRY_BYTES:
         p.corrupt = f"too large to parse ({len(data)} bytes)"
-        return None
+        return None, None
     try:
         obj = safe_load(data)
     except RecursionError:
         p.corrupt = "unpickle failed: nesting too deep"
-        return None
+        return None, None
     except MemoryError:
         p.corrupt = "unpickle failed: needs more memory than an entry may take"
-        return None
+        return None, None
     except Exception as e:  # noqa: BLE001 - any malformed byte string lands here
         p.corrupt = text(f"unpickle failed: {type(e).__name__}: {e}", 300)
-        return None
+        return None, None
     st = state_of(obj)
     if not st:
         p.corrupt = f"not a cache entry (a pickled {class_name(obj)})"
-        return None
+        return None, None
     if not all(isinstance(k, str) for k in st):
         p.corrupt = f"not a cache entry (a {class_name(obj)} with odd field names)"
-        return None
-    return st
+        return None, None
+    return obj, st
