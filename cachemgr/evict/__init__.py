@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cachemgr import layout, safefs
-from cachemgr.evict.policy import POLICIES, DiskState, Limits, Plan, Row, plan, select
+from cachemgr.evict.policy import POLICIES, Clock, DiskState, Limits, Plan, Row, plan, select
 from cachemgr.index.db import Database
 
 __all__ = ["POLICIES", "EvictResult", "Limits", "Plan", "Row", "evict", "load_rows", "make_plan", "carry_out"]
@@ -98,7 +98,32 @@ def make_plan(db: Database, cache_id: int, root: safefs.Root | str, limits: Limi
         with safefs.Root(root) as opened:
             return make_plan(db, cache_id, opened, limits, policy, now)
     rows = load_rows(db, cache_id, root)
-    return plan(rows, limits, policy, time.time() if now is None else now, disk_state(root)), rows
+    return plan(rows, limits, policy, time.time() if now is None else now, disk_state(root),
+                load_clock(db, cache_id)), rows
+
+
+def load_clock(db: Database, cache_id: int) -> Clock:
+    """The cost policy's clock as the last eviction left it."""
+    from sqlalchemy import select as sql_select
+
+    from cachemgr.index.models import Cache
+
+    with db.engine.connect() as conn:
+        row = conn.execute(sql_select(Cache.gds_clock, Cache.gds_history).where(Cache.id == cache_id)).first()
+    if row is None:
+        return Clock()
+    history = [(float(t), float(v)) for t, v in (row.gds_history or []) if isinstance(t, (int, float))]
+    return Clock(float(row.gds_clock or 0.0), history)
+
+
+def keep_clock(db: Database, cache_id: int, clock: Clock) -> None:
+    from sqlalchemy import update
+
+    from cachemgr.index.models import Cache
+
+    with db.engine.begin() as conn:
+        conn.execute(update(Cache).where(Cache.id == cache_id).values(
+            gds_clock=clock.value, gds_history=[list(p) for p in clock.history]))
 
 
 def carry_out(db: Database, cache_id: int, root: safefs.Root | str, p: Plan, rows: Sequence[Row], grace: float,
@@ -113,6 +138,8 @@ def carry_out(db: Database, cache_id: int, root: safefs.Root | str, p: Plan, row
             return carry_out(db, cache_id, opened, p, rows, grace, dry_run, now, hook)
     ex = Executor(db, cache_id, root, grace, now, hook)
     out = ex.run(p, {r.id: r for r in rows}, dry_run=dry_run)
+    if p.clock is not None and not dry_run and out.removed:
+        keep_clock(db, cache_id, p.clock)
     skipped = dict(p.skipped)
     skipped.update(out.skipped)
     remaining = remaining_bytes(db, cache_id)

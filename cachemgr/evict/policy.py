@@ -14,12 +14,18 @@ Units of deletion (see DESIGN.md, "Rules for deleting"):
 
 Order under pressure: orphans (least recently used first), recreatable entries (those of the
 coldest graphs first), then groups by policy: `lru` (oldest last access first) or `cost`
-(GreedyDual-Size: priority = clock + compile_seconds / bytes; the victim is the lowest priority
-and the clock is raised to it). Entries shared between groups go once every referrer goes.
+(GreedyDual-Size-Frequency, below). Entries shared between groups go once every referrer goes.
+
+GreedyDual-Size-Frequency (Cherkasova 1998): a group's priority is H = L + hits x cost / bytes,
+where cost is its compile seconds and L is the cache's clock as it stood when the group was
+last used. The victim is the lowest H, and the clock rises to it. So a graph that took long to
+compile per byte, or is hit often, stays; and recency counts, because a group used after the
+clock rose got the higher L. The clock and its history are kept across runs (`Clock`).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +87,27 @@ class Row:
         return max(self.mtime, self.last_access)
 
 
+@dataclass
+class Clock:
+    """GreedyDual's inflation value L, kept across runs with the times it rose, so a group's L is
+    the clock as it stood at the group's last use."""
+
+    value: float = 0.0
+    history: list[tuple[float, float]] = field(default_factory=list)  # (time, L from then on), ascending
+
+    HISTORY = 512  # rises kept: older uses than the oldest kept count as L = 0
+
+    def at(self, ts: float) -> float:
+        i = bisect.bisect_right(self.history, (ts, float("inf")))
+        return self.history[i - 1][1] if i else 0.0
+
+    def rise(self, to: float, now: float) -> None:
+        if to > self.value:
+            self.value = to
+            self.history.append((now, to))
+            del self.history[: -self.HISTORY]
+
+
 @dataclass(frozen=True)
 class DiskState:
     free_bytes: int
@@ -124,7 +151,7 @@ class Plan:
     total_bytes: int
     total_files: int
     skipped: tuple[tuple[str, str], ...]  # (key, reason) wanted but kept: pinned, grace
-    clock: float = 0.0
+    clock: Clock | None = None  # the cost policy's clock after this plan (to be kept when it is carried out)
 
     @property
     def entries(self) -> list[Planned]:
@@ -240,6 +267,7 @@ class _Candidate:
     last_access: float
     cost: float = 0.0
     watch: tuple[int, ...] = ()
+    hits: int = 0
 
 
 REFERENCED = frozenset({Kind.CODE, Kind.TRITON, Kind.AUTOTUNE})  # kinds other entries name
@@ -314,7 +342,8 @@ def candidates(g: Graph) -> tuple[list[_Candidate], list[_Candidate], list[_Cand
         elif not g.parents[i]:
             members = g.closure([i])
             cost = _group_cost([rows[m] for m in members])
-            groups.append(_Candidate(members, "size", max(rows[m].touched for m in members), cost))
+            hits = sum(rows[m].hit_count for m in members if rows[m].kind in (Kind.FXGRAPH, Kind.AOTAUTOGRAD))
+            groups.append(_Candidate(members, "size", max(rows[m].touched for m in members), cost, hits=hits))
         if g.is_recreatable(i):
             # a module or kernel is as recent as the graphs that bundle it: their use protects it
             near = max([r.touched] + [rows[p].touched for p in g.parents[i]])
@@ -349,9 +378,16 @@ def pinned_ids(g: Graph) -> set[int]:
     return g.descendants(i for i, r in enumerate(g.rows) if r.pinned)
 
 
+def priority(c: _Candidate, rows: Sequence[Row], g: Graph, clock: Clock) -> float:
+    """GreedyDual-Size-Frequency: L at the group's last use + (1 + hits) x compile seconds / bytes."""
+    size = max(1, sum(rows[m].bytes for m in c.members if not g.is_recreatable(m)))
+    return clock.at(c.last_access) + (1 + c.hits) * c.cost / size
+
+
 def plan(rows: Sequence[Row], limits: Limits, policy: str = "lru", now: float = 0.0,
-         disk: DiskState | None = None) -> Plan:
-    """Which entries to evict, in order, to meet `limits`."""
+         disk: DiskState | None = None, clock: Clock | None = None) -> Plan:
+    """Which entries to evict, in order, to meet `limits` (`clock`: the cost policy's, kept
+    across runs; a copy moves with the plan)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}")
     g = Graph.build(rows)
@@ -368,7 +404,7 @@ def plan(rows: Sequence[Row], limits: Limits, policy: str = "lru", now: float = 
 
     over_bytes, over_files, short_free = needs(limits, total_bytes, total_files, disk)
     want_bytes = max(over_bytes, short_free)
-    clock = 0.0
+    clock = Clock((clock or Clock()).value, list((clock or Clock()).history))
 
     def satisfied() -> bool:
         return b.freed_bytes >= want_bytes and b.freed_files >= over_files
@@ -394,16 +430,13 @@ def plan(rows: Sequence[Row], limits: Limits, policy: str = "lru", now: float = 
                     break
                 if frees_something(c):
                     b.take(c, reason())
-        else:
-            # GreedyDual-Size: H = clock + cost / bytes; evict the lowest H, raise the clock to it.
-            heap = []
-            for n, c in enumerate(groups):
-                size = max(1, sum(rows[m].bytes for m in c.members if not g.is_recreatable(m)))
-                heapq.heappush(heap, (clock + c.cost / size, c.last_access, n))
+        else:  # GreedyDual-Size-Frequency: evict the lowest H, raise the clock to it
+            heap = [(priority(c, rows, g, clock), c.last_access, n) for n, c in enumerate(groups)]
+            heapq.heapify(heap)
             while heap and not satisfied():
                 h, _, n = heapq.heappop(heap)
                 if frees_something(groups[n]) and b.take(groups[n], reason()):
-                    clock = max(clock, h)
+                    clock.rise(h, now)
     b.sweep_dependents()
 
     units = tuple(b.units)

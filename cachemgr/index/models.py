@@ -49,6 +49,9 @@ class Cache(Base):
     root: Mapped[str] = mapped_column(String(1024))
     last_scan: Mapped[float | None] = mapped_column(Float)
     last_eviction: Mapped[float | None] = mapped_column(Float)
+    # the cost policy's GreedyDual clock, and the times it rose ([[time, value], ...]): kept across runs
+    gds_clock: Mapped[float] = mapped_column(Float, default=0.0)
+    gds_history: Mapped[list | None] = mapped_column(JSON)
 
 
 class Entry(Base):

@@ -1,0 +1,73 @@
+"""The eviction policy on synthetic rows (pure functions: no disk, no database, no torch)."""
+
+from __future__ import annotations
+
+from cachemgr.evict.policy import Clock, Limits, Row, plan, priority
+
+MB = 1 << 20
+NOW = 1_000_000.0
+
+
+def graph(i: int, key: str, cost: float, hits: int = 0, used: float = NOW - 3600, size: int = MB) -> list[Row]:
+    """An fxgraph entry and the C++ build only it uses (one eviction group)."""
+    stem = f"c{key}"
+    return [
+        Row(i, f"fxgraph/{key[:2]}/f{key}/e", "fxgraph", f"f{key}", None, size, 1, used, used, cost, f"f{key}",
+            hit_count=hits, refs=(("code", f"src-{key}"),)),
+        Row(i + 1, f"{key[:2]}/{stem}", "code", stem, f"src-{key}", size, 2, used, used),
+    ]
+
+
+def heads(p) -> list[str]:
+    return [u.entries[0].key.split("/")[2][1:] for u in p.units if u.reason == "size" and u.entries[0].kind == "fxgraph"]
+
+
+def test_cost_policy_keeps_what_is_dear_per_byte_and_what_is_hit():
+    rows = [*graph(1, "dear", cost=10.0), *graph(3, "cheap", cost=1.0), *graph(5, "popular", cost=1.0, hits=20)]
+    # LRU would take the least recently used first, whatever it cost:
+    rows_lru = [*graph(1, "dear", 10.0, used=NOW - 9000), *graph(3, "cheap", 1.0, used=NOW - 60),
+                *graph(5, "popular", 1.0, hits=20, used=NOW - 300)]
+    limits = Limits(max_size=0, grace=0)
+    assert heads(plan(rows_lru, limits, "lru", NOW)) == ["dear", "popular", "cheap"]
+    # GreedyDual-Size-Frequency: H = L + (1 + hits) x seconds / bytes; the lowest goes first
+    p = plan(rows, limits, "cost", NOW)
+    assert heads(p) == ["cheap", "dear", "popular"]  # 1 s/2 MB, then 10 s/2 MB, then 21 x 1 s/2 MB
+    assert p.clock is not None and p.clock.value > 0  # the clock rose to each victim's H in turn
+
+
+def test_the_clock_makes_recency_count_across_runs():
+    """Two groups of the same cost and size: the one used after the clock last rose (in an
+    earlier run) has the higher L, so it stays; without the clock they would tie."""
+    clock = Clock()
+    clock.rise(5.0, NOW - 1000)  # an earlier eviction run raised the clock
+    rows = [*graph(1, "before", 1.0, used=NOW - 2000), *graph(3, "after", 1.0, used=NOW - 500)]
+    p = plan(rows, Limits(max_size=3 * MB, low_water=1.0, grace=0), "cost", NOW, clock=clock)
+    assert heads(p) == ["before"]
+    assert p.clock.value == 5.0, "the clock never falls (the victim's H was below it)"
+    rows.append(Row(20, "zz/cbig", "other", None, None, 8 * MB, 1, NOW - 10, NOW - 10))  # pressure: all go
+    p = plan(rows, Limits(max_size=0, grace=0), "cost", NOW, clock=clock)
+    assert heads(p)[:2] == ["before", "after"] and p.clock.value > 5.0
+    assert clock.value == 5.0, "the plan works on a copy: the stored clock moves only when carried out"
+
+
+def test_priority_is_clock_at_last_use_plus_frequency_cost_per_byte():
+    from cachemgr.evict.policy import Graph, candidates
+
+    clock = Clock(2.0, [(NOW - 100, 2.0)])
+    rows = graph(1, "g", cost=4.0, hits=3, used=NOW - 50)
+    g = Graph.build(rows)
+    (group,) = candidates(g)[2]
+    assert priority(group, rows, g, clock) == 2.0 + (1 + 3) * 4.0 / (2 * MB)
+
+
+def test_unparsed_entries_hold_what_they_might_name():
+    """Scan phase one indexed an entry from its name only: it is kept, and so is every module or
+    build it might use, until it is read."""
+    rows = [*graph(1, "known", 1.0), Row(9, "fxgraph/xx/fxx/e", "fxgraph", "fxx", None, MB, 1, NOW - 3600,
+                                         NOW - 3600, parsed=False)]
+    rows.append(Row(10, "ab/corphan", "code", "corphan", None, MB, 1, NOW - 3600, NOW - 3600))
+    p = plan(rows, Limits(max_size=0, grace=0), "lru", NOW)
+    taken = {e.key for e in p.entries}
+    assert "fxgraph/kn/fknown/e" in taken
+    assert not taken & {"fxgraph/xx/fxx/e", "ab/corphan", "kn/cknown"}
+    assert dict(p.skipped)["ab/corphan"] == "not parsed yet"
