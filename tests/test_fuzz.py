@@ -113,3 +113,52 @@ def test_the_payload_would_run_under_a_real_unpickler(tmp_path):
 def teardown_module() -> None:
     for p in _POOL:
         p.close()
+
+
+# -- spool lines ------------------------------------------------------------------------------------
+
+
+def _real_line() -> bytes:
+    from test_hostile_inputs import spool_line
+
+    return spool_line().rstrip(b"\n")
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 5), st.integers(min_value=0), st.integers(0, 1 << 20)),
+                    min_size=1, max_size=8))
+def test_mutated_spool_lines_are_read_or_refused_with_a_reason(ops):
+    """A mutated spool line is either a line the ingester takes or a LineError saying why: no
+    other exception, whatever the bytes (the payload splice inserts a pickle call: never run)."""
+    from cachemgr.prewarm import spool
+
+    raw = mutate(_real_line(), ops, b'{"a": [[[[[' * 50 + "\ud800".encode("utf-8", "surrogatepass"))
+    try:
+        doc = spool.parse_line(raw)
+    except spool.LineError as e:
+        assert str(e)
+    else:
+        assert isinstance(doc, dict) and isinstance(doc["model"], str)
+
+
+def test_a_spool_file_of_mutated_lines_ingests(tmp_path):
+    """A whole file of mutated lines (and good ones) goes through `ingest`: good lines land, bad
+    ones are reported, nothing is left behind."""
+    import random
+
+    from cachemgr.index.db import Database
+    from cachemgr.prewarm import spool
+
+    rng = random.Random(3)
+    good = _real_line()
+    lines = []
+    for i in range(300):
+        ops = [(rng.randrange(6), rng.randrange(1 << 20), rng.randrange(1 << 20)) for _ in range(rng.randrange(1, 5))]
+        lines.append(good if i % 10 == 0 else mutate(good, ops, b"\x00\xff{{{"))
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    (spool_dir / "w-1.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    db = Database(f"sqlite:///{tmp_path / 'index.db'}")
+    r = spool.ingest(db, str(spool_dir))
+    assert r.lines >= 30 and r.bad_lines
+    assert not any(spool_dir.iterdir()), "the file is consumed, not left .ingesting"
