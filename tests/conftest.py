@@ -98,6 +98,7 @@ def gpu_cache(gpu_cache_master, tmp_path) -> Path:
 
 @pytest.fixture
 def db_url(tmp_path) -> str:
+    (tmp_path / "state").mkdir(exist_ok=True)  # --db makes no folder: only the default state folder is created
     return f"sqlite:///{tmp_path / 'state' / 'index.db'}"
 
 

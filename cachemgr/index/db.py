@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +15,6 @@ from cachemgr.index.models import Cache
 from cachemgr.index.revision import HEAD_REVISION
 
 
-
 def migrations_dir() -> Path:
     """migrations/ of a checkout, or cachemgr/migrations inside an installed wheel."""
     here = Path(__file__).resolve().parent.parent
@@ -28,8 +25,9 @@ def migrations_dir() -> Path:
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:  # noqa: ANN001 - DB-API connection
+    """Per connection. WAL (readers never block the daemon's writes) is the file's own setting:
+    `migrate` sets it once the file is known to be cachemgr's."""
     cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")  # readers (CLI) never block the daemon's writes
     cur.execute("PRAGMA synchronous=NORMAL")  # safe with WAL; a crash loses at most the last commit
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA busy_timeout=30000")
@@ -37,18 +35,20 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:  # noqa: ANN001 - DB-API conne
 
 
 class Database:
-    """One index database. `Database(url)` connects and brings the schema to head."""
+    """One index database. `Database(url)` connects and brings the schema to head.
 
-    def __init__(self, url: str) -> None:
+    It never writes where it was not asked to: a SQLite index goes into a folder that exists
+    (`create_folder` makes it: for cachemgr's own default state folder), and a database that
+    holds tables of something else is refused, not migrated into.
+    """
+
+    def __init__(self, url: str, create_folder: bool = False) -> None:
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
         if self.is_sqlite:
             path = url.split(":///", 1)[1] if ":///" in url else ""
             if path and path != ":memory:":
-                try:
-                    Path(path).parent.mkdir(parents=True, exist_ok=True)
-                except OSError as e:
-                    raise DatabaseError(f"cannot create the index directory {Path(path).parent}: {e.strerror}") from e
+                _folder_for(Path(path), create_folder)
         try:
             self.engine: Engine = create_engine(url, pool_pre_ping=not self.is_sqlite)
         except (SQLAlchemyError, ImportError, ValueError) as e:
@@ -74,8 +74,14 @@ class Database:
             raise DatabaseError(f"cannot open the index {redact(self.url)}: {_first_line(e)}") from e
 
     def migrate(self) -> None:
-        if self.current_revision() == HEAD_REVISION:
+        revision = self.current_revision()
+        if revision == HEAD_REVISION:
             return
+        if revision is None:
+            self._refuse_foreign()
+        if self.is_sqlite:
+            with self.engine.connect() as conn:
+                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
         from alembic import command
         from alembic.config import Config
         from alembic.util.exc import CommandError
@@ -93,6 +99,28 @@ class Database:
         except CommandError as e:  # a revision this cachemgr does not know: a newer one wrote the index
             raise DatabaseError(f"the index {redact(self.url)} was written by a newer cachemgr (schema revision "
                                 f"{self.current_revision()}): upgrade cachemgr, or use another --db") from e
+
+    def _refuse_foreign(self) -> None:
+        """A database cachemgr never migrated must be empty (or hold only cachemgr's tables): it
+        never adds its tables beside another application's."""
+        from sqlalchemy import inspect
+
+        from cachemgr.index.models import Base
+
+        ours = set(Base.metadata.tables) | {"alembic_version", "entry_components"}
+        try:
+            with self.engine.connect() as conn:
+                found = set(inspect(conn).get_table_names()) | set(inspect(conn).get_view_names())
+        except SQLAlchemyError as e:
+            raise DatabaseError(f"cannot open the index {redact(self.url)}: {_first_line(e)}") from e
+        foreign = sorted(found - ours)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            where = ("give cachemgr a database of its own, or a schema: CREATE SCHEMA cachemgr, then add "
+                     "?options=-csearch_path%3Dcachemgr to the URL" if not self.is_sqlite else
+                     "give it a file of its own")
+            raise DatabaseError(f"{redact(self.url)} holds tables that are not cachemgr's ({shown}): refusing to "
+                                f"add the index to it; {where}")
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -126,8 +154,19 @@ class Database:
         self.engine.dispose()
 
 
-def default_host() -> str:
-    return os.environ.get("CACHEMGR_HOST") or socket.gethostname()
+def _folder_for(path: Path, create: bool) -> None:
+    """The folder of a SQLite index: made only when asked (cachemgr's default state folder)."""
+    folder = path.parent
+    if folder.is_dir():
+        return
+    if not create:
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise DatabaseError(f"the index's folder {folder} {what}: cachemgr creates only its default state folder "
+                            "(create it, or give another --db)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DatabaseError(f"cannot create the index folder {folder}: {e.strerror}") from e
 
 
 def redact(url: str) -> str:
