@@ -26,6 +26,21 @@ class Kind(StrEnum):
 
 PICKLED = frozenset({Kind.FXGRAPH, Kind.AOTAUTOGRAD, Kind.PRECOMPILE})  # entries that are pickles to parse
 
+# What losing an entry of each kind costs, read off torch's own source (docs/formats.md, section 2).
+LOSS = {
+    Kind.FXGRAPH: "a full Inductor compile of this graph (its compile time), and every AOT entry naming it misses",
+    Kind.AOTAUTOGRAD: "AOT tracing and partitioning again (its graphs still hit while they stay)",
+    Kind.TRITON: "nothing while a graph bundling it stays (a hit writes it again); else a Triton compile",
+    Kind.CODE: "a module: nothing (a hit writes it again); a C++ build: a g++ run; a torch 2.5/2.6 prefix header: "
+               "a crash of the hits that include it (kept while any does)",
+    Kind.AUTOTUNE: "one autotuning run of its kernel",
+    Kind.LOCK: "nothing while it is not held",
+    Kind.PRECOMPILE: "the whole compile of one function (dynamo, AOT and Inductor): it serves a warm start alone",
+    Kind.PGO: "the next run learns again which dimensions are dynamic (a recompile per dimension)",
+    Kind.TUNING: "the benchmarks behind autotuning choices are measured again",
+    Kind.OTHER: "unknown: not a file torch is known to write",
+}
+
 
 class Part(StrEnum):
     """What an fxgraph key's hash components are grouped by (`diff`, `explain`)."""
