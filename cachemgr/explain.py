@@ -2,8 +2,18 @@
 
 Every fxgraph entry records the components its key was hashed from (the graph code `gm`, each
 input's TensorMetadata, `fx_kwargs[...]`, every `inductor_config[...]`, torch version, system
-info, ...). The scanner stores them in `entry_components`; everything here is SQL over that
-table, never a re-parse of the pickles.
+info, ...). The scanner stores them as deduplicated sets, one per part (code, inputs, options,
+environment); here they are read through the index's Store once per set and compared in Python,
+never re-parsed from the pickles. Two entries that share a set share all of its components, so
+most comparisons are one identity test per part. torch 2.5 and 2.6 record no components: their
+entries are "not recorded", and only what they do record is compared.
+
+This module is also the one definition of what the cache's activity counts (`activity`): a
+*compile* is a new fxgraph entry that was not loaded; a *recompile* is a compile of a graph
+compiled before in another form (verdict `recompile`: the nearest earlier entry is the same
+graph with something changed, or `guards`: the same key for another guard set); a *hit* is a
+read of an fxgraph entry; entries written by `cachemgr import` or copied from elsewhere are
+*loaded*. `stats`, `explain --summary` and the daemon's metrics all count through it.
 
 Two entries that differ in exactly one thing differ in exactly one component (checked on real
 CPU caches: an inductor option, an input dtype, an input stride, the code). A few components
@@ -20,21 +30,20 @@ import difflib
 import re
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import text
-
 from cachemgr.errors import NotFound, UsageError
+from cachemgr.index.store import CompileEvent, GraphEntry, Store
 
-GROUPS = ("code", "inputs", "options", "environment", "other")
+GROUPS = ("code", "inputs", "options", "environment", "other", "entry")  # entry: fields outside the key
 ENVIRONMENT = {"torch_version", "cuda_matmul_settings", "deterministic_algorithms_settings", "default_dtype",
                "cache_key_tag", "cpp_runtime_thread_count"}
 # A forward and its backward, or an inference graph and a training forward, are other graphs.
 GRAPH_ROLES = {"fx_kwargs[is_backward]": ("a backward", "a forward"),
                "fx_kwargs[is_inference]": ("an inference", "a training")}
 NEW_GRAPH_RATIO = 0.5  # below this line similarity the nearest code is another graph, not an edit
-CODE_DIFF_LINES = 12
 NEAREST = 3
 
 
@@ -173,30 +182,20 @@ class Change:
                 "derived": self.derived}
 
 
-@dataclass(frozen=True)
-class EntryRef:
-    id: int
-    key: str
-    graph_key: str | None
-    mtime: float
-
-    @property
-    def short(self) -> str:
-        return short_key(self.key, self.graph_key)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "graph_key": self.graph_key, "mtime": self.mtime, "short": self.short}
+def entry_dict(e: GraphEntry, shorts: dict[str, str]) -> dict[str, Any]:
+    return {"key": e.key, "graph_key": e.graph_key, "mtime": e.mtime, "short": shorts.get(e.key, e.key)}
 
 
 @dataclass(frozen=True)
 class Diff:
-    a: EntryRef
-    b: EntryRef
+    a: GraphEntry
+    b: GraphEntry
     shared: int
     changes: tuple[Change, ...]
     code_diff: tuple[str, ...] = ()
     code_similarity: float | None = None  # line similarity of the two graph codes, when they differ
     dynamic: bool = False  # B takes symbolic sizes where A took fixed ones
+    not_recorded: str | None = None  # who records no hash components: then only recorded fields are compared
 
     def weight(self) -> int:
         """How much differs: one per component, one per changed field of an input."""
@@ -216,7 +215,8 @@ class Diff:
 
     @property
     def same(self) -> bool:
-        return not self.changes
+        """Both record their hash components, and these are the same."""
+        return not self.changes and self.not_recorded is None
 
     def causes(self) -> list[str]:
         return list(dict.fromkeys(c for ch in self.changes if (c := ch.cause())))
@@ -227,9 +227,10 @@ class Diff:
             out[c.group].append(c)
         return {g: cs for g, cs in out.items() if cs}
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, shorts: dict[str, str]) -> dict[str, Any]:
         return {
-            "a": self.a.as_dict(), "b": self.b.as_dict(), "same": self.same, "shared": self.shared,
+            "a": entry_dict(self.a, shorts), "b": entry_dict(self.b, shorts), "same": self.same,
+            "not_recorded": self.not_recorded, "shared": self.shared,
             "differ": len(self.changes), "causes": self.causes(),
             "groups": {g: [c.as_dict() for c in cs] for g, cs in self.by_group().items()},
             "code_diff": list(self.code_diff), "code_similarity": self.code_similarity,
@@ -238,46 +239,64 @@ class Diff:
 
 @dataclass(frozen=True)
 class Candidate:
-    entry: EntryRef
+    entry: GraphEntry
     same_code: bool
     shared: int
     differ: int
 
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.entry.as_dict(), "same_code": self.same_code, "shared": self.shared, "differ": self.differ}
+    def as_dict(self, shorts: dict[str, str]) -> dict[str, Any]:
+        return {**entry_dict(self.entry, shorts), "same_code": self.same_code, "shared": self.shared,
+                "differ": self.differ}
 
 
-# Causes that are no component change, as the summary words them after "N graphs".
+# Why a compile happened when no component change says it, as the summary words it after "N graphs".
 VERDICT_CAUSES = {
     "first": "compiled for the first time in this cache",
     "new-graph": "compiled, unlike any earlier graph",
     "guards": "compiled again under the same key for another guard set",
+    "unrecorded": "compiled; why is not recorded (their torch records no hash components)",
+    "gone": "compiled; their entries are no longer in the index",
 }
+RECOMPILED = frozenset({"recompile", "guards"})  # the verdicts that make a compile a recompile
 
 
 @dataclass(frozen=True)
 class Miss:
-    """One new fxgraph entry (a compile) and why no earlier entry served it."""
+    """One compile (a new fxgraph entry) and why no earlier entry served it."""
 
-    entry: EntryRef
-    ts: float
-    seconds: float | None
-    verdict: str  # first | new-graph | guards | recompile
+    event: CompileEvent
+    entry: GraphEntry | None  # None once the entry is gone from the index
+    verdict: str  # first | new-graph | guards | recompile | unrecorded | gone
     nearest: tuple[Candidate, ...] = ()
     diff: Diff | None = None
     guards: tuple[str | None, str | None] = (None, None)  # (nearest's, this one's) for 'guards'
     note: str | None = None  # new-graph: why it counts as another graph
 
+    @property
+    def key(self) -> str:
+        return self.event.key
+
+    @property
+    def recompiled(self) -> bool:
+        return self.verdict in RECOMPILED
+
     def causes(self) -> list[str]:
         if self.verdict in VERDICT_CAUSES:
             return [VERDICT_CAUSES[self.verdict]]
-        return self.diff.causes() if self.diff else []
+        return (self.diff.causes() if self.diff else []) or ["its hash components changed"]
 
-    def as_dict(self) -> dict[str, Any]:
+    def cause(self) -> str:
+        """All its causes in one phrase: the summary counts each compile once."""
+        return " and ".join(self.causes())
+
+    def as_dict(self, shorts: dict[str, str]) -> dict[str, Any]:
+        ev = self.event
         return {
-            **self.entry.as_dict(), "ts": self.ts, "compile_seconds": self.seconds, "verdict": self.verdict,
-            "causes": self.causes(), "nearest": [c.as_dict() for c in self.nearest],
-            "diff": self.diff.as_dict() if self.diff else None,
+            "key": ev.key, "graph_key": ev.graph_key, "short": shorts.get(ev.key, ev.key), "ts": ev.ts,
+            "mtime": self.entry.mtime if self.entry else None, "compile_seconds": ev.seconds,
+            "verdict": self.verdict, "recompile": self.recompiled, "causes": self.causes(),
+            "nearest": [c.as_dict(shorts) for c in self.nearest],
+            "diff": self.diff.as_dict(shorts) if self.diff else None,
             "guards": {"nearest": self.guards[0], "this": self.guards[1]} if self.verdict == "guards" else None,
             "note": self.note,
         }
@@ -288,177 +307,255 @@ class SummaryLine:
     cause: str
     graphs: int
     seconds: float
+    recompile: bool
 
     def text(self) -> str:
         s = "" if self.graphs == 1 else "s"
         secs = f" ({self.seconds:.1f} s compiling)" if self.seconds else ""
-        if self.cause in VERDICT_CAUSES.values():
+        if not self.recompile or self.cause == VERDICT_CAUSES["guards"]:
             return f"{self.graphs} graph{s} {self.cause}{secs}"
         return f"{self.graphs} graph{s} recompiled because {self.cause}{secs}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"cause": self.cause, "graphs": self.graphs, "compile_seconds": round(self.seconds, 3),
-                "text": self.text()}
+                "recompile": self.recompile, "text": self.text()}
 
 
-def short_key(key: str, graph_key: str | None) -> str:
-    """'fz5q6oebaq3sx/r5b6tx': graph key and entry file prefixes; `resolve` accepts it back."""
-    parts = key.split("/")
-    if len(parts) == 4 and parts[0] == "fxgraph":
-        return f"{parts[2][:13]}/{parts[3][:6]}"
-    return key
+# -- comparing entries ---------------------------------------------------------------------------------
 
 
-# -- SQL --------------------------------------------------------------------------------------
+class Explainer:
+    """explain and diff over one cache: its fxgraph entries read once, their component sets read
+    as needed (hashes to compare, values only to show a difference) and compared in Python."""
 
-ENTRY_COLS = "e.id, e.key, e.graph_key, e.mtime"
-FX = "e.kind = 'fxgraph' AND e.corrupt IS NULL"
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.entries = store.graph_entries()  # oldest first
+        self.position = {e.id: i for i, e in enumerate(self.entries)}
+        self.by_key = {e.key: e for e in self.entries}
+        self.same_code: dict[int, list[GraphEntry]] = defaultdict(list)
+        for e in self.entries:
+            if "code" in e.sets:
+                self.same_code[e.sets["code"]].append(e)
+        self._hashes: dict[int, dict[str, str]] = {}
+        self._values: dict[int, dict[str, str]] = {}
+        self._pairs: dict[tuple[int, int], tuple[int, int]] = {}
 
-DIFF_SQL = """
-SELECT a.name, a.hash, a.value, b.hash, b.value
-FROM entry_components a LEFT JOIN entry_components b ON b.entry_id = :b AND b.name = a.name
-WHERE a.entry_id = :a AND (b.hash IS NULL OR b.hash <> a.hash)
-UNION ALL
-SELECT b.name, NULL, NULL, b.hash, b.value FROM entry_components b
-WHERE b.entry_id = :b AND NOT EXISTS (SELECT 1 FROM entry_components a WHERE a.entry_id = :a AND a.name = b.name)
-"""
-SHARED_SQL = """
-SELECT COUNT(*) FROM entry_components a
-JOIN entry_components b ON b.entry_id = :b AND b.name = a.name AND b.hash = a.hash
-WHERE a.entry_id = :a
-"""
-# Earlier entries of the cache, than entry :n (mtime :t). Ties in mtime go by id.
-EARLIER = f"{FX} AND e.cache_id = :cid AND e.id <> :n AND (e.mtime < :t OR (e.mtime = :t AND e.id < :n))"
-SAME_CODE_SQL = f"""
-SELECT {ENTRY_COLS} FROM entry_components nc
-JOIN entry_components oc ON oc.name = 'gm' AND oc.hash = nc.hash
-JOIN entries e ON e.id = oc.entry_id
-WHERE nc.entry_id = :n AND nc.name = 'gm' AND {EARLIER}
-"""
-# The components of :n that some entry holds with another hash: the few that vary (the graph
-# code, inputs, a changed option). Two range probes per name on the (name, hash) index, so the
-# hundreds of config values every entry shares cost a seek each, not a scan.
-VARYING_SQL = """
-SELECT a.name, a.hash FROM entry_components a WHERE a.entry_id = :n AND (
-    EXISTS (SELECT 1 FROM entry_components b WHERE b.name = a.name AND b.hash < a.hash)
-    OR EXISTS (SELECT 1 FROM entry_components b WHERE b.name = a.name AND b.hash > a.hash))
-"""
-# How many of those each earlier entry holds with another hash (an entry absent differs in none).
-DIFFERING_SQL = f"""
-SELECT {ENTRY_COLS}, d.differ FROM (
-    SELECT oc.entry_id, COUNT(*) AS differ FROM entry_components oc WHERE {{varying}} GROUP BY oc.entry_id
-) d JOIN entries e ON e.id = d.entry_id
-WHERE {EARLIER}
-ORDER BY d.differ, e.mtime DESC
-"""
-DIFFER_SQL = """
-SELECT (SELECT COUNT(*) FROM entry_components a LEFT JOIN entry_components b ON b.entry_id = :b AND b.name = a.name
-        WHERE a.entry_id = :a AND (b.hash IS NULL OR b.hash <> a.hash))
-     + (SELECT COUNT(*) FROM entry_components b WHERE b.entry_id = :b
-        AND NOT EXISTS (SELECT 1 FROM entry_components a WHERE a.entry_id = :a AND a.name = b.name))
-"""
-HAS_EARLIER_SQL = f"SELECT 1 FROM entries e WHERE {EARLIER} LIMIT 1"
-GM_SQL = "SELECT value FROM entry_components WHERE entry_id = :n AND name = 'gm'"
+    # -- component sets --------------------------------------------------------------------------
 
+    def _load(self, set_ids: Iterable[int], values: bool = False) -> None:
+        cache = self._values if values else self._hashes
+        missing = {s for s in set_ids if s not in cache}
+        for set_id, items in self.store.component_sets(missing, values=values).items():
+            self._hashes[set_id] = {n: h for n, (h, _) in items.items()}
+            if values:
+                self._values[set_id] = {n: v for n, (_, v) in items.items()}
+        for s in missing:  # a set with no items
+            self._hashes.setdefault(s, {})
+            if values:
+                self._values.setdefault(s, {})
 
-def _ref(row) -> EntryRef:
-    return EntryRef(int(row[0]), row[1], row[2], float(row[3]))
+    def hashes(self, e: GraphEntry) -> dict[str, str]:
+        """name -> hash of every component of E."""
+        self._load(e.sets.values())
+        return {n: h for s in e.sets.values() for n, h in self._hashes[s].items()}
 
+    def values(self, e: GraphEntry, parts: Iterable[str]) -> dict[str, str]:
+        """name -> value of E's components in these parts."""
+        sets = [e.sets[p] for p in parts if p in e.sets]
+        self._load(sets, values=True)
+        return {n: v for s in sets for n, v in self._values[s].items()}
 
-def resolve(conn, cache_id: int, key: str) -> tuple[EntryRef, int]:
-    """The fxgraph entry KEY names, and how many it named (the newest is taken).
+    def _pair(self, sa: int | None, sb: int | None) -> tuple[int, int]:
+        """(shared, differing) components of two sets of one part (None: the part is absent)."""
+        if sa == sb:
+            return (len(self._hashes[sa]) if sa is not None else 0), 0
+        key = (sa if sa is not None else -1, sb if sb is not None else -1)
+        if key not in self._pairs:
+            a = self._hashes[sa] if sa is not None else {}
+            b = self._hashes[sb] if sb is not None else {}
+            both = a.keys() & b.keys()
+            shared = sum(1 for n in both if a[n] == b[n])
+            self._pairs[key] = self._pairs[key[::-1]] = (shared, len(a) - shared + len(b) - len(both))
+        return self._pairs[key]
 
-    KEY: an entry key, a graph key, a unique prefix of either, or the short form
-    'graphprefix/fileprefix' that explain prints.
-    """
-    like = key.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    where = "e.key = :k OR e.graph_key = :k"
-    params: dict[str, Any] = {"cid": cache_id, "k": key}
-    rows = conn.execute(text(f"SELECT {ENTRY_COLS} FROM entries e WHERE {FX} AND e.cache_id = :cid AND ({where}) "
-                             "ORDER BY e.mtime DESC"), params).fetchall()
-    if not rows and len(key) >= 4:
-        g, _, f = like.partition("/")
-        if f and not key.startswith("fxgraph/"):
-            cond = "e.graph_key LIKE :g ESCAPE '\\' AND e.key LIKE :f ESCAPE '\\'"
-            params.update(g=g + "%", f="fxgraph/%/%/" + f + "%")
-        else:
-            cond = "(e.key LIKE :p ESCAPE '\\' OR e.graph_key LIKE :g ESCAPE '\\')"
-            params.update(p=like + "%", g=like + "%")
-        rows = conn.execute(text(f"SELECT {ENTRY_COLS} FROM entries e WHERE {FX} AND e.cache_id = :cid AND {cond} "
-                                 "ORDER BY e.mtime DESC LIMIT 50"), params).fetchall()
-    if not rows:
-        raise NotFound(f"no fxgraph entry {key!r} in the index (only fxgraph entries have hash components; "
-                       "try: cachemgr ls --kind fxgraph)")
-    graphs = {r[2] for r in rows}
-    if len(graphs) > 1:
-        raise UsageError(f"{key!r} names {len(graphs)} different graphs: give more of the key")
-    return _ref(rows[0]), len(rows)
+    def distance(self, a: GraphEntry, b: GraphEntry) -> tuple[int, int]:
+        """(shared, differing) components of two entries, as if compared name by name."""
+        shared = differ = 0
+        for part in a.sets.keys() | b.sets.keys():
+            s, d = self._pair(a.sets.get(part), b.sets.get(part))
+            shared += s
+            differ += d
+        return shared, differ
 
+    # -- finding entries ---------------------------------------------------------------------------
 
-def diff(conn, a: EntryRef, b: EntryRef) -> Diff:
-    """The components that differ between entries A and B, grouped, with derived ones marked."""
-    rows = conn.execute(text(DIFF_SQL), {"a": a.id, "b": b.id}).fetchall()
-    shared = int(conn.execute(text(SHARED_SQL), {"a": a.id, "b": b.id}).scalar() or 0)
-    plain: list[Change] = []
-    inputs_a: dict[int, str] = {}
-    inputs_b: dict[int, str] = {}
-    gm: tuple[str, str] | None = None
-    for name, ha, va, hb, vb in rows:
-        if name.startswith("example_inputs["):
-            m = _INDEX.search(name)
-            if m:
-                if ha is not None:
-                    inputs_a[int(m[1])] = va
-                if hb is not None:
-                    inputs_b[int(m[1])] = vb
+    def resolve(self, spec: str) -> tuple[GraphEntry, int]:
+        """The fxgraph entry KEY names (any form `Store.resolve` takes), and how many it named:
+        the newest of them is taken."""
+        try:
+            match = self.store.resolve(spec)
+        except NotFound:
+            raise NotFound(f"no fxgraph entry {spec!r} in the index (only fxgraph entries have hash components; "
+                           "try: cachemgr ls --kind fxgraph)") from None
+        found = [self.by_key[e.key] for e in match.entries if e.key in self.by_key]
+        if not found:
+            e = match.entries[0]
+            why = (f"it is a {e.kind} entry; only fxgraph entries have hash components" if e.kind != "fxgraph"
+                   else "it is not parsed yet (run: cachemgr scan)" if not e.parsed else f"it is corrupt: {e.corrupt}")
+            raise UsageError(f"cannot compare {spec!r}: {why}")
+        return max(found, key=lambda e: e.order), len(found)
+
+    def graphs(self, spec: str) -> set[str]:
+        """The graph key(s) KEY names."""
+        return {self.store.resolve(spec).graph}
+
+    def earlier(self, e: GraphEntry) -> list[GraphEntry]:
+        return self.entries[: self.position[e.id]]
+
+    def nearest(self, e: GraphEntry, k: int = NEAREST) -> list[Candidate]:
+        """The earlier entries closest to E: with the same graph code if any, ranked by the
+        components they share, then by how few differ, then the newest."""
+        pos = self.position[e.id]
+        same = [o for o in self.same_code.get(e.sets.get("code", -1), []) if self.position[o.id] < pos]
+        pool = same or [o for o in self.entries[:pos] if o.sets]
+        self._load({s for o in pool for s in o.sets.values()} | set(e.sets.values()))
+        out = [Candidate(o, o in same, *self.distance(o, e)) for o in pool]
+        out.sort(key=lambda c: (not c.same_code, -c.shared, c.differ, -c.entry.mtime))
+        return out[:k]
+
+    # -- diff ----------------------------------------------------------------------------------------
+
+    def diff(self, a: GraphEntry, b: GraphEntry) -> Diff:
+        """The components that differ between entries A and B, grouped, with derived ones marked."""
+        if not a.sets or not b.sets:
+            return self._unrecorded(a, b)
+        ha, hb = self.hashes(a), self.hashes(b)
+        differing = [n for n in ha.keys() | hb.keys() if ha.get(n) != hb.get(n)]
+        shared = len(ha.keys() & hb.keys()) - sum(1 for n in differing if n in ha and n in hb)
+        parts = {p for p in a.sets.keys() | b.sets.keys() if a.sets.get(p) != b.sets.get(p)}  # sets that differ
+        va, vb = self.values(a, parts), self.values(b, parts)
+        plain: list[Change] = []
+        inputs_a: dict[int, str] = {}
+        inputs_b: dict[int, str] = {}
+        gm: tuple[str, str] | None = None
+        for name in differing:
+            xa, xb = va.get(name), vb.get(name)
+            if name.startswith("example_inputs[") and (m := _INDEX.search(name)):
+                if name in ha:
+                    inputs_a[int(m[1])] = xa or ""
+                if name in hb:
+                    inputs_b[int(m[1])] = xb or ""
                 continue
-        if name == "gm":
-            gm = (va or "", vb or "")
-        plain.append(Change(group_of(name), name, _show(va, ha), _show(vb, hb)))
-    inputs, reshaped = _input_changes(conn, a, b, inputs_a, inputs_b)
-    dynamic = any(any(f.startswith("shape (dynamic)") for f in c.fields) or
-                  (c.a is None and c.b is not None and _SYMBOL.fullmatch(c.b or "")) for c in inputs)
-    changes = []
-    for c in plain + inputs:
-        derived = c.derived
-        if reshaped and (c.name == "fx_kwargs[static_input_idxs]" or c.name.startswith("inputs_to_check[")):
-            derived = "the inputs were renumbered"
-        elif dynamic and (c.name == "gm" or c.a is None and _SYMBOL.fullmatch(c.b or "")):
-            derived = "the shapes became dynamic"  # new code with symbolic sizes, a size argument
-        changes.append(Change(c.group, c.name, c.a, c.b, c.fields, derived))
-    changes.sort(key=lambda c: (GROUPS.index(c.group), c.derived is not None, _natural(c.name)))
-    code_diff, similarity = ((), None)
-    if gm is not None:
-        la, lb = gm[0].splitlines(), gm[1].splitlines()
-        similarity = round(difflib.SequenceMatcher(None, la, lb, autojunk=False).ratio(), 3)
-        code_diff = tuple(difflib.unified_diff(la, lb, "A", "B", n=1, lineterm=""))
-    # replace the gm change's values: the whole code is in code_diff
-    changes = [Change(c.group, c.name, None if c.a is None else "(graph code)", None if c.b is None else "(graph code)",
-                      c.fields, c.derived) if c.name == "gm" else c for c in changes]
-    return Diff(a, b, shared, tuple(changes), code_diff, similarity, dynamic)
+            if name == "gm":
+                gm = (xa or "", xb or "")
+            plain.append(Change(group_of(name), name, _show(xa, ha.get(name)), _show(xb, hb.get(name))))
+        inputs, reshaped = _input_changes(_inputs(va), _inputs(vb), inputs_a, inputs_b)
+        dynamic = any(any(f.startswith("shape (dynamic)") for f in c.fields) or
+                      (c.a is None and c.b is not None and _SYMBOL.fullmatch(c.b or "")) for c in inputs)
+        changes = []
+        for c in plain + inputs:
+            derived = c.derived
+            if reshaped and (c.name == "fx_kwargs[static_input_idxs]" or c.name.startswith("inputs_to_check[")):
+                derived = "the inputs were renumbered"
+            elif dynamic and (c.name == "gm" or c.a is None and _SYMBOL.fullmatch(c.b or "")):
+                derived = "the shapes became dynamic"  # new code with symbolic sizes, a size argument
+            changes.append(Change(c.group, c.name, c.a, c.b, c.fields, derived))
+        changes.sort(key=lambda c: (GROUPS.index(c.group), c.derived is not None, _natural(c.name)))
+        code_diff, similarity = (), None
+        if gm is not None:
+            la, lb = gm[0].splitlines(), gm[1].splitlines()
+            similarity = round(difflib.SequenceMatcher(None, la, lb, autojunk=False).ratio(), 3)
+            code_diff = tuple(difflib.unified_diff(la, lb, "A", "B", n=1, lineterm=""))
+        # the gm change's values: the whole code is in code_diff
+        changes = [Change(c.group, c.name, None if c.a is None else "(graph code)",
+                          None if c.b is None else "(graph code)", c.fields, c.derived) if c.name == "gm" else c
+                   for c in changes]
+        return Diff(a, b, shared, tuple(changes), code_diff, similarity, dynamic)
+
+    def _unrecorded(self, a: GraphEntry, b: GraphEntry) -> Diff:
+        """Entries whose torch records no hash components: compare what both do record."""
+        ea, eb = self.store.entry_by_key(a.key), self.store.entry_by_key(b.key)
+        who = " and ".join(f"{label} ({_torch(e)})" for label, e, g in (("A", ea, a), ("B", eb, b)) if not g.sets)
+        changes = []
+        for name, field_ in UNRECORDED_FIELDS:
+            x, y = (getattr(ea, field_, None) if ea else None), (getattr(eb, field_, None) if eb else None)
+            if x is not None and y is not None and x != y:
+                changes.append(Change("entry", name, str(x), str(y)))
+        return Diff(a, b, 0, tuple(changes), not_recorded=who)
+
+    # -- explaining compiles ---------------------------------------------------------------------------
+
+    def explain(self, ev: CompileEvent) -> Miss:
+        e = self.by_key.get(ev.key)
+        if e is None:
+            return Miss(ev, None, "gone")
+        earlier = self.earlier(e)
+        if not earlier:
+            return Miss(ev, e, "first")
+        twin = next((o for o in reversed(earlier) if e.graph_key and o.graph_key == e.graph_key), None)
+        if not e.sets or not any(o.sets for o in earlier):
+            if twin is not None:  # one key again: another guard set, whatever is recorded
+                return Miss(ev, e, "guards", (Candidate(twin, True, 0, 0),), None, (twin.guards, e.guards))
+            return Miss(ev, e, "unrecorded", note=self._unrecorded(earlier[-1], e).not_recorded)
+        cands = self.nearest(e)
+        # Ties on the component counts are broken by what differs inside them (an input's fields):
+        # a stride-only change is nearer the contiguous original than a dtype+stride one.
+        top = (cands[0].same_code, cands[0].shared, cands[0].differ)
+        tied = [c for c in cands if (c.same_code, c.shared, c.differ) == top]
+        best, d = min(((c, self.diff(c.entry, e)) for c in tied), key=lambda cd: cd[1].weight())
+        cands = [best] + [c for c in cands if c is not best]
+        if d.same:
+            return Miss(ev, e, "guards", tuple(cands), d, (best.entry.guards, e.guards))
+        if not best.same_code and d.other_graph():
+            return Miss(ev, e, "new-graph", tuple(cands), d, note=d.other_graph())
+        return Miss(ev, e, "recompile", tuple(cands), d)
+
+    def misses(self, events: Iterable[CompileEvent], graphs: set[str] | None = None) -> list[Miss]:
+        """Explain each compile (loaded entries are no compiles), of `graphs` only if given."""
+        return [self.explain(ev) for ev in events
+                if not ev.loaded and (graphs is None or ev.graph_key in graphs)]
+
+    def shorts(self, misses: Sequence[Miss] = (), diffs: Sequence[Diff] = ()) -> dict[str, str]:
+        """Short keys of every entry these name."""
+        named = [m.entry for m in misses if m.entry] + [c.entry for m in misses for c in m.nearest]
+        named += [e for d in diffs for e in (d.a, d.b)] + [e for m in misses if m.diff for e in (m.diff.a, m.diff.b)]
+        return self.store.short_keys({e.key: e for e in named}.values())
 
 
-def _input_changes(conn, a: EntryRef, b: EntryRef, da: dict[int, str], db: dict[int, str]
+UNRECORDED_FIELDS = (("torch version", "torch_version"), ("torch build (hash)", "torch_version_hash"),
+                     ("system", "system_hash"), ("signature", "signature"), ("options hash", "options_hash"),
+                     ("device types", "device_types"), ("guards", "guards"))
+
+
+def _torch(e: Any) -> str:
+    version = getattr(e, "torch_version", None)
+    return f"torch {version}" if version else "an older torch"
+
+
+def _inputs(values: dict[str, str]) -> list[str]:
+    """Every example input's value, in input order."""
+    return [values[n] or "" for n in sorted((n for n in values if n.startswith("example_inputs[")), key=_natural)]
+
+
+def _input_changes(all_a: list[str], all_b: list[str], da: dict[int, str], db: dict[int, str]
                    ) -> tuple[list[Change], bool]:
     """Input changes; True when inputs were added or removed (the rest renumbered)."""
-    count_a = _count_inputs(conn, a.id)
-    count_b = _count_inputs(conn, b.id)
-    if count_a == count_b:
+    if len(all_a) == len(all_b):
         out = []
         for i in sorted(set(da) | set(db)):
             fa, fb = parse_input(da.get(i, "")), parse_input(db.get(i, ""))
             out.append(Change("inputs", f"example_inputs[{i}]", input_text(fa), input_text(fb),
                               tuple(changed_fields(fa, fb) or ["beyond the stored value"])))
         return out, False
-    # Different lengths: align the two lists (all inputs, read in one query) by what each input is.
-    va, vb = _all_inputs(conn, a.id), _all_inputs(conn, b.id)
-    pa, pb = [parse_input(v) for v in va], [parse_input(v) for v in vb]
+    # Different lengths: align the two lists by what each input is.
+    pa, pb = [parse_input(v) for v in all_a], [parse_input(v) for v in all_b]
     out = []
     sm = difflib.SequenceMatcher(None, [_coarse(f) for f in pa], [_coarse(f) for f in pb], autojunk=False)
-    for op, i1, i2, j1, j2 in sm.get_opcodes():
-        pairs = list(zip(range(i1, i2), range(j1, j2)))
+    for _, i1, i2, j1, j2 in sm.get_opcodes():
+        pairs = list(zip(range(i1, i2), range(j1, j2), strict=False))  # the shorter side's length
         for i, j in pairs:
-            if va[i] != vb[j]:
+            if all_a[i] != all_b[j]:
                 name = f"example_inputs[{j}]" + ("" if i == j else f" (was [{i}])")
                 out.append(Change("inputs", name, input_text(pa[i]), input_text(pb[j]),
                                   tuple(changed_fields(pa[i], pb[j]) or ["beyond the stored value"])))
@@ -467,17 +564,6 @@ def _input_changes(conn, a: EntryRef, b: EntryRef, da: dict[int, str], db: dict[
         for j in range(j1 + len(pairs), j2):
             out.append(Change("inputs", f"example_inputs[{j}]", None, input_text(pb[j]), ("added",)))
     return out, True
-
-
-def _count_inputs(conn, entry_id: int) -> int:
-    return int(conn.execute(text("SELECT COUNT(*) FROM entry_components WHERE entry_id = :n AND name LIKE "
-                                 "'example\\_inputs[%' ESCAPE '\\'"), {"n": entry_id}).scalar() or 0)
-
-
-def _all_inputs(conn, entry_id: int) -> list[str]:
-    rows = conn.execute(text("SELECT name, value FROM entry_components WHERE entry_id = :n AND name LIKE "
-                             "'example\\_inputs[%' ESCAPE '\\'"), {"n": entry_id}).fetchall()
-    return [v for _, v in sorted(rows, key=lambda r: _natural(r[0]))]
 
 
 def _natural(name: str) -> tuple:
@@ -491,84 +577,59 @@ def _show(value: str | None, h: str | None) -> str | None:
     return value if value else f"(hash {h[:12]})"
 
 
-# -- nearest earlier entries and recent misses --------------------------------------------------
+# -- the summary and the activity counts ------------------------------------------------------------
 
 
-def nearest(conn, cache_id: int, e: EntryRef, k: int = NEAREST) -> list[Candidate]:
-    """The earlier entries closest to E: same graph code first, then the most components shared."""
-    p: dict[str, Any] = {"n": e.id, "t": e.mtime, "cid": cache_id}
-    same = {r[0]: _ref(r) for r in conn.execute(text(SAME_CODE_SQL), p)}
-    varying = conn.execute(text(VARYING_SQL), p).fetchall()
-    close: dict[int, tuple[EntryRef, int]] = {}
-    if varying:
-        conds = []
-        for i, (name, h) in enumerate(varying):
-            conds.append(f"(oc.name = :vn{i} AND oc.hash <> :vh{i})")
-            p.update({f"vn{i}": name, f"vh{i}": h})
-        sql = DIFFERING_SQL.format(varying=" OR ".join(conds))
-        close = {r[0]: (_ref(r), int(r[4])) for r in conn.execute(text(sql), p)}
-    if same:  # rank the same-code entries by how little else differs (absent: nothing does)
-        pool = sorted(same.values(), key=lambda o: (close[o.id][1] if o.id in close else 0, -o.mtime))[: k * 3]
-    else:
-        pool = [o for o, _ in list(close.values())[: k * 3]]
-    out = []
-    for o in pool:  # exact counts for the few left
-        ab = {"a": o.id, "b": e.id}
-        shared = int(conn.execute(text(SHARED_SQL), ab).scalar() or 0)
-        out.append(Candidate(o, o.id in same, shared, int(conn.execute(text(DIFFER_SQL), ab).scalar() or 0)))
-    out.sort(key=lambda c: (not c.same_code, -c.shared, c.differ, -c.entry.mtime))
-    return out[:k]
-
-
-NEW_SQL = f"""
-SELECT {ENTRY_COLS}, ev.ts, ev.seconds, e.guards FROM events ev
-JOIN entries e ON e.cache_id = ev.cache_id AND e.key = ev.entry_key
-WHERE ev.cache_id = :cid AND ev.kind = 'new' AND ev.entry_kind = 'fxgraph' AND ev.ts >= :since AND {FX}
-ORDER BY ev.ts, e.id
-"""
-
-
-def explain_entry(conn, cache_id: int, e: EntryRef, ts: float, seconds: float | None,
-                  guards: str | None = None) -> Miss:
-    cands = nearest(conn, cache_id, e)
-    if not cands:
-        return Miss(e, ts, seconds, "first")
-    # Ties on the component counts are broken by what differs inside them (an input's fields):
-    # a stride-only change is nearer the contiguous original than a dtype+stride one.
-    tied = [c for c in cands if (c.same_code, c.shared, c.differ) == (cands[0].same_code, cands[0].shared,
-                                                                      cands[0].differ)]
-    best, d = min(((c, diff(conn, c.entry, e)) for c in tied), key=lambda cd: cd[1].weight())
-    if best is not cands[0]:
-        cands = [best] + [c for c in cands if c is not best]
-    if d.same:
-        other = conn.execute(text("SELECT guards FROM entries WHERE id = :n"), {"n": best.entry.id}).scalar()
-        return Miss(e, ts, seconds, "guards", tuple(cands), d, (other, guards))
-    if not best.same_code and d.other_graph():
-        return Miss(e, ts, seconds, "new-graph", tuple(cands), d, note=d.other_graph())
-    return Miss(e, ts, seconds, "recompile", tuple(cands), d)
-
-
-def recent_misses(conn, cache_id: int, since: float, graphs: set[str] | None = None) -> list[Miss]:
-    """Explain every new fxgraph entry whose compile event is at or after `since` (epoch seconds)."""
-    out = []
-    for r in conn.execute(text(NEW_SQL), {"cid": cache_id, "since": since}).fetchall():
-        e = _ref(r)
-        if graphs is not None and e.graph_key not in graphs:
-            continue
-        out.append(explain_entry(conn, cache_id, e, float(r[4]), r[5], r[6]))
-    return out
-
-
-def summarize(misses: list[Miss]) -> list[SummaryLine]:
-    """One line per cause: how many graphs it recompiled, and the compile time it cost."""
-    graphs: dict[str, set[str]] = defaultdict(set)
-    seconds: dict[str, float] = defaultdict(float)
+def summarize(misses: Sequence[Miss]) -> list[SummaryLine]:
+    """One line per cause, each compile counted once (a compile with two causes is one line of
+    both): the lines add up to the compiles."""
+    groups: dict[str, list[Miss]] = defaultdict(list)
     for m in misses:
-        for c in m.causes():
-            graphs[c].add(m.entry.key)
-            seconds[c] += m.seconds or 0.0
-    return sorted((SummaryLine(c, len(g), seconds[c]) for c, g in graphs.items()),
-                  key=lambda s: (-s.graphs, -s.seconds, s.cause))
+        groups[m.cause()].append(m)
+    return sorted((SummaryLine(c, len(ms), sum(m.event.seconds or 0.0 for m in ms), ms[0].recompiled)
+                   for c, ms in groups.items()), key=lambda s: (-s.graphs, -s.seconds, s.cause))
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What happened in the cache over a window (or a range of events): the figures `stats`,
+    `explain --summary` and the daemon's metrics print."""
+
+    window: float | None
+    hits: int
+    compiles: int
+    recompiles: int
+    loaded: int
+    compile_seconds: float
+    evictions: int
+    compile_times: tuple[float, ...] = ()  # each compile's seconds, where recorded
+
+    @property
+    def hit_ratio(self) -> float | None:
+        lookups = self.hits + self.compiles
+        return self.hits / lookups if lookups else None
+
+    def as_dict(self) -> dict[str, Any]:
+        ratio = self.hit_ratio
+        return {"window_seconds": self.window, "hits": self.hits, "compiles": self.compiles,
+                "recompiles": self.recompiles, "loaded": self.loaded,
+                "hit_ratio": None if ratio is None else round(ratio, 4),
+                "compile_seconds": round(self.compile_seconds, 3), "evictions": self.evictions}
+
+
+def activity(store: Store, window: float | None = None, after_id: int = 0, upto_id: int | None = None,
+             misses: Sequence[Miss] | None = None) -> Activity:
+    """The activity of the last `window` seconds (or of the events in (after_id, upto_id]).
+    `misses`: the compiles of that range, already explained."""
+    since = None if window is None else time.time() - window
+    events = store.compile_events(since, after_id, upto_id)
+    counts = store.event_counts(since, after_id, upto_id)
+    compiles = [ev for ev in events if not ev.loaded]
+    if misses is None:
+        misses = Explainer(store).misses(compiles) if compiles else []
+    return Activity(window, counts.get("hit", 0), len(compiles), sum(1 for m in misses if m.recompiled),
+                    len(events) - len(compiles), sum(ev.seconds or 0.0 for ev in compiles),
+                    counts.get("evict", 0), tuple(ev.seconds for ev in compiles if ev.seconds is not None))
 
 
 def since_epoch(window: float | None) -> float:
@@ -576,19 +637,6 @@ def since_epoch(window: float | None) -> float:
 
 
 __all__ = [
-    "Candidate",
-    "Change",
-    "Diff",
-    "EntryRef",
-    "Miss",
-    "SummaryLine",
-    "diff",
-    "explain_entry",
-    "group_of",
-    "nearest",
-    "parse_input",
-    "recent_misses",
-    "resolve",
-    "short_key",
-    "summarize",
+    "Activity", "Candidate", "Change", "Diff", "Explainer", "Miss", "SummaryLine", "activity", "changed_fields",
+    "group_of", "input_text", "parse_input", "since_epoch", "summarize",
 ]

@@ -71,10 +71,11 @@ def format_size(n: int | None) -> str:
 
 
 def format_duration(seconds: float | None) -> str:
+    """'14d', '6h', '2.5h', '90s' -> '1.5m': one unit, one decimal at most; parse_duration reads it back."""
     if seconds is None:
         return "-"
     seconds = max(0.0, seconds)
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
+            return f"{seconds / size:.1f}".removesuffix(".0") + unit
     return f"{seconds:.0f}s"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from fixture_caches import fixture_cache, fixture_masters  # noqa: F401 - the fast tier's real caches, for every test
 
 REPO = Path(__file__).resolve().parent.parent
 PROGRAMS = REPO / "tests" / "programs"

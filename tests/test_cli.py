@@ -1,6 +1,10 @@
-"""The CLI from the outside: bad input is one line and an exit code, never a traceback."""
+"""The CLI from the outside: bad input is one line and an exit code, never a traceback; --db
+makes no folder and adds no table to a database that is not cachemgr's."""
 
 from __future__ import annotations
+
+import json
+import sqlite3
 
 import pytest
 
@@ -9,7 +13,7 @@ import pytest
     (["ls", "--larger-than", "12XB"], 2, "invalid size '12XB'"),
     (["ls", "--larger-than", "99999999999999999999999TiB"], 2, "larger than 8 EiB"),
     (["daemon", "--metrics", "99999"], 2, "(port 1-65535)"),
-    (["daemon", "--scan-interval", "0"], 2, "must be at least 1 s"),
+    (["daemon", "--scan-interval", "0"], 2, "must be at least 1s"),
     (["--host", "", "stats"], 2, "must not be empty"),
     (["purge", "--keep-torch", "2.11.0", "--all"], 2, "give --stale too"),
     (["prewarm", "--manifest", "m.toml", "--timeout", "0"], 2, "'--timeout'"),
@@ -17,10 +21,18 @@ import pytest
     (["ls", "--kind", "bogus"], 2, "'bogus' is not one of"),
     (["stats", "--window", "1y"], 2, "invalid duration"),
     (["show", "nosuchkey"], 3, "no entry 'nosuchkey'"),
+    (["pin", "nosuchkey"], 3, "no entry 'nosuchkey'"),
+    (["unpin", "nosuchkey"], 3, "'nosuchkey' is not pinned"),
+    (["ls", "--graph", "fnosuchgraph"], 3, "no entry 'fnosuchgraph'"),
+    (["ls", "--graph", "f", "--model", "m"], 2, "give --graph or --model, not both"),
+    (["explain", "--model", "nosuch"], 3, "no recorded shapes for model 'nosuch'"),
+    (["purge", "--model", "nosuch", "--yes"], 3, "no recorded shapes for model 'nosuch'"),
+    (["purge", "--all", "-q"], 2, "give --yes or --dry-run too"),
+    (["stats", "--fleet", "--by", "model"], 2, "--by model is per cache"),
     (["frobnicate"], 2, "No such command"),
 ])
-def test_bad_input_is_one_line(cpu_cache, cli_for, args, code, message):
-    cli = cli_for(cpu_cache)
+def test_bad_input_is_one_line(fixture_cache, cli_for, args, code, message):
+    cli = cli_for(fixture_cache())
     cli("scan")
     r = cli.proc(*args)
     assert r.returncode == code, r.stderr
@@ -31,12 +43,14 @@ def test_bad_input_is_one_line(cpu_cache, cli_for, args, code, message):
 
 def test_missing_cache_dir(tmp_path, cli_for):
     r = cli_for(tmp_path / "nope").proc("scan")
-    assert r.returncode == 4 and r.stderr.strip() == f"cachemgr: error: cache directory {tmp_path / 'nope'} does not exist (set --cache-dir or TORCHINDUCTOR_CACHE_DIR)"
+    assert r.returncode == 4 and r.stderr.strip() == (f"cachemgr: error: cache directory {tmp_path / 'nope'} does not "
+                                                      "exist (set --cache-dir or TORCHINDUCTOR_CACHE_DIR)")
 
 
-def test_bad_db_url(cpu_cache, cli_for):
-    r = cli_for(cpu_cache, db="postgresql+psycopg://nobody@127.0.0.1:1/none").proc("scan")
-    assert r.returncode == 5 and "Traceback" not in r.stderr and r.stderr.startswith("cachemgr: error: cannot open the index")
+def test_bad_db_url(fixture_cache, cli_for):
+    r = cli_for(fixture_cache(), db="postgresql+psycopg://nobody@127.0.0.1:1/none").proc("scan")
+    assert r.returncode == 5 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("cachemgr: error: cannot open the index")
 
 
 def test_a_database_failure_mid_command_is_one_line(gpu_cache, cli_for, db_url):
@@ -49,7 +63,8 @@ def test_a_database_failure_mid_command_is_one_line(gpu_cache, cli_for, db_url):
     cli("scan")
     path = db_url.split(":///", 1)[1]
     with sqlite3.connect(path) as c:
-        c.execute("CREATE TRIGGER refuse BEFORE INSERT ON entries BEGIN SELECT RAISE(ABORT, 'disk quota exceeded'); END")
+        c.execute("CREATE TRIGGER refuse BEFORE INSERT ON entries BEGIN "
+                  "SELECT RAISE(ABORT, 'disk quota exceeded'); END")
     (gpu_cache / "zz").mkdir()
     (gpu_cache / "zz" / ("cz" + "q" * 50 + ".py")).write_text("# a new generated module\n")
     r = cli.proc("scan")
@@ -62,12 +77,10 @@ def test_a_database_failure_mid_command_is_one_line(gpu_cache, cli_for, db_url):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_stats_scans_a_never_scanned_cache(cpu_cache, cli_for):
-    cli = cli_for(cpu_cache)
+def test_stats_scans_a_never_scanned_cache(fixture_cache, cli_for):
+    cli = cli_for(fixture_cache())
     r = cli("stats", "--json")
     assert "never scanned" in r.stderr
-    import json
-
     assert json.loads(r.stdout)["entries"] > 0
 
 
@@ -75,13 +88,18 @@ def test_human_output(gpu_cache, cli_for):
     cli = cli_for(gpu_cache)
     assert "262 added" in cli("scan").stdout
     out = cli("stats").stdout
-    assert "triton" in out and "total" in out and "hit ratio" in out
+    assert "triton" in out and "total" in out and "hit ratio" in out and "(no max_size)" in out
     out = cli("ls", "--kind", "fxgraph", "--sort", "cost").stdout
-    assert "fxgraph/" in out and "cuda:0" in out
-    assert "needs triton" in cli("show", cli.json("ls", "--kind", "fxgraph")[0]["key"]).stdout
-    piped = cli("ls").stdout.splitlines()  # not a terminal: whole keys, first on their line, to paste
-    assert {line.split()[0] for line in piped[1:]} == {e["key"] for e in cli.json("ls")}
+    listed = cli.json("ls", "--kind", "fxgraph", "--sort", "cost")
+    assert [line.split()[0] for line in out.splitlines()[1:-1]] == [e["short"] for e in listed]
+    assert "cuda:0" in out and out.splitlines()[-1] == "6 entries, 13.2 MiB"
+    shown = cli("show", listed[0]["short"]).stdout
+    assert "needs" in shown and "triton 62" in shown and f"key           {listed[0]['key']}" in shown
+    piped = cli("ls", "--wide").stdout.splitlines()  # --wide: whole keys, first on their line, to paste
+    assert {line.split()[0] for line in piped[1:-1]} == {e["key"] for e in cli.json("ls")}
+    assert cli("ls", "-q").stdout.split() == [e["short"] for e in cli.json("ls")]
     assert "no entries match" in cli("ls", "--larger-than", "1TiB").stdout
+    assert cli("ls", "--kind", "lock").stdout.startswith("no entries match")
 
 
 def test_cache_dir_precedence(tmp_path, monkeypatch):
@@ -152,3 +170,78 @@ def test_bare_command_prints_its_help():
     r = subprocess.run([sys.executable, "-m", "cachemgr"], capture_output=True, text=True, env=subprocess_env(),
                        timeout=60, check=False)
     assert r.returncode == 0 and r.stdout.startswith("Usage: cachemgr") and "scan" in r.stdout and r.stderr == ""
+
+
+def test_show_compile_time_and_hostile_guards(gpu_cache, cli_for, db_url):
+    """Numbers as people read them; a guard string with terminal escapes is shown escaped, never sent."""
+    cli = cli_for(gpu_cache)
+    cli("scan")
+    fx = cli.json("ls", "--kind", "fxgraph", "--sort", "cost")[0]
+    with sqlite3.connect(db_url.split(":///", 1)[1]) as c:
+        c.execute("UPDATE entries SET guards = ? WHERE key = ?", ("L['x'] > 2\x1b]0;pwned\x07\x1b[2J", fx["key"]))
+    out = cli("show", fx["short"]).stdout
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b]0;pwned" in out
+    assert f"compile time  {fx['compile_seconds']:.2f}s" in out and str(fx["compile_seconds"]) not in out
+
+
+def test_db_never_makes_a_folder_or_joins_a_foreign_database(fixture_cache, cli_for, tmp_path):
+    root = fixture_cache()
+    missing = tmp_path / "no" / "such" / "dir" / "x.db"
+    r = cli_for(root, db=f"sqlite:///{missing}").proc("scan")
+    assert r.returncode == 5 and "does not exist: cachemgr creates only its default state folder" in r.stderr
+    assert not (tmp_path / "no").exists()
+    foreign = tmp_path / "app.db"
+    with sqlite3.connect(foreign) as c:
+        c.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    r = cli_for(root, db=f"sqlite:///{foreign}").proc("stats")
+    assert r.returncode == 5 and "holds tables that are not cachemgr's (users): refusing" in r.stderr, r.stderr
+    with sqlite3.connect(foreign) as c:
+        assert [t for (t,) in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["users"]
+    # a '#' and a '?'-free odd name in a SQLite path is part of the name: no stray file beside it
+    odd = tmp_path / "odd#dir"
+    odd.mkdir()
+    cli = cli_for(root, db=f"sqlite:///{odd / 'i#x.db'}")
+    cli("scan")
+    assert json.loads(cli.proc("stats", "--json").stdout)["entries"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["app.db"]
+    assert (odd / "i#x.db").is_file()
+
+
+def test_default_state_folder_is_created(fixture_cache, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    env = subprocess_env(XDG_STATE_HOME=str(tmp_path / "xdg"))
+    r = subprocess.run([sys.executable, "-m", "cachemgr", "--cache-dir", str(fixture_cache()), "scan"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "xdg" / "cachemgr" / "index.db").is_file()
+
+
+def test_missing_cache_dir_is_exit_4_for_every_reader(tmp_path, cli_for):
+    cli = cli_for(tmp_path / "nope")
+    for args in (["ls"], ["stats"], ["show", "fabcdefgh"], ["explain"]):
+        r = cli.proc(*args)
+        assert r.returncode == 4 and "does not exist" in r.stderr, (args, r.stderr)
+
+
+def test_shell_completion(fixture_cache, cli_for):
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    cli = cli_for(fixture_cache())
+    cli("scan")
+    assert "_CACHEMGR_COMPLETE=bash_complete" in cli("completion", "bash").stdout
+    short = cli.json("ls", "--kind", "fxgraph")[0]["short"]
+    env = subprocess_env(_CACHEMGR_COMPLETE="bash_complete", COMP_WORDS=f"cachemgr {' '.join(cli.base())} show "
+                         + short[:5], COMP_CWORD=str(len(cli.base()) + 2))
+    r = subprocess.run([sys.executable, "-m", "cachemgr"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and f"plain,{short}" in r.stdout.splitlines(), r.stdout + r.stderr
+    env["COMP_WORDS"] = "cachemgr st"
+    env["COMP_CWORD"] = "1"
+    r = subprocess.run([sys.executable, "-m", "cachemgr"], env=env, capture_output=True, text=True, timeout=60)
+    assert {"plain,stats", "plain,show"} <= set(r.stdout.splitlines()) or "plain,stats" in r.stdout, r.stdout

@@ -29,7 +29,7 @@ def compile_variant(cache_dir, *args: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def variants_master(tmp_path_factory):
+def variants_master(tmp_path_factory):  # compiles: every test that uses it is in the slow tier
     root = tmp_path_factory.mktemp("explain-cache") / "inductor"
     for name, args in RUNS:
         counters = compile_variant(root, *args)
@@ -66,6 +66,7 @@ def changes(miss) -> list[dict]:
     return [c for cs in miss["diff"]["groups"].values() for c in cs]
 
 
+@pytest.mark.slow
 def test_each_variant_names_exactly_its_component(variants, cli_for):
     cli = cli_for(variants)
     runs = by_run(explained(cli))
@@ -99,18 +100,20 @@ def test_each_variant_names_exactly_its_component(variants, cli_for):
     assert "+    tanh = torch.ops.aten.tanh.default(add);  add = None" in lines
 
 
+@pytest.mark.slow
 def test_training_graphs_compare_forward_with_forward(variants, cli_for):
     runs = by_run(explained(cli_for(variants)))
     fwd, bwd = runs["train-base"]
     # a training forward is another graph than the inference one; its backward another again
     assert fwd["verdict"] == bwd["verdict"] == "new-graph"
     assert "a training graph" in fwd["note"] and "a backward graph" in bwd["note"]
-    for m, twin in zip(runs["train-option"], runs["train-base"]):
+    for m, twin in zip(runs["train-option"], runs["train-base"], strict=True):
         assert m["verdict"] == "recompile" and m["nearest"][0]["key"] == twin["key"]
         assert m["nearest"][0]["same_code"] is True
         assert [c["name"] for c in changes(m)] == ["inductor_config[epilogue_fusion]"]
 
 
+@pytest.mark.slow
 def test_summary_one_line_per_cause(variants, cli_for):
     cli = cli_for(variants)
     cli("scan")
@@ -125,11 +128,18 @@ def test_summary_one_line_per_cause(variants, cli_for):
         "compiled, unlike any earlier graph": 2,
         "compiled for the first time in this cache": 1,
     }
+    assert sum(counts.values()) == doc["compiles"] == 9  # each compile counted once
+    assert doc["recompiles"] == 6 == sum(s["graphs"] for s in doc["summary"] if s["recompile"])
     text = cli("explain", "--summary", "--since", "1d").stdout
+    assert "summary: 9 compiles in the last 1d, 6 recompiles" in text
     assert "3 graphs recompiled because inductor_config[epilogue_fusion] changed" in text
     assert "1 graph recompiled because an input's stride changed" in text
+    # stats counts the same compiles and recompiles
+    act = cli.json("stats")["activity"]
+    assert (act["compiles"], act["recompiles"], act["loaded"]) == (9, 6, 0)
 
 
+@pytest.mark.slow
 def test_diff_command(variants, cli_for):
     cli = cli_for(variants)
     runs = by_run(explained(cli))
@@ -144,8 +154,12 @@ def test_diff_command(variants, cli_for):
     assert "1 differs" in out and "the graph code (gm) changed" in out and "+    tanh" in out
     r = cli.proc("diff", base["key"], "fnosuchgraph")
     assert r.returncode == 3 and r.stderr.count("\n") == 1 and "no fxgraph entry 'fnosuchgraph'" in r.stderr
+    aot = cli.json("ls", "--kind", "aotautograd")[0]
+    r = cli.proc("diff", base["key"], aot["short"])
+    assert r.returncode == 2 and "it is a aotautograd entry; only fxgraph entries have hash components" in r.stderr
 
 
+@pytest.mark.slow
 def test_explain_one_graph(variants, cli_for):
     cli = cli_for(variants)
     runs = by_run(explained(cli))
@@ -154,10 +168,11 @@ def test_explain_one_graph(variants, cli_for):
     assert [m["key"] for m in doc["misses"]] == [dtype["key"]]
     out = cli("explain", "--since", "1d", "--graph", dtype["short"]).stdout
     assert "example_inputs[0]: dtype changed" in out and "float64[8, 16]" in out
-    assert "no fxgraph entry 'fnosuchgraph'" in cli("explain", "--graph", "fnosuchgraph", code=3).stderr
+    assert "no entry 'fnosuchgraph'" in cli("explain", "--graph", "fnosuchgraph", code=3).stderr
     assert "no compiles in the last 1s" in cli("explain", "--since", "1s", "--graph", dtype["short"]).stdout
 
 
+@pytest.mark.slow
 def test_explain_model_through_recorded_shapes(variants, cli_for, db_url):
     cli = cli_for(variants)
     runs = by_run(explained(cli))
@@ -174,6 +189,7 @@ def test_explain_model_through_recorded_shapes(variants, cli_for, db_url):
     assert [m["key"] for m in doc["misses"]] == [runs["dtype"][0]["key"]]
 
 
+@pytest.mark.slow
 def test_same_key_new_guard_set(variants, cli_for):
     """A second entry under one graph key (another guard set) has the same components."""
     cli = cli_for(variants)
@@ -229,6 +245,57 @@ def test_parse_input_and_groups():
     assert changed_fields(static, f) == ["shape (dynamic)"]
     assert changed_fields(dict(f, device="cuda:1"), f) == ["device"]
     assert parse_input("('s33',)") == {"scalar": "s33"}
-    assert [group_of(n) for n in ("gm", "example_inputs[3]", "fx_kwargs[is_backward]", "inductor_config[debug]",
-                                  "torch_version", "system_info[device]", "cuda_matmul_settings", "post_grad_custom_pre_pass")] == \
+    names = ("gm", "example_inputs[3]", "fx_kwargs[is_backward]", "inductor_config[debug]", "torch_version",
+             "system_info[device]", "cuda_matmul_settings", "post_grad_custom_pre_pass")
+    assert [group_of(n) for n in names] == \
         ["code", "inputs", "options", "options", "environment", "environment", "environment", "options"]
+
+
+def test_not_recorded_is_said_never_guessed(fixture_cache, cli_for):
+    """torch 2.5.1 records no hash components: diff says so and compares only what both record;
+    explain says why is not recorded. Never 'same hash components' for such entries."""
+    cli = cli_for(fixture_cache("mixed-2.5.1-2.13.0-cpu"))
+    cli("scan")
+    fx = cli.json("ls", "--kind", "fxgraph")
+    old = [e for e in fx if e["unrecorded"] and "hash components" in e["unrecorded"]]
+    new = [e for e in fx if not e["unrecorded"]]
+    assert old and new
+    assert "not recorded  hash components, torch version string" in cli("show", old[0]["short"]).stdout
+    d = cli.json("diff", old[0]["short"], old[1]["short"])
+    assert d["same"] is False and d["not_recorded"] and d["shared"] == 0
+    assert all(g == "entry" for g in d["groups"])
+    out = cli("diff", old[0]["short"], old[1]["short"]).stdout
+    assert "not recorded by A" in out and "same hash components" not in out
+    out = " ".join(cli("diff", old[0]["short"], new[0]["short"]).stdout.split())  # as one line: prose wraps
+    assert "hash components: not recorded by A (torch " in out and "only what both record is compared" in out
+    assert "torch version" in out and "B: 2.13.0+cpu" in out
+    doc = cli.json("explain", "--since", "3650d", "--limit", "100")
+    verdicts = {m["key"]: m["verdict"] for m in doc["misses"]}
+    assert {verdicts[e["key"]] for e in old} <= {"first", "unrecorded", "guards"}
+    assert "unrecorded" in verdicts.values()
+    assert all(not m["recompile"] for m in doc["misses"] if m["verdict"] == "unrecorded")
+    text = " ".join(cli("explain", "--since", "3650d").stdout.split())
+    assert "records no hash components, so why it missed is unknown" in text
+
+
+def test_a_copied_entry_is_loaded_not_compiled(fixture_cache, cli_for):
+    """An entry whose bytes the index knew before it appeared (an import, a remote fill, a copy)
+    is loaded: no compile, in stats and explain alike."""
+    import shutil
+
+    root = fixture_cache("torch-2.13.0-cpu")
+    cli = cli_for(root)
+    cli("scan")
+    before = cli.json("stats", "--window", "3650d")["activity"]
+    fx = cli.json("ls", "--kind", "fxgraph")[0]
+    other = root.parent / "other"  # the same entry file in another cache of the index
+    (other / fx["key"]).parent.mkdir(parents=True)
+    shutil.copy2(root / fx["key"], other / fx["key"])
+    twin = cli_for(other)
+    twin("scan")
+    act = twin.json("stats", "--window", "3650d")["activity"]
+    assert (act["compiles"], act["loaded"]) == (0, 1), act
+    doc = twin.json("explain", "--since", "3650d")
+    assert doc["compiles"] == 0 and doc["loaded"] == 1
+    assert "1 entries loaded" in twin("explain", "--since", "3650d").stdout
+    assert cli.json("stats", "--window", "3650d")["activity"] == before  # the first cache's compiles stay

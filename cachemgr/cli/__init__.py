@@ -1,8 +1,11 @@
 """The cachemgr command line: a flat click group. Commands parse, call the library, print.
 
 Errors raised below this layer are CachemgrError subclasses; `main` turns each into one line on
-stderr and the exit code of its class. Nothing heavy is imported at module level: `stats` on the
-embedded default must answer in well under 0.2 s, and no inspection command may import torch.
+stderr and the exit code of its class (an ambiguous key also lists its candidates). Nothing heavy
+is imported at module level: `stats` on the embedded default must answer in well under 0.2 s,
+and no inspection command may import torch.
+
+Shell completion is click's: `cachemgr completion bash` prints the script to source.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import click
 from cachemgr import __version__
 from cachemgr.cli.common import App
 from cachemgr.errors import CachemgrError, DatabaseError
+from cachemgr.index.store import AmbiguousKey
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -37,9 +41,30 @@ def cli(ctx: click.Context, cache_dir: str | None, db: str | None, host: str | N
         cachemgr scan                      # index the cache
         cachemgr stats                     # what is in it
         cachemgr ls --kind fxgraph --sort cost --limit 10
-        cachemgr show fxyz...              # one entry in full
+        cachemgr show fgv4ud3t             # one entry in full, by the short key ls printed
     """
     ctx.obj = App(config_file, {"cache_dir": cache_dir, "db": db, "host": host})
+
+
+SHELLS = ("bash", "zsh", "fish")
+COMPLETE_VAR = "_CACHEMGR_COMPLETE"
+
+
+@click.command()
+@click.argument("shell", type=click.Choice(SHELLS))
+def completion(shell: str) -> None:
+    """Print the shell completion script (commands, options, and the index's keys).
+
+    \b
+    Example:
+        eval "$(cachemgr completion bash)"          # in ~/.bashrc
+        cachemgr completion fish > ~/.config/fish/completions/cachemgr.fish
+    """
+    from click.shell_completion import get_completion_class
+
+    cls = get_completion_class(shell)
+    assert cls is not None
+    click.echo(cls(cli, {}, "cachemgr", COMPLETE_VAR).source())
 
 
 def _register() -> None:
@@ -48,13 +73,33 @@ def _register() -> None:
     for module in (inspect, evict, daemon, prewarm, explain, fleet):
         for command in module.COMMANDS:
             cli.add_command(command)
+    cli.add_command(completion)
 
 
 _register()
 
 
+def _say_ambiguous(e: AmbiguousKey) -> None:
+    """The candidates of an ambiguous key, as git lists them: short key, kind, size, what it is."""
+    from cachemgr.cli.common import Col, human_size, render_table, terminal_width
+
+    click.echo("cachemgr: the candidates are:", err=True)
+    rows = [(e.shorts.get(c.key, c.key), c.kind, human_size(c.bytes), c.signature or c.graph_key or "")
+            for c in e.candidates]
+    width = terminal_width()
+    for line in render_table([Col(""), Col(""), Col("", True), Col("", cut=True)], rows,
+                             None if width is None else width - 2)[1:]:
+        click.echo("  " + line, err=True)
+    if e.more:
+        click.echo("  ...", err=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the group, funnel every error into one line and an exit code."""
+    if os.environ.get(COMPLETE_VAR):
+        from click.shell_completion import shell_complete
+
+        sys.exit(shell_complete(cli, {}, "cachemgr", COMPLETE_VAR, os.environ[COMPLETE_VAR]))
     app: App | None = None
     try:
         with cli.make_context("cachemgr", list(sys.argv[1:] if argv is None else argv)) as ctx:
@@ -77,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         code = 130
     except CachemgrError as e:
         click.echo(f"cachemgr: error: {e}", err=True)
+        if isinstance(e, AmbiguousKey):
+            _say_ambiguous(e)
         code = e.exit_code
     except BrokenPipeError:
         code = 0

@@ -1,12 +1,16 @@
-"""What every command shares: the App context, parameter types, output helpers."""
+"""What every command shares: the App context, parameter types, options, and output for people
+(tables that fit the terminal, keys in one short form) and for programs (--json)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -24,7 +28,7 @@ class App:
         self.flags = flags
         self._settings: config.Settings | None = None
         self._db = None
-        self._cache_id: int | None = None
+        self._store = None
 
     @property
     def settings(self) -> config.Settings:
@@ -37,18 +41,34 @@ class App:
         return config.load(self.config_file, {**self.flags, **flags})
 
     @property
-    def db(self):  # -> cachemgr.index.db.Database
+    def db(self):  # -> cachemgr.index.Database
         if self._db is None:
-            from cachemgr.index.db import Database
+            from cachemgr.index import Database
 
-            self._db = Database(self.settings.db)
+            # --db (flag, variable, file) names a database to use, not one to make a place for
+            self._db = Database(self.settings.db, create_folder=self.settings.sources["db"] == "default")
         return self._db
 
     @property
     def cache_id(self) -> int:
-        if self._cache_id is None:
-            self._cache_id = self.db.cache_id(self.settings.host, self.settings.cache_dir)
-        return self._cache_id
+        return self.store.cache_id
+
+    @property
+    def store(self):  # -> cachemgr.index.Store
+        """The index of this cache, read through SQLAlchemy (any database)."""
+        if self._store is None:
+            from cachemgr.index import Store
+
+            self._store = Store.of(self.db, self.settings.host, self.settings.cache_dir)
+        return self._store
+
+    def quick_store(self):  # -> cachemgr.index.Store | None
+        """The embedded SQLite index of a scanned cache, read without SQLAlchemy (None otherwise)."""
+        from cachemgr.index.revision import HEAD_REVISION
+        from cachemgr.index.store import Store, sqlite_path
+
+        path = sqlite_path(self.settings.db)
+        return None if path is None else Store.sqlite(path, HEAD_REVISION, self.settings.host, self.settings.cache_dir)
 
     def close(self) -> None:
         if self._db is not None:
@@ -78,36 +98,171 @@ class DurationType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-SIZE, DURATION = SizeType(), DurationType()
+class KeyType(click.ParamType):
+    """A key as any command prints it; the shell completes the short keys of the index."""
+
+    name = "KEY"
+
+    def shell_complete(self, ctx: click.Context, param: click.Parameter, incomplete: str) -> list:
+        from click.shell_completion import CompletionItem
+
+        from cachemgr.index import Filters
+
+        # completing, click parses without running the group's callback: the App is made here
+        root = ctx.find_root().params
+        app = App(root.get("config_file"), {k: root.get(k) for k in ("cache_dir", "db", "host")})
+        try:
+            store = app.quick_store()
+            if store is None:
+                return []  # only a scanned embedded index is read: completing must be quick and write nothing
+            entries = store.entries(Filters(sort="name", locks=True))
+            shorts = store.short_keys(entries)
+        except Exception:  # noqa: BLE001 - completion must never print an error into the shell
+            return []
+        finally:
+            app.close()
+        return [CompletionItem(s, help=e.kind) for e in entries if (s := shorts[e.key]).startswith(incomplete)][:200]
+
+
+SIZE, DURATION, KEY = SizeType(), DurationType(), KeyType()
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for programs instead of a table.")
+quiet_option = click.option("-q", "--quiet", is_flag=True,
+                            help="Print keys only, one a line (to pipe into pin, unpin, show or purge --key).")
+wide_option = click.option("--wide", "--no-truncate", "wide", is_flag=True,
+                           help="Full keys, and no column cut to fit the terminal.")
+model_option = click.option("--model", metavar="NAME",
+                            help="Only the graphs of this model (its shapes recorded by cachemgr.record).")
 
 
 def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=False, default=str))
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
-    """A table for people (rich), sized to the terminal. Piped, nothing is cut: keys stay whole,
-    to be pasted into `show` or `pin`."""
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
+# -- text for people ----------------------------------------------------------------------------------
 
-    t = Table(box=None, header_style="bold", pad_edge=False)
-    for h in headers:
-        t.add_column(h, no_wrap=True, overflow="ellipsis")
-    for r in rows:
-        t.add_row(*(Text("" if v is None else str(v)) for v in r))  # Text: '[s0, 32]' is not markup
+
+def clean(text: Any) -> str:
+    """Text safe to print: control characters and escape sequences shown as \\x.., never sent."""
+    s = "" if text is None else str(text)
+    if s.isprintable():
+        return s
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in s)
+
+
+def terminal_width() -> int | None:
+    """Columns to fit output into: $COLUMNS, else the terminal's; None when stdout is not a
+    terminal (a pipe or a file): then nothing is cut."""
+    env = os.environ.get("COLUMNS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return None
+
+
+def text_width() -> int:
+    """Columns for wrapped prose (explain, diff): the terminal's, or 80."""
+    return max(40, terminal_width() or 80)
+
+
+@dataclass(frozen=True)
+class Col:
+    """A table column. Only `cut` columns are shortened (with …) to fit the terminal: keys,
+    sizes, ages and counts are always shown whole."""
+
+    header: str
+    right: bool = False
+    cut: bool = False
+    min: int = 10  # a cut column keeps at least this many characters
+
+
+GAP = "  "
+
+
+def render_table(cols: Sequence[Col], rows: Sequence[Sequence[Any]], width: int | None) -> list[str]:
+    """The lines of a table at most `width` columns wide (None: as wide as its cells)."""
+    from rich.cells import cell_len, set_cell_size
+
+    cells = [[clean(v) for v in row] for row in rows]
+    natural = [max([cell_len(c.header)] + [cell_len(r[i]) for r in cells]) for i, c in enumerate(cols)]
+    widths = list(natural)
+    if width is not None:
+        over = sum(widths) + len(GAP) * (len(cols) - 1) - width
+        cut = [i for i, c in enumerate(cols) if c.cut]
+        while over > 0:  # a character at a time from the widest cut column, down to its minimum
+            shrinkable = [i for i in cut if widths[i] > min(cols[i].min, natural[i])]
+            if not shrinkable:
+                break
+            widths[max(shrinkable, key=lambda i: widths[i])] -= 1
+            over -= 1
+
+    def fit(text: str, i: int) -> str:
+        if cell_len(text) > widths[i]:
+            text = set_cell_size(text, widths[i] - 1) + "…"
+        pad = " " * (widths[i] - cell_len(text))
+        return pad + text if cols[i].right else text + pad
+
+    lines = [GAP.join(fit(c.header, i) for i, c in enumerate(cols))]
+    lines += [GAP.join(fit(r[i], i) for i in range(len(cols))) for r in cells]
+    return [line.rstrip() for line in lines]
+
+
+def table(cols: Sequence[Col], rows: Sequence[Sequence[Any]], wide: bool = False, title: str | None = None) -> None:
+    """Print a table fitted to the terminal (whole when `wide` or piped)."""
     if title:
         click.echo(title)
-    if sys.stdout.isatty():
-        Console(soft_wrap=False).print(t)
-        return
-    console = Console(soft_wrap=False, width=1 << 16)
-    with console.capture() as out:
-        console.print(t)
-    click.echo("\n".join(line.rstrip() for line in out.get().splitlines()))
+    for line in render_table(cols, rows, None if wide else terminal_width()):
+        click.echo(line)
+
+
+def fields_block(pairs: Sequence[tuple[str, Any]], wrap: bool = True) -> list[str]:
+    """'label   value' lines, labels aligned (empty values left out); long values wrap under
+    their column to fit the terminal."""
+    import textwrap
+
+    pairs = [(k, clean(v)) for k, v in pairs if v not in (None, "")]
+    if not pairs:
+        return []
+    pad = max(len(k) for k, _ in pairs) + 2
+    width = terminal_width() if wrap else None
+    out = []
+    for k, v in pairs:
+        if width is None or len(v) + pad <= width:
+            out.append(f"{k:<{pad}}{v}")
+        else:
+            out.extend(textwrap.wrap(v, width, initial_indent=f"{k:<{pad}}", subsequent_indent=" " * pad,
+                                     break_on_hyphens=False, break_long_words=False) or [k])
+    return out
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """'1 entry', '2 entries', '1 host', '0 hosts'."""
+    if n == 1:
+        return f"1 {word}"
+    return f"{n:,} {many or (word[:-1] + 'ies' if word.endswith('y') else word + 's')}"
+
+
+def human_size(n: int | None) -> str:
+    return format_size(n)
+
+
+def age(ts: float | None) -> str:
+    return "-" if ts is None else format_duration(time.time() - ts)
+
+
+def seconds(s: float | None) -> str:
+    """A compile time as people read it: '0.96s', '11.84s', '2.3m'."""
+    if s is None:
+        return "-"
+    return f"{s:.2f}s" if s < 60 else format_duration(s)
+
+
+def short(text: str | None, width: int | None) -> str:
+    """`text` cut to `width` characters with an ellipsis (whole when width is None)."""
+    if not text:
+        return ""
+    return text if width is None or len(text) <= width else text[: width - 1] + "…"
 
 
 def ingest_spool(app) -> None:
@@ -119,21 +274,6 @@ def ingest_spool(app) -> None:
             click.echo(f"cachemgr: spool: skipped {bad}", err=True)
 
 
-def human_size(n: int | None) -> str:
-    return format_size(n)
-
-
-def age(ts: float | None) -> str:
-    return "-" if ts is None else format_duration(time.time() - ts)
-
-
-def short(text: str | None, width: int | None) -> str:
-    """`text` cut to `width` characters with an ellipsis (whole when width is None)."""
-    if not text:
-        return ""
-    return text if width is None or len(text) <= width else text[: width - 1] + "…"
-
-
 @contextmanager
 def progress_bar(label: str, enabled: bool | None = None) -> Iterator[Callable[[int, int], None] | None]:
     """A progress callback (done, total) drawn on stderr when it is a terminal; None otherwise."""
@@ -142,9 +282,8 @@ def progress_bar(label: str, enabled: bool | None = None) -> Iterator[Callable[[
     if not enabled:
         yield None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
     from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     with Progress(f"[bold]{label}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as p:

@@ -4,13 +4,33 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 
 import click
 
-from cachemgr.cli.common import DURATION, SIZE, emit_json, human_size, json_option, pass_app, table
+from cachemgr import fingerprint
+from cachemgr.cli.common import (
+    DURATION,
+    KEY,
+    SIZE,
+    Col,
+    age,
+    clean,
+    emit_json,
+    human_size,
+    json_option,
+    model_option,
+    pass_app,
+    plural,
+    quiet_option,
+    table,
+    wide_option,
+)
 from cachemgr.errors import NotFound, UsageError
 from cachemgr.layout import KINDS
+from cachemgr.vocab import Held, Kind
 
 SHOWN = 20  # plan lines printed for people; --json has them all
 RECENT_HITS = 7 * 86400  # purge --stale: torch versions hit this recently are still in use
@@ -37,31 +57,75 @@ def _locked_and_scanned(app):
         yield root
 
 
-HELD = {"grace": "in use within the grace period", "pinned": "pinned"}  # why a wanted entry was kept
+def held_text(reasons: Sequence[str], grace: float) -> str:
+    """'2 pinned, 1 in use within the grace period': why entries a plan wanted were kept."""
+    words = {Held.PINNED: "pinned", Held.GRACE: "in use within the grace period", Held.UNPARSED: "not parsed yet"}
+    return ", ".join(f"{n:,} {words.get(why, why)}" for why, n in sorted(Counter(reasons).items()))
 
 
-def _print_plan(p, verb: str) -> None:
+def _shorts(app, rows, keys: Sequence[str], wide: bool) -> dict[str, str]:
+    """key -> the form to print (short, or whole with --wide) of these planned entries."""
+    if wide:
+        return {k: k for k in keys}
+    by_key = {r.key: r for r in rows}
+    return app.store.short_keys(by_key[k] for k in keys if k in by_key)
+
+
+def _print_plan(app, p, rows, verb: str, wide: bool) -> None:
     entries = p.entries
     if not entries:
         return
-    table(("key", "kind", "bytes", "why"),
-          [(e.key, e.kind, human_size(e.bytes), e.reason) for e in entries[:SHOWN]])
+    shorts = _shorts(app, rows, [e.key for e in entries[:SHOWN]], wide)
+    again = f" ({human_size(p.recreatable_bytes)} of it recreated on the next hit)" if p.recreatable_bytes else ""
+    click.echo(f"plan: {verb} {plural(len(entries), 'entry')}, {human_size(p.expected_freed_bytes)}{again}")
+    table([Col("key"), Col("kind"), Col("bytes", True), Col("why")],
+          [(shorts.get(e.key, e.key), e.kind, human_size(e.bytes), e.reason) for e in entries[:SHOWN]], wide=wide)
     if len(entries) > SHOWN:
-        click.echo(f"... and {len(entries) - SHOWN} more")
-    click.echo(f"plan: {verb} {len(entries)} entries, {human_size(p.expected_freed_bytes)} expected"
-               + (f" ({human_size(p.recreatable_bytes)} recreated on the next hit)" if p.recreatable_bytes else ""))
+        click.echo(f"... and {len(entries) - SHOWN:,} more (--json lists them all)")
 
 
-def _print_result(r, cache_dir: str) -> None:
+def _print_result(r, cache_dir: str, grace: float) -> None:
     if r.dry_run:
-        click.echo(f"dry run: would free {human_size(r.freed_bytes)} in {r.evicted} entries; nothing deleted")
+        click.echo(f"dry run: would free {human_size(r.freed_bytes)} in {plural(r.evicted, 'entry')}; nothing deleted")
     else:
-        click.echo(f"evicted {r.evicted} entries, freed {human_size(r.freed_bytes)}; "
+        click.echo(f"evicted {plural(r.evicted, 'entry')}, freed {human_size(r.freed_bytes)}; "
                    f"{human_size(r.remaining_bytes)} left in {cache_dir}")
+    if r.skipped:
+        click.echo(f"kept {plural(len(r.skipped), 'entry')}: {held_text([why for _, why in r.skipped], grace)}")
     for key, reason in r.skipped[:SHOWN]:
-        click.echo(f"kept {key}: {reason}", err=True)
+        click.echo(f"kept {clean(key)}: {reason}", err=True)
     if len(r.skipped) > SHOWN:
-        click.echo(f"kept {len(r.skipped) - SHOWN} more", err=True)
+        click.echo(f"kept {len(r.skipped) - SHOWN:,} more", err=True)
+
+
+def _print_keys(app, rows, keys: Sequence[str], wide: bool) -> None:
+    shorts = _shorts(app, rows, keys, wide)
+    for k in keys:
+        click.echo(shorts.get(k, k))
+
+
+def _model_rows(app, rows, model: str):
+    """Rows where only the model's graphs (their AOT entries, and what only they need) may go:
+    every other entry is kept as if pinned, with what it needs. The keys that may go."""
+    from cachemgr.evict.policy import Graph
+
+    graphs = app.store.model_graphs(model)
+    g = Graph.build(rows)
+    heads = [i for i, r in enumerate(rows) if (r.kind == Kind.FXGRAPH and r.graph_key in graphs) or (
+        r.kind == Kind.AOTAUTOGRAD and any(k == Kind.FXGRAPH and ref in graphs for k, ref in r.refs))]
+    mine = set(g.closure(heads))
+    return [r if i in mine else replace(r, pinned=True) for i, r in enumerate(rows)], {rows[i].key for i in mine}
+
+
+def _unreachable(p, limits) -> str | None:
+    """What the plan leaves over a cap it cannot meet (everything else it would take is kept)."""
+    left_bytes = p.total_bytes - p.expected_freed_bytes
+    left_files = p.total_files - p.expected_freed_files
+    if limits.max_size is not None and left_bytes > limits.max_size:
+        return f"cannot get under max_size {human_size(limits.max_size)}: {human_size(left_bytes)} would remain"
+    if limits.max_files is not None and left_files > limits.max_files:
+        return f"cannot get under max_files {limits.max_files:,}: {left_files:,} files would remain"
+    return None
 
 
 @click.command()
@@ -72,22 +136,26 @@ def _print_result(r, cache_dir: str) -> None:
 @click.option("--policy", type=click.Choice(["lru", "cost"]),
               help="lru (the default): least recently used first; cost: keep what is expensive to "
                    "recompile per byte.")
+@model_option
 @grace_option
 @dry_run_option
+@quiet_option
+@wide_option
 @json_option
 @pass_app
-def evict(app, max_size, max_age, max_files, min_free, policy, grace, dry_run, as_json) -> None:
+def evict(app, max_size, max_age, max_files, min_free, policy, model, grace, dry_run, quiet, wide, as_json) -> None:
     """Evict entries until the cache is within its limits.
 
     Limits come from the flags, else the config file / CACHEMGR_* environment. Orphans go first,
     then modules and Triton kernels a kept graph recreates on its next hit, then whole graphs
     (with their kernels and builds) by policy. Pinned entries, files used within the grace period
-    and entries under a held lock are never taken. With --dry-run, `evicted` and `freed_*` say what
-    a real run would take now; nothing is deleted.
+    and entries under a held lock are never taken. With --model only that model's graphs may go.
+    With --dry-run, `evicted` and `freed_*` say what a real run would take now; nothing is deleted.
 
     \b
     Example:
         cachemgr evict --max-size 20GiB --dry-run
+        cachemgr evict --max-age 14d --model old-ranker
         cachemgr evict --max-age 14d --policy cost --json | jq .freed_bytes
     """
     from cachemgr.evict import Limits
@@ -99,36 +167,50 @@ def evict(app, max_size, max_age, max_files, min_free, policy, grace, dry_run, a
         raise UsageError("no limit to evict to: give --max-size, --max-age, --max-files or --min-free "
                          "(or set max_size / max_age in the config)")
     with _locked_and_scanned(app) as root:
-        _evict(app, root, s, limits, dry_run, as_json)
+        _evict(app, root, s, limits, model, dry_run, quiet, wide, as_json)
 
 
-def _evict(app, root, s, limits, dry_run: bool, as_json: bool) -> None:
-    from cachemgr.evict import carry_out, make_plan
+def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, as_json: bool) -> None:
+    from cachemgr.evict import carry_out, disk_state, load_rows
+    from cachemgr.evict.policy import plan
 
     now = time.time()
-    p, rows = make_plan(app.db, app.cache_id, root, limits, s.policy, now)
-    if not as_json:
+    rows = load_rows(app.db, app.cache_id, root)
+    mine = None
+    if model:
+        rows, mine = _model_rows(app, rows, model)
+    p = plan(rows, limits, s.policy, now, disk_state(root))
+    if mine is not None:  # entries of other models are not "kept": they were never candidates
+        p = replace(p, skipped=tuple((k, why) for k, why in p.skipped if k in mine))
+    loud = not (as_json or quiet)
+    if loud:
         if not p.units and p.skipped:
-            held = Counter(why for _, why in p.skipped)
-            click.echo(f"nothing can be evicted now: {human_size(p.total_bytes)} in {p.total_files} files is over "
-                       "the limits, but the entries it would take are kept ("
-                       + ", ".join(f"{n} {HELD.get(why, why)}" for why, n in sorted(held.items())) + ")")
+            click.echo(f"nothing can be evicted now: {human_size(p.total_bytes)} in {p.total_files:,} files is over "
+                       f"the limits, but the entries it would take are kept "
+                       f"({held_text([why for _, why in p.skipped], limits.grace)})")
         elif not p.units:
-            click.echo(f"nothing to evict: {human_size(p.total_bytes)} in {p.total_files} files is within the limits")
-        _print_plan(p, "evict")
+            click.echo(f"nothing to evict: {human_size(p.total_bytes)} in {p.total_files:,} files is within the limits"
+                       + (f" (only {model}'s entries were candidates)" if model else ""))
+        _print_plan(app, p, rows, "evict", wide)
     r = carry_out(app.db, app.cache_id, root, p, rows, limits.grace, dry_run, now)
     if as_json:
-        emit_json(r.as_dict())
-    elif p.units:
-        _print_result(r, s.cache_dir)
+        emit_json({**r.as_dict(), "unreachable": _unreachable(p, limits)})
+    elif quiet:
+        _print_keys(app, rows, [k for k, *_ in r.entries], wide)
+    else:
+        if p.units:
+            _print_result(r, s.cache_dir, limits.grace)
+        if (why := _unreachable(p, limits)) is not None:
+            click.echo(why + (f" ({held_text([w for _, w in p.skipped], limits.grace)})" if p.skipped else ""))
 
 
 @click.command()
 @click.option("--all", "all_", is_flag=True, help="Every entry (pins stay unless --include-pinned).")
 @click.option("--older-than", type=DURATION, help="Entries not accessed for this long.")
 @click.option("--kind", type=click.Choice(KINDS), help="Entries of this kind.")
-@click.option("--key", metavar="KEY", help="One entry (key, graph key / ref, or unique key prefix).")
-@click.option("--graph", metavar="KEY", help="Every entry of this graph key.")
+@click.option("--key", type=KEY, metavar="KEY", help="One entry, or every entry of a graph (any key form).")
+@click.option("--graph", type=KEY, metavar="KEY", help="Every entry of this graph (any key form of it).")
+@model_option
 @click.option("--torch-version", metavar="V", help="Entries compiled by this torch version.")
 @click.option("--stale", is_flag=True, help="Entries of torch versions this host no longer runs "
               "(learned from recent hits, or given with --keep-torch).")
@@ -139,10 +221,12 @@ def _evict(app, root, s, limits, dry_run: bool, as_json: bool) -> None:
 @grace_option
 @dry_run_option
 @click.option("--yes", "-y", is_flag=True, help="Do not ask before deleting.")
+@quiet_option
+@wide_option
 @json_option
 @pass_app
-def purge(app, all_, older_than, kind, key, graph, torch_version, stale, keep_torch, orphans, corrupt,
-          include_pinned, grace, dry_run, yes, as_json) -> None:
+def purge(app, all_, older_than, kind, key, graph, model, torch_version, stale, keep_torch, orphans, corrupt,
+          include_pinned, grace, dry_run, yes, quiet, wide, as_json) -> None:
     """Delete chosen entries (with what only they reference). Several choices: entries matching all.
 
     Says how much it would free and asks first, unless --yes or --dry-run.
@@ -150,142 +234,223 @@ def purge(app, all_, older_than, kind, key, graph, torch_version, stale, keep_to
     \b
     Example:
         cachemgr purge --older-than 30d --dry-run
+        cachemgr purge --model old-ranker --yes
         cachemgr purge --stale --keep-torch 2.11.0+cu130 --yes
         cachemgr purge --all --yes --json
     """
-    if not any((all_, older_than is not None, kind, key, graph, torch_version, stale, orphans, corrupt)):
-        raise UsageError("say what to purge: --all, --older-than, --kind, --key, --graph, --torch-version, "
-                         "--stale, --orphans or --corrupt")
+    if not any((all_, older_than is not None, kind, key, graph, model, torch_version, stale, orphans, corrupt)):
+        raise UsageError("say what to purge: --all, --older-than, --kind, --key, --graph, --model, "
+                         "--torch-version, --stale, --orphans or --corrupt")
     if keep_torch and not stale:
         raise UsageError("--keep-torch only says what --stale keeps: give --stale too")
+    if quiet and not (yes or dry_run):
+        raise UsageError("--quiet cannot ask before deleting: give --yes or --dry-run too")
     s = app.with_flags(grace=grace, keep_torch=keep_torch)
     with _locked_and_scanned(app) as root:
-        _purge(app, root, s, all_, older_than, kind, key, graph, torch_version, stale, orphans, corrupt,
-               include_pinned, dry_run, yes, as_json)
+        tests = _purge_tests(app, older_than, kind, key, graph, model, torch_version, stale, corrupt, s.keep_torch)
+        _purge(app, root, s, tests, orphans, include_pinned, dry_run, yes, quiet, wide, as_json)
 
 
-def _purge(app, root, s, all_, older_than, kind, key, graph, torch_version, stale, orphans, corrupt,
-           include_pinned, dry_run, yes, as_json) -> None:
+def _purge_tests(app, older_than, kind, key, graph, model, torch_version, stale, corrupt, keep_torch) -> list:
+    """What each choice asks of a row (index i of the rows, row r, the reference graph g)."""
+    now = time.time()
+    tests = []
+    if older_than is not None:
+        tests.append(lambda i, r, g: r.touched < now - older_than)
+    if kind:
+        tests.append(lambda i, r, g: r.kind == kind)
+    if key:
+        named = {e.key for e in app.store.resolve(key).entries}
+        tests.append(lambda i, r, g: r.key in named)
+    if graph:
+        try:
+            gk = app.store.resolve(graph).graph
+        except NotFound:
+            raise NotFound(f"no entry of graph {graph!r} in the index of {app.settings.cache_dir} "
+                           "(see: cachemgr ls --kind fxgraph)") from None
+        tests.append(lambda i, r, g: gk in (r.graph_key, r.ref))
+    if model:
+        graphs = app.store.model_graphs(model)
+        tests.append(lambda i, r, g: (r.kind == Kind.FXGRAPH and r.graph_key in graphs) or (
+            r.kind == Kind.AOTAUTOGRAD and any(k == Kind.FXGRAPH and ref in graphs for k, ref in r.refs)))
+    if torch_version:
+        known = app.store.fingerprint_names()
+        tests.append(lambda i, r, g: fingerprint.version_matches(
+            r.torch_version or known.get(r.torch_version_hash or ""), torch_version))
+    if stale:
+        keep: fingerprint.Keep | None = None
+
+        def stale_row(i, r, g) -> bool:
+            nonlocal keep
+            if keep is None:
+                keep = _torch_in_use(app, g.rows, now, keep_torch)
+            return bool(keep.is_stale(r.torch_version, r.torch_version_hash))
+        tests.append(stale_row)
+    if corrupt:
+        tests.append(lambda i, r, g: r.corrupt is not None)
+    return tests
+
+
+def _purge(app, root, s, tests, orphans, include_pinned, dry_run, yes, quiet, wide, as_json) -> None:
     from cachemgr.evict import carry_out, load_rows, purge_plan
     from cachemgr.evict.policy import Graph
 
     now = time.time()
     rows = load_rows(app.db, app.cache_id, root)
     g = Graph.build(rows)
-    tests = []
-    if older_than is not None:
-        tests.append(lambda i, r: r.touched < now - older_than)
-    if kind:
-        tests.append(lambda i, r: r.kind == kind)
-    if key:
-        named = _named(app, key)
-        tests.append(lambda i, r: r.key in named)
-    if graph:
-        if not any(graph in (r.graph_key, r.ref) for r in rows):  # a name, like --key: say it is unknown
-            raise NotFound(f"no entry of graph {graph!r} in the index of {app.settings.cache_dir} (try: cachemgr ls)")
-        tests.append(lambda i, r: graph in (r.graph_key, r.ref))
-    if torch_version:
-        tests.append(lambda i, r: r.torch_version == torch_version)
-    if stale:
-        keep = _torch_in_use(app, rows, now, s.keep_torch)
-        tests.append(lambda i, r: r.torch_version is not None and r.torch_version not in keep)
     if orphans:
-        tests.append(lambda i, r: g.is_orphan(i))
-    if corrupt:
-        tests.append(lambda i, r: r.corrupt is not None)
-    chosen = [i for i, r in enumerate(rows) if all(t(i, r) for t in tests)]
+        tests = [*tests, lambda i, r, g: g.is_orphan(i)]
+    chosen = [i for i, r in enumerate(rows) if all(t(i, r, g) for t in tests)]
     p = purge_plan(rows, chosen, now, s.grace, include_pinned)
     if not p.units:
         if as_json:
             emit_json(carry_out(app.db, app.cache_id, root, p, rows, s.grace, True, now).as_dict())
-        else:
-            click.echo("nothing to purge" + (f" ({len(p.skipped)} matching entries kept: pinned or in use)"
+        elif not quiet:
+            click.echo("nothing to purge" + (f" ({plural(len(p.skipped), 'matching entry', 'matching entries')} "
+                                             f"kept: {held_text([w for _, w in p.skipped], s.grace)})"
                                              if p.skipped else ""))
         return
-    if not as_json:
-        _print_plan(p, "delete")
+    if not (as_json or quiet):
+        _print_plan(app, p, rows, "delete", wide)
     if not dry_run and not yes:
-        click.confirm(f"delete {len(p.entries)} entries ({human_size(p.expected_freed_bytes)})?", abort=True, err=True)
+        click.confirm(f"delete {plural(len(p.entries), 'entry')} ({human_size(p.expected_freed_bytes)})?",
+                      abort=True, err=True)
     r = carry_out(app.db, app.cache_id, root, p, rows, s.grace, dry_run, now)
     if as_json:
         emit_json(r.as_dict())
+    elif quiet:
+        _print_keys(app, rows, [k for k, *_ in r.entries], wide)
     else:
-        _print_result(r, s.cache_dir)
+        _print_result(r, s.cache_dir, s.grace)
 
 
-def _named(app, key: str) -> set[str]:
-    from cachemgr.index.queries import find_entries
-
-    with app.db.engine.connect() as conn:
-        found = find_entries(conn, app.cache_id, key)
-    if not found:
-        raise NotFound(f"no entry {key!r} in the index of {app.settings.cache_dir} (try: cachemgr ls)")
-    return {r.key for r in found}
-
-
-def _torch_in_use(app, rows, now: float, keep_torch: list[str]) -> set[str]:
-    """Torch versions still running here: given, or seen in hits of the last week."""
-    from sqlalchemy import select
-
-    from cachemgr.index.models import Event
-
-    t = Event.__table__
-    with app.db.engine.connect() as conn:
-        hit_graphs = set(conn.execute(select(t.c.graph_key).where(
-            t.c.cache_id == app.cache_id, t.c.kind == "hit", t.c.ts >= now - RECENT_HITS)).scalars())
-    keep = {v for v in keep_torch if v}
-    keep |= {r.torch_version for r in rows if r.torch_version and (
+def _torch_in_use(app, rows, now: float, keep_torch: list[str]) -> fingerprint.Keep:
+    """The torch builds to keep: given, else the one installed here (fingerprinted from its files)
+    and those whose graphs were hit in the last week."""
+    hit_graphs = app.store.hit_graphs(now - RECENT_HITS)
+    recent = {r.torch_version for r in rows if r.torch_version and (
         r.graph_key in hit_graphs or (r.hit_count and r.last_access >= now - RECENT_HITS))}
-    if not keep:
-        raise UsageError("cannot tell which torch versions this host still runs (no recent hits recorded): "
-                         "give --keep-torch VERSION[,VERSION]")
+    keep = fingerprint.keep_for(rows, keep_torch, recent, app.store.fingerprint_names(),
+                                fingerprint.installed_torch())
+    if not keep.versions:
+        raise UsageError("cannot tell which torch versions this host still runs (torch is not installed here and "
+                         "no recent hits are recorded): give --keep-torch VERSION[,VERSION]")
     return keep
 
 
+# -- pins ---------------------------------------------------------------------------------------------
+
+
 @click.command()
-@click.argument("key")
-@click.option("--reason", metavar="TEXT", help="Why it must stay (shown by ls --pinned --json).")
+@click.argument("key", type=KEY, required=False)
+@click.option("--reason", metavar="TEXT", help="Why it must stay (shown by cachemgr pin and ls --pinned --json).")
 @click.option("--force", is_flag=True, help="Pin a key the index does not hold (yet).")
+@quiet_option
+@wide_option
+@json_option
 @pass_app
-def pin(app, key: str, reason: str | None, force: bool) -> None:
-    """Keep an entry (or every entry of a graph key / ref) from eviction and purge.
+def pin(app, key: str | None, reason: str | None, force: bool, quiet: bool, wide: bool, as_json: bool) -> None:
+    """Keep an entry, or every entry of a graph, from eviction and purge. Without KEY: list the pins.
+
+    KEY is any key a command prints. A graph key, or a short key of a whole graph, pins the graph:
+    every guard set compiled for it, now and later.
 
     \b
     Example:
-        cachemgr pin fgv4ud3tijkbzc4tbcqhirql64dqih532zwb4egaukwwkig3de4n --reason "prod model"
-        cachemgr ls --pinned
+        cachemgr pin fgv4ud3t --reason "prod model"
+        cachemgr pin                       # every pin, with the entries it keeps
+        cachemgr ls --model ranker -q | xargs -n1 cachemgr pin
     """
-    from cachemgr.index.queries import add_pin, find_entries
+    store = app.store
+    if key is None:
+        _list_pins(store, quiet, wide, as_json)
+        return
+    try:
+        match = store.resolve(key)
+        target = match.ref if match.ref is not None else match.entries[0].key
+    except NotFound:
+        if not force:
+            raise NotFound(f"no entry {key!r} in the index of {app.settings.cache_dir} "
+                           "(run: cachemgr scan; or pin it anyway with --force)") from None
+        target = key
+    before = store.add_pin(target, reason)
+    shown = target if wide else _pin_short(store, target)
+    if as_json:
+        emit_json({"key": target, "short": _pin_short(store, target), "new": before is None,
+                   "reason": reason if reason is not None else (before.reason if before else None),
+                   "previous_reason": before.reason if before else None})
+    elif before is None:
+        click.echo(f"pinned {shown}" + (f" ({clean(reason)})" if reason else "")
+                   + ("" if target == key or target.startswith(key) else f" (named {clean(key)})"))
+    elif reason is not None and reason != before.reason:
+        click.echo(f"{shown} is already pinned; its reason is now {clean(reason)!r}"
+                   + (f" (was {clean(before.reason)!r})" if before.reason else ""))
+    else:
+        click.echo(f"{shown} is already pinned" + (f" ({clean(before.reason)})" if before.reason else ""))
 
-    with app.db.engine.begin() as conn:
-        found = find_entries(conn, app.cache_id, key)
-        exact = any(key in (r.key, r.graph_key, r.ref) for r in found)
-        if not exact:
-            if found:
-                key = found[0].key  # a unique prefix (find_entries refuses others): pin the entry it names
-            elif not force:
-                raise NotFound(f"no entry {key!r} in the index of {app.settings.cache_dir} "
-                               "(run: cachemgr scan; or pin it anyway with --force)")
-        new = add_pin(conn, app.cache_id, key, reason, time.time())
-    click.echo(("pinned " if new else "already pinned ") + key)
+
+def _pin_short(store, key: str) -> str:
+    """The short form of a pinned key: of its entry, or of the ref (graph) it names."""
+    e = store.entry_by_key(key)
+    if e is not None:
+        return store.short_keys([e])[key]
+    return store.short_graph_keys([key])[key]
+
+
+def _list_pins(store, quiet: bool, wide: bool, as_json: bool) -> None:
+    pins = store.pins()
+    if as_json:
+        emit_json([{**p.as_dict(), "short": _pin_short(store, p.key)} for p in pins])
+        return
+    shown = [(p, p.key if wide else _pin_short(store, p.key)) for p in pins]
+    if quiet:
+        for _, k in shown:
+            click.echo(k)
+        return
+    if not pins:
+        click.echo("nothing is pinned (pin a key: cachemgr pin KEY --reason TEXT)")
+        return
+    table([Col("key"), Col("entries", True), Col("pinned", True), Col("reason", cut=True)],
+          [(k, f"{p.entries:,}" if p.entries else "none now", f"{age(p.created)} ago", p.reason or "")
+           for p, k in shown], wide=wide)
+    click.echo(plural(len(pins), "pin"))
+
+
+def _pin_named(store, spec: str) -> str:
+    """The pinned key SPEC names: a pinned key, any key form of what a pin covers, or a unique
+    prefix of a pinned key (pins of keys the index does not hold)."""
+    pins = store.pin_map()
+    if spec in pins:
+        return spec
+    named: set[str] = set()
+    try:
+        match = store.resolve(spec)
+        named = {e.pin for e in match.entries if e.pin} | ({match.ref} & pins.keys())
+    except NotFound:
+        pass
+    if not named and len(spec) >= 4:
+        named = {k for k in pins if k.startswith(spec)}
+    if not named:
+        raise NotFound(f"{spec!r} is not pinned (see: cachemgr pin)")
+    if len(named) > 1:
+        raise UsageError(f"{spec!r} names {len(named)} pins ({', '.join(sorted(named))}): give one of them")
+    return named.pop()
 
 
 @click.command()
-@click.argument("key")
+@click.argument("key", type=KEY)
 @pass_app
 def unpin(app, key: str) -> None:
-    """Let eviction take a pinned key again.
+    """Let eviction take a pinned key again. KEY: any form of it a command prints.
 
     \b
     Example:
-        cachemgr unpin fgv4ud3tijkbzc4tbcqhirql64dqih532zwb4egaukwwkig3de4n
+        cachemgr unpin fgv4ud3t
     """
-    from cachemgr.index.queries import remove_pin
-
-    with app.db.engine.begin() as conn:
-        if not remove_pin(conn, app.cache_id, key):
-            raise NotFound(f"{key!r} is not pinned (see: cachemgr ls --pinned)")
-    click.echo("unpinned " + key)
+    target = _pin_named(app.store, key)
+    shown = _pin_short(app.store, target)
+    app.store.remove_pin(target)
+    click.echo(f"unpinned {shown}")
 
 
 COMMANDS = (evict, purge, pin, unpin)

@@ -2,37 +2,32 @@
 
 from __future__ import annotations
 
-import shutil
 import textwrap
 
 import click
 
-from cachemgr.cli.common import DURATION, age, emit_json, json_option, pass_app, short
-from cachemgr.errors import UsageError
+from cachemgr.cli.common import (
+    DURATION,
+    KEY,
+    age,
+    clean,
+    emit_json,
+    json_option,
+    model_option,
+    pass_app,
+    plural,
+    short,
+    text_width,
+)
 from cachemgr.units import format_duration
 
 INDENT = "    "
-
-
-def _width() -> int:
-    return max(40, shutil.get_terminal_size((80, 24)).columns)
+CODE_LINES = 12
 
 
 def _wrap(line: str, width: int, indent: str = "", sub: str | None = None) -> list[str]:
-    return textwrap.wrap(line, width, initial_indent=indent, subsequent_indent=indent + "  " if sub is None else sub,
-                         break_on_hyphens=False) or [indent]
-
-
-def _ensure_scanned(app) -> None:
-    from sqlalchemy import text
-
-    with app.db.engine.connect() as conn:
-        last = conn.execute(text("SELECT last_scan FROM caches WHERE id = :c"), {"c": app.cache_id}).scalar()
-    if last is None:
-        from cachemgr.cli.inspect import run_scan
-
-        click.echo(f"cachemgr: {app.settings.cache_dir} was never scanned; scanning it now", err=True)
-        run_scan(app)
+    return textwrap.wrap(clean(line), width, initial_indent=indent, subsequent_indent=indent + "  " if sub is None
+                         else sub, break_on_hyphens=False) or [indent]
 
 
 def render_diff(d, width: int, indent: str = "  ", labels: tuple[str, str] = ("A", "B")) -> list[str]:
@@ -49,24 +44,21 @@ def render_diff(d, width: int, indent: str = "  ", labels: tuple[str, str] = ("A
             if c.name == "gm":
                 sim = "" if d.code_similarity is None else f" ({d.code_similarity:.0%} of lines alike)"
                 out.extend(_wrap(f"the graph code (gm) changed{sim}:", w, indent + "  "))
-                body = [ln for ln in d.code_diff[2:]]  # skip the ---/+++ header
+                body = list(d.code_diff[2:])  # skip the ---/+++ header
                 for ln in body[:CODE_LINES]:
-                    out.append(short(f"{indent}{INDENT}{ln}", width) or indent)
+                    out.append(short(clean(f"{indent}{INDENT}{ln}"), width) or indent)
                 if len(body) > CODE_LINES:
                     out.append(f"{indent}{INDENT}... {len(body) - CODE_LINES} more diff lines (--json has all)")
                 continue
             out.extend(_wrap(c.name + _fields_text(c), w, indent + "  "))
-            for label, value in zip(labels, (c.a, c.b)):
+            for label, value in zip(labels, (c.a, c.b), strict=True):
                 shown = "(absent)" if value is None else value
-                out.append(short(f"{indent}{INDENT}{label}: {shown}", width))
+                out.append(short(clean(f"{indent}{INDENT}{label}: {shown}"), width))
     if derived:
         reasons = sorted({c.derived for c in derived if c.derived})
         names = ", ".join(c.name for c in derived)
         out.extend(_wrap(f"also changed, because {' and '.join(reasons)}: {names}", w, indent))
     return out
-
-
-CODE_LINES = 12
 
 
 def _fields_text(c) -> str:
@@ -82,9 +74,16 @@ def _fields_text(c) -> str:
     return ": " + ", ".join(parts)
 
 
+def _explainer(app):
+    from cachemgr import explain as X
+    from cachemgr.cli.inspect import scanned_store
+
+    return X.Explainer(scanned_store(app))
+
+
 @click.command(name="diff")
-@click.argument("key_a")
-@click.argument("key_b")
+@click.argument("key_a", type=KEY)
+@click.argument("key_b", type=KEY)
 @json_option
 @pass_app
 def diff_cmd(app, key_a: str, key_b: str, as_json: bool) -> None:
@@ -92,37 +91,40 @@ def diff_cmd(app, key_a: str, key_b: str, as_json: bool) -> None:
 
     Grouped as code (the graph changed), inputs (which input, and whether its shape, dtype,
     stride or device changed), options (fx_kwargs / inductor_config keys) and environment
-    (torch version, system info, matmul and determinism settings). KEY is an entry key, a graph
-    key (its newest entry), a unique prefix, or the short 'graph/file' form explain prints.
+    (torch version, system info, matmul and determinism settings). KEY is any key a command
+    prints (a graph key names its newest entry). Entries of torch 2.5 and 2.6 record no hash
+    components: for them only the fields they record are compared.
 
     \b
     Example:
-        cachemgr diff fz5q6oebaq3sx/r5b6tx fswx4xl7jl56x/va5lrg
-        cachemgr diff fz5q6oebaq3sx fswx4xl7jl56x --json | jq .causes
+        cachemgr diff fz5q6oeb fswx4xl7
+        cachemgr diff fz5q6oeb fswx4xl7 --json | jq .causes
     """
-    from cachemgr import explain as X
-
-    _ensure_scanned(app)
-    with app.db.engine.connect() as conn:
-        (a, na), (b, nb) = X.resolve(conn, app.cache_id, key_a), X.resolve(conn, app.cache_id, key_b)
-        d = X.diff(conn, a, b)
+    x = _explainer(app)
+    (a, na), (b, nb) = x.resolve(key_a), x.resolve(key_b)
+    d = x.diff(a, b)
+    shorts = x.shorts(diffs=[d])
     if as_json:
-        emit_json(d.as_dict())
+        emit_json(d.as_dict(shorts))
         return
-    width = _width()
+    width = text_width()
     for label, e, n in (("A", a, na), ("B", b, nb)):
         more = f", newest of {n}" if n > 1 else ""
-        click.echo(short(f"{label}  {e.short}  compiled {age(e.mtime)} ago{more}", width))
-        click.echo(short(f"   {e.key}", width))
+        click.echo(short(f"{label}  {shorts[e.key]}  compiled {age(e.mtime)} ago{more}", width))
     if a.key == b.key:
         click.echo("A and B are the same entry: nothing to compare")
         return
-    if d.same:
+    if d.not_recorded:
+        for line in _wrap(f"hash components: not recorded by {d.not_recorded}; only what both record is compared"
+                          + ("" if d.changes else ", and it is the same"), width):
+            click.echo(line)
+    elif d.same:
         click.echo("same hash components: the two entries are one key compiled for different guard sets")
         return
-    n = sum(1 for c in d.changes if not c.derived)
-    click.echo(f"{d.shared} components shared, {n} differ{'s' if n == 1 else ''}" + (f" (+{len(d.changes) - n} as a consequence)"
-                                                             if n < len(d.changes) else ""))
+    else:
+        n = sum(1 for c in d.changes if not c.derived)
+        click.echo(f"{d.shared} components shared, {n} differ{'s' if n == 1 else ''}"
+                   + (f" (+{len(d.changes) - n} as a consequence)" if n < len(d.changes) else ""))
     for line in render_diff(d, width, indent=""):
         click.echo(line)
 
@@ -130,8 +132,8 @@ def diff_cmd(app, key_a: str, key_b: str, as_json: bool) -> None:
 @click.command()
 @click.option("--since", type=DURATION, default="1d", show_default=True,
               help="Explain the compiles (new entries) of this window: 6h, 1d, 2w.")
-@click.option("--graph", metavar="KEY", help="Only the compiles of this graph key (or entry key).")
-@click.option("--model", metavar="NAME", help="Only the graphs of this model (from recorded shapes).")
+@click.option("--graph", type=KEY, metavar="KEY", help="Only the compiles of this graph (any key form of it).")
+@model_option
 @click.option("--summary", is_flag=True, help="Only one line per cause across the cache.")
 @click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
               help="Show at most this many compiles, the most recent (the summary counts all).")
@@ -144,78 +146,96 @@ def explain(app, since: float, graph: str | None, model: str | None, summary: bo
     For each new fxgraph entry in the window, the nearest earlier entries (same graph code
     first, else the most hash components shared) and the components that differ from the
     nearest. When the graph code changed, the first lines of the code diff. Ends with one line
-    per cause, e.g. "12 graphs recompiled because inductor_config[max_autotune] changed".
+    per cause, each compile counted once, e.g. "12 graphs recompiled because
+    inductor_config[max_autotune] changed". Entries `cachemgr import` loaded are no compiles.
 
     \b
     Example:
         cachemgr explain --since 6h
         cachemgr explain --summary --since 7d
-        cachemgr explain --graph fz5q6oebaq3sx/r5b6tx --json   # one graph
+        cachemgr explain --graph fz5q6oeb --json   # one graph
     """
     from cachemgr import explain as X
+    from cachemgr.cli.inspect import graph_filter
 
-    if graph and model:
-        raise UsageError("give --graph or --model, not both")
-    _ensure_scanned(app)
-    with app.db.engine.connect() as conn:
-        graphs = None
-        if graph:
-            e, _ = X.resolve(conn, app.cache_id, graph)
-            graphs = {e.graph_key}
-        elif model:
-            from cachemgr.index.queries import model_graphs
-
-            graphs = model_graphs(conn, app.cache_id, model)
-        misses = X.recent_misses(conn, app.cache_id, X.since_epoch(since), graphs=graphs)
+    x = _explainer(app)
+    graphs = graph_filter(app, x.store, graph, model)
+    events = x.store.compile_events(X.since_epoch(since))
+    misses = x.misses(events, graphs)
+    act = X.activity(x.store, since, misses=misses) if graphs is None else None
+    loaded = sum(1 for ev in events if ev.loaded and (graphs is None or ev.graph_key in graphs))
     lines = X.summarize(misses)
     shown = misses[-limit:]
+    recompiles = sum(1 for m in misses if m.recompiled)
     if as_json:
-        doc = {"since_seconds": since, "compiles": len(misses), "summary": [s.as_dict() for s in lines]}
+        shorts = x.shorts(shown)
+        doc = {"since_seconds": since, "compiles": len(misses), "recompiles": recompiles, "loaded": loaded,
+               "summary": [s.as_dict() for s in lines]}
+        if act is not None:
+            doc["activity"] = act.as_dict()
         if not summary:
-            doc["misses"] = [m.as_dict() for m in shown]
+            doc["misses"] = [m.as_dict(shorts) for m in shown]
         emit_json(doc)
         return
-    width = _width()
+    width = text_width()
     if not misses:
         click.echo(f"no compiles in the last {format_duration(since)}" + (" for that graph" if graph else "") +
-                   (f" for model {model}" if model else "") + " (try a longer --since)")
+                   (f" for model {model}" if model else "") + (f" ({loaded:,} entries loaded)" if loaded else "")
+                   + " (try a longer --since)")
         return
     if not summary:
+        shorts = x.shorts(shown)
         if len(shown) < len(misses):
             click.echo(f"the last {len(shown)} of {len(misses)} compiles (--limit for more):")
         for m in shown:
-            for line in render_miss(m, width):
+            for line in render_miss(m, shorts, width):
                 click.echo(line)
             click.echo()
-    click.echo(f"summary: {len(misses)} compiles in the last {format_duration(since)}")
+    head = f"summary: {plural(len(misses), 'compile')} in the last {format_duration(since)}, " \
+           f"{plural(recompiles, 'recompile')}"
+    if loaded:
+        head += f"; {loaded:,} entries loaded, not compiled"
+    for line in _wrap(head, width, "", "  "):
+        click.echo(line)
     for s in lines:
         for line in _wrap(s.text(), width - 2, "  ", "      "):
             click.echo(line)
 
 
-def render_miss(m, width: int) -> list[str]:
-    secs = "" if m.seconds is None else f", {m.seconds:.2f} s to compile"
-    out = [short(f"{m.entry.short}  compiled {age(m.ts)} ago{secs}", width)]
+def render_miss(m, shorts: dict[str, str], width: int) -> list[str]:
+    secs = "" if m.event.seconds is None else f", {m.event.seconds:.2f} s to compile"
+    out = [short(f"{shorts.get(m.key, m.key)}  compiled {age(m.event.ts)} ago{secs}", width)]
     if m.verdict == "first":
         out.append("  first compile in this cache: no earlier entry to compare with")
         return out
+    if m.verdict == "gone":
+        out.extend(_wrap("its entry is no longer in the index: nothing to compare", width - 2, "  "))
+        return out
+    if m.verdict == "unrecorded":
+        out.extend(_wrap(f"not recorded: {m.note} records no hash components, so why it missed is "
+                         "unknown", width - 2, "  "))
+        return out
     best = m.nearest[0]
-    how = "same graph code" if best.same_code else "nearest"
-    out.append(short(f"  {how}: {best.entry.short} ({best.shared} components shared, {best.differ} differ)",
-                     width))
+    if m.diff is None:  # the same key, where no hash components are recorded
+        out.append(short(f"  same graph key as {shorts.get(best.entry.key, best.entry.key)}", width))
+    else:
+        how = "same graph code" if best.same_code else "nearest"
+        out.append(short(f"  {how}: {shorts.get(best.entry.key, best.entry.key)} ({best.shared} components "
+                         f"shared, {best.differ} differ)", width))
     if len(m.nearest) > 1:
-        others = ", ".join(f"{c.entry.short} ({c.differ})" for c in m.nearest[1:])
+        others = ", ".join(f"{shorts.get(c.entry.key, c.entry.key)} ({c.differ})" for c in m.nearest[1:])
         out.append(short(f"  next nearest (differ): {others}", width))
     if m.verdict == "guards":
-        out.extend(_wrap("same hash components: one key compiled again for another guard set", width - 2, "  "))
-        for label, g in zip(("earlier", "this"), m.guards):
-            out.append(short(f"    {label} guards: {g or '(none)'}", width))
+        out.extend(_wrap("same hash components: one key compiled again for another guard set"
+                         if m.diff is not None else "one key compiled again for another guard set", width - 2, "  "))
+        for label, g in zip(("earlier", "this"), m.guards, strict=True):
+            out.append(short(clean(f"    {label} guards: {g or '(none)'}"), width))
         return out
     if m.verdict == "new-graph":
         out.extend(_wrap(f"a new graph: {m.note}", width - 2, "  "))
         return out
     assert m.diff is not None
-    out.extend(_wrap("missed because " + "; ".join(m.diff.causes()), width - 2, "  "))
+    out.extend(_wrap("missed because " + "; ".join(m.causes()), width - 2, "  "))
     out.extend(render_diff(m.diff, width, "  ", labels=("was", "now")))
     return out
 
