@@ -618,10 +618,11 @@ class Activity:
 
 
 def activity(store: Store, window: float | None = None, after_id: int = 0, upto_id: int | None = None,
-             misses: Sequence[Miss] | None = None) -> Activity:
-    """The activity of the last `window` seconds (or of the events in (after_id, upto_id]).
-    `misses`: the compiles of that range, already explained."""
-    since = None if window is None else time.time() - window
+             misses: Sequence[Miss] | None = None, since: float | None = None) -> Activity:
+    """The activity of the last `window` seconds (or since the epoch time `since`, or of the
+    events in (after_id, upto_id]). `misses`: the compiles of that range, already explained."""
+    if since is None and window is not None:
+        since = time.time() - window
     events = store.compile_events(since, after_id, upto_id)
     counts = store.event_counts(since, after_id, upto_id)
     compiles = [ev for ev in events if not ev.loaded]

@@ -216,9 +216,10 @@ def table(cols: Sequence[Col], rows: Sequence[Sequence[Any]], wide: bool = False
         click.echo(line)
 
 
-def fields_block(pairs: Sequence[tuple[str, Any]], wrap: bool = True) -> list[str]:
-    """'label   value' lines, labels aligned (empty values left out); long values wrap under
-    their column to fit the terminal."""
+def fields_block(pairs: Sequence[tuple[str, Any]], wrap: bool = True, whole: Sequence[str] = ()) -> list[str]:
+    """'label   value' lines, labels aligned (empty values left out). To fit the terminal a long
+    value wraps under its column, and a word too long for a line (a path) loses its middle;
+    the values of the labels in `whole` (keys) are never cut."""
     import textwrap
 
     pairs = [(k, clean(v)) for k, v in pairs if v not in (None, "")]
@@ -230,10 +231,26 @@ def fields_block(pairs: Sequence[tuple[str, Any]], wrap: bool = True) -> list[st
     for k, v in pairs:
         if width is None or len(v) + pad <= width:
             out.append(f"{k:<{pad}}{v}")
-        else:
-            out.extend(textwrap.wrap(v, width, initial_indent=f"{k:<{pad}}", subsequent_indent=" " * pad,
-                                     break_on_hyphens=False, break_long_words=False) or [k])
+            continue
+        room = max(10, width - pad)
+        if k not in whole:
+            v = " ".join(w if len(w) <= room else w[: room // 2 - 1] + "…" + w[-(room - room // 2) :]
+                         for w in v.split(" "))
+        out.extend(textwrap.wrap(v, pad + room, initial_indent=f"{k:<{pad}}", subsequent_indent=" " * pad,
+                                 break_on_hyphens=False, break_long_words=False) or [k])
     return out
+
+
+def say(text: str, err: bool = False) -> None:
+    """A line of prose, wrapped to fit the terminal (whole when piped, for grep)."""
+    import textwrap
+
+    width = terminal_width()
+    if width is None or len(text) <= width:
+        click.echo(text, err=err)
+        return
+    for line in textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False):
+        click.echo(line, err=err)
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:

@@ -25,6 +25,7 @@ from cachemgr.cli.common import (
     pass_app,
     plural,
     quiet_option,
+    say,
     table,
     wide_option,
 )
@@ -77,7 +78,7 @@ def _print_plan(app, p, rows, verb: str, wide: bool) -> None:
         return
     shorts = _shorts(app, rows, [e.key for e in entries[:SHOWN]], wide)
     again = f" ({human_size(p.recreatable_bytes)} of it recreated on the next hit)" if p.recreatable_bytes else ""
-    click.echo(f"plan: {verb} {plural(len(entries), 'entry')}, {human_size(p.expected_freed_bytes)}{again}")
+    say(f"plan: {verb} {plural(len(entries), 'entry')}, {human_size(p.expected_freed_bytes)}{again}")
     table([Col("key"), Col("kind"), Col("bytes", True), Col("why")],
           [(shorts.get(e.key, e.key), e.kind, human_size(e.bytes), e.reason) for e in entries[:SHOWN]], wide=wide)
     if len(entries) > SHOWN:
@@ -86,12 +87,12 @@ def _print_plan(app, p, rows, verb: str, wide: bool) -> None:
 
 def _print_result(r, cache_dir: str, grace: float) -> None:
     if r.dry_run:
-        click.echo(f"dry run: would free {human_size(r.freed_bytes)} in {plural(r.evicted, 'entry')}; nothing deleted")
+        say(f"dry run: would free {human_size(r.freed_bytes)} in {plural(r.evicted, 'entry')}; nothing deleted")
     else:
-        click.echo(f"evicted {plural(r.evicted, 'entry')}, freed {human_size(r.freed_bytes)}; "
-                   f"{human_size(r.remaining_bytes)} left in {cache_dir}")
+        say(f"evicted {plural(r.evicted, 'entry')}, freed {human_size(r.freed_bytes)}; "
+            f"{human_size(r.remaining_bytes)} left in {cache_dir}")
     if r.skipped:
-        click.echo(f"kept {plural(len(r.skipped), 'entry')}: {held_text([why for _, why in r.skipped], grace)}")
+        say(f"kept {plural(len(r.skipped), 'entry')}: {held_text([why for _, why in r.skipped], grace)}")
     for key, reason in r.skipped[:SHOWN]:
         click.echo(f"kept {clean(key)}: {reason}", err=True)
     if len(r.skipped) > SHOWN:
@@ -185,12 +186,12 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
     loud = not (as_json or quiet)
     if loud:
         if not p.units and p.skipped:
-            click.echo(f"nothing can be evicted now: {human_size(p.total_bytes)} in {p.total_files:,} files is over "
-                       f"the limits, but the entries it would take are kept "
-                       f"({held_text([why for _, why in p.skipped], limits.grace)})")
+            say(f"nothing can be evicted now: {human_size(p.total_bytes)} in {p.total_files:,} files is over "
+                f"the limits, but the entries it would take are kept "
+                f"({held_text([why for _, why in p.skipped], limits.grace)})")
         elif not p.units:
-            click.echo(f"nothing to evict: {human_size(p.total_bytes)} in {p.total_files:,} files is within the limits"
-                       + (f" (only {model}'s entries were candidates)" if model else ""))
+            say(f"nothing to evict: {human_size(p.total_bytes)} in {p.total_files:,} files is within the limits"
+                + (f" (only {model}'s entries were candidates)" if model else ""))
         _print_plan(app, p, rows, "evict", wide)
     r = carry_out(app.db, app.cache_id, root, p, rows, limits.grace, dry_run, now)
     if as_json:
@@ -201,7 +202,7 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
         if p.units:
             _print_result(r, s.cache_dir, limits.grace)
         if (why := _unreachable(p, limits)) is not None:
-            click.echo(why + (f" ({held_text([w for _, w in p.skipped], limits.grace)})" if p.skipped else ""))
+            say(why + (f" ({held_text([w for _, w in p.skipped], limits.grace)})" if p.skipped else ""))
 
 
 @click.command()
@@ -306,9 +307,8 @@ def _purge(app, root, s, tests, orphans, include_pinned, dry_run, yes, quiet, wi
         if as_json:
             emit_json(carry_out(app.db, app.cache_id, root, p, rows, s.grace, True, now).as_dict())
         elif not quiet:
-            click.echo("nothing to purge" + (f" ({plural(len(p.skipped), 'matching entry', 'matching entries')} "
-                                             f"kept: {held_text([w for _, w in p.skipped], s.grace)})"
-                                             if p.skipped else ""))
+            say("nothing to purge" + (f" ({plural(len(p.skipped), 'matching entry', 'matching entries')} "
+                                      f"kept: {held_text([w for _, w in p.skipped], s.grace)})" if p.skipped else ""))
         return
     if not (as_json or quiet):
         _print_plan(app, p, rows, "delete", wide)

@@ -25,6 +25,7 @@ from cachemgr.cli.common import (
     plural,
     progress_bar,
     quiet_option,
+    say,
     seconds,
     table,
     wide_option,
@@ -279,9 +280,9 @@ def _fleet_stats(app, window: float, as_json: bool) -> None:
            Col("scanned", True), Col("cache dir", cut=True)], rows)
     a = doc["activity"]
     ratio = "-" if a["hit_ratio"] is None else f"{a['hit_ratio']:.1%}"
-    click.echo(f"last {format_duration(window)}: {plural(a['hits'], 'hit')}, {plural(a['compiles'], 'compile')} "
-               f"({plural(a['recompiles'], 'recompile')}), {a['loaded']:,} loaded; hit ratio {ratio}; "
-               f"{plural(a['evictions'], 'eviction')}; {doc['corrupt']} corrupt, {plural(doc['pinned'], 'pin')}")
+    say(f"last {format_duration(window)}: {plural(a['hits'], 'hit')}, {plural(a['compiles'], 'compile')} "
+        f"({plural(a['recompiles'], 'recompile')}), {a['loaded']:,} loaded; hit ratio {ratio}; "
+        f"{plural(a['evictions'], 'eviction')}; {doc['corrupt']} corrupt, {plural(doc['pinned'], 'pin')}")
 
 
 # -- ls -----------------------------------------------------------------------------------------------
@@ -491,7 +492,7 @@ def _show_lines(e, d: dict, wide: bool) -> list[str]:
         users = d["referenced_by_short"]
         more = f" and {len(users) - 6} more (--wide)" if len(users) > 6 else ""
         pairs.append(("used by", ", ".join(users[:6]) + more))
-    return fields_block(pairs, wrap=not wide)
+    return fields_block(pairs, wrap=not wide, whole=("key", "graph key", "file", "needs", "used by"))
 
 
 def _needs_text(refs: list[dict]) -> str:

@@ -1,9 +1,10 @@
 """Prometheus exposition for the daemon (opt-in: `metrics = "127.0.0.1:9464"`).
 
-The activity figures are read from the index's events table at scrape time ('new' and 'hit'
-rows since the daemon started), so every path that indexes an entry — a watched batch, a burst
-rescan, the periodic full scan — feeds the same counters. Sizes by kind are one GROUP BY per
-scrape. Eviction figures come from the eviction job's results.
+The activity figures are read from the index at scrape time (the events since the daemon started,
+counted by `cachemgr.explain.activity`: the one definition of compile, recompile, loaded and hit
+that `stats` and `explain --summary` print), so every path that indexes an entry — a watched
+batch, a burst rescan, the periodic full scan — feeds the same counters. Sizes by kind come from
+the Store's totals. Eviction figures come from the eviction job's results.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ import time
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from sqlalchemy import func, select
 
-from cachemgr.index.models import Entry, Event
+from cachemgr import explain
+from cachemgr.index.store import Store
 
 log = logging.getLogger("cachemgr.metrics")
 
 COMPILE_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
-ENTRIES, EVENTS = Entry.__table__, Event.__table__
 
 
 class Metrics:
@@ -29,9 +29,10 @@ class Metrics:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.source = None  # (db, cache_id)
+        self.store: Store | None = None
         self.last_event_id = 0
-        self.hits = self.compiles = self.recompilations = 0
+        self.since = time.time()  # a compile event is of a file written since: an old file parsed late is none
+        self.hits = self.compiles = self.recompilations = self.loaded = 0
         self.compile_counts = [0] * len(COMPILE_BUCKETS)
         self.compile_sum = 0.0
         self.eviction_runs = self.evicted_entries = self.freed_bytes = 0
@@ -43,12 +44,12 @@ class Metrics:
 
     # -- wiring ------------------------------------------------------------------------------------
 
-    def watch(self, db, cache_id: int) -> None:
+    def watch(self, db, cache_id: int) -> None:  # noqa: ANN001 - cachemgr.index.Database
         """Read figures from this index from now on (events before now are not counted)."""
-        with db.engine.connect() as conn:
-            last = conn.scalar(select(func.max(EVENTS.c.id)).where(EVENTS.c.cache_id == cache_id)) or 0
+        store = Store.of_id(db, cache_id)
+        last = store.last_event_id()
         with self.lock:
-            self.source, self.last_event_id = (db, cache_id), last
+            self.store, self.last_event_id, self.since = store, last, time.time()
 
     def serve(self, address: str) -> None:
         host, _, port = address.rpartition(":")
@@ -73,52 +74,53 @@ class Metrics:
 
     # -- the collector -------------------------------------------------------------------------
 
-    def _read_events(self, conn, cache_id: int) -> None:
-        rows = conn.execute(
-            select(EVENTS.c.id, EVENTS.c.kind, EVENTS.c.recompile, EVENTS.c.seconds)
-            .where(EVENTS.c.cache_id == cache_id, EVENTS.c.id > self.last_event_id).order_by(EVENTS.c.id))
-        for eid, kind, recompile, seconds in rows:
-            self.last_event_id = eid
-            if kind == "hit":
-                self.hits += 1
-            elif kind == "new":
-                self.compiles += 1
-                self.recompilations += int(bool(recompile))
-                if seconds is not None:
-                    self.compile_sum += seconds
-                    self.compile_counts[next(i for i, b in enumerate(COMPILE_BUCKETS) if seconds <= b)] += 1
+    def _read_events(self, store: Store) -> None:
+        """Count the events since the last scrape, as `stats` counts them."""
+        upto = store.last_event_id()
+        if upto <= self.last_event_id:
+            return
+        act = explain.activity(store, after_id=self.last_event_id, upto_id=upto, since=self.since)
+        self.hits += act.hits
+        self.compiles += act.compiles
+        self.recompilations += act.recompiles
+        self.loaded += act.loaded
+        for seconds in act.compile_times:
+            self.compile_sum += seconds
+            self.compile_counts[next(i for i, b in enumerate(COMPILE_BUCKETS) if seconds <= b)] += 1
+        self.last_event_id = upto
 
     def collect(self):
-        sizes = []
+        sizes = {}
         with self.lock:
-            if self.source is not None:
-                db, cache_id = self.source
+            if self.store is not None:
                 try:
-                    with db.engine.connect() as conn:
-                        self._read_events(conn, cache_id)
-                        sizes = conn.execute(select(ENTRIES.c.kind, func.count(), func.sum(ENTRIES.c.bytes))
-                                             .where(ENTRIES.c.cache_id == cache_id).group_by(ENTRIES.c.kind)).all()
+                    self._read_events(self.store)
+                    sizes = self.store.totals().by_kind
                 except Exception as e:  # noqa: BLE001 - a scrape must answer even if the index does not
                     log.warning("metrics: index unavailable: %s", e)
             yield CounterMetricFamily("cachemgr_cache_hits", "Cache hits seen (reads of fxgraph entries)", self.hits)
             yield CounterMetricFamily("cachemgr_compiles", "New fxgraph entries (cache misses that compiled)",
                                       self.compiles)
+            yield CounterMetricFamily("cachemgr_loaded", "New fxgraph entries loaded (cachemgr import, a copy), "
+                                      "not compiled", self.loaded)
             total = self.hits + self.compiles
             yield GaugeMetricFamily("cachemgr_cache_hit_ratio", "hits / (hits + compiles) since the daemon started",
                                     self.hits / total if total else float("nan"))
             yield CounterMetricFamily("cachemgr_recompilations",
-                                      "New entries for a graph key already in the index", self.recompilations)
+                                      "Compiles of a graph compiled before in another form (explain's recompile "
+                                      "and guards verdicts)", self.recompilations)
             cum, buckets = 0, []
-            for bound, n in zip(COMPILE_BUCKETS, self.compile_counts):
+            for bound, n in zip(COMPILE_BUCKETS, self.compile_counts, strict=True):
                 cum += n
                 buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cum))
             yield HistogramMetricFamily("cachemgr_compile_seconds", "Compile time of new entries",
                                         buckets=buckets, sum_value=self.compile_sum)
             b = GaugeMetricFamily("cachemgr_bytes", "Indexed bytes by entry kind", labels=["kind"])
             n = GaugeMetricFamily("cachemgr_entries", "Indexed entries by kind", labels=["kind"])
-            for kind, count, size in sizes:
-                b.add_metric([kind], int(size or 0))
-                n.add_metric([kind], count)
+            for kind, usage in sizes.items():
+                if usage.entries:
+                    b.add_metric([kind], usage.bytes)
+                    n.add_metric([kind], usage.entries)
             yield b
             yield n
             yield CounterMetricFamily("cachemgr_eviction_runs", "Eviction runs", self.eviction_runs)

@@ -398,6 +398,14 @@ class Store:
         return cls(_Engine(db.engine), host, root, db.cache_id(host, root))
 
     @classmethod
+    def of_id(cls, db: Any, cache_id: int) -> Store:
+        """Over a Database, for the cache of this id (the daemon knows its cache by id)."""
+        store = cls(_Engine(db.engine), "", "", cache_id)
+        c = store.cache_row()
+        store.host, store.root = (c.host, c.root) if c else ("", "")
+        return store
+
+    @classmethod
     def over(cls, conn: Any, cache_id: int | None = None) -> Store:
         """Over an open SQLAlchemy connection (the caller's transaction)."""
         store = cls(_Connection(conn), "", "", cache_id)
@@ -602,10 +610,13 @@ class Store:
             raise NotFound(f"no entry {spec!r} in the index of {self.root} (see: cachemgr ls)")
         hits = list(found.values())
         refs = {e.ref for e in hits}
-        if named and not (slash and tail) and len(refs) == 1 and None not in refs:
-            (ref,) = refs  # a prefix of one ref (a short key of a graph): every entry of it, if that is all it named
+        if len(refs) == 1 and None not in refs:
+            # Every entry of one ref, named by a prefix of the ref (a short key of a graph) or by a
+            # path prefix of several entries (a graph's folder): the ref itself. A prefix of one
+            # entry's path, or 'REF/NAME', names that entry.
+            (ref,) = refs
             every = [_entry(r, pins) for r in self._rows(select + "e.ref = :r", r=ref)]
-            if {e.id for e in every} == found.keys():
+            if {e.id for e in every} == found.keys() and ((named and not tail) or len(every) > 1):
                 return Match(spec, _newest(every), ref)
         if len(hits) == 1:
             return Match(spec, tuple(hits))
