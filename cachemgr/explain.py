@@ -641,3 +641,75 @@ __all__ = [
     "Activity", "Candidate", "Change", "Diff", "Explainer", "Miss", "SummaryLine", "activity", "changed_fields",
     "group_of", "input_text", "parse_input", "since_epoch", "summarize",
 ]
+
+
+# -- the fleet's fragmentation: what splits one graph's cache between hosts ---------------------------
+
+FRAGMENT_PARTS = ("options", "environment")  # the parts a graph's code and inputs do not decide
+
+
+@dataclass(frozen=True)
+class Split:
+    """One component whose value differs between hosts for the same graph code and inputs: the
+    path-valued or per-host factor that gives every host its own key (`explain --summary` over a
+    fleet index)."""
+
+    component: str
+    graphs: int  # graph codes (code + inputs) it splits
+    hosts: tuple[str, ...]
+    values: tuple[tuple[str, str], ...]  # (host, value) as each host records it
+
+    def text(self) -> str:
+        s = "" if self.graphs == 1 else "s"
+        shown = "; ".join(f"{h}: {v}" for h, v in self.values[:4]) + ("; ..." if len(self.values) > 4 else "")
+        return (f"{self.graphs} graph{s} split between {len(self.hosts)} hosts because {self.component} differs "
+                f"({shown})")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"component": self.component, "graphs": self.graphs, "hosts": list(self.hosts),
+                "values": [{"host": h, "value": v} for h, v in self.values], "text": self.text()}
+
+
+def fragmentation(store: Store) -> list[Split]:
+    """Over every cache of the index: the fxgraph entries of one graph (same code and inputs
+    component sets) that hosts hold under different keys, and the components that differ between
+    those hosts. Empty for an index of one host."""
+    entries: dict[int, dict[str, Any]] = {}
+    for host, eid, gk, part, set_id in store.fleet_graph_sets():
+        e = entries.setdefault(eid, {"host": host, "graph_key": gk, "sets": {}})
+        e["sets"][part] = set_id
+    if len({e["host"] for e in entries.values()}) < 2:
+        return []
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+    for e in entries.values():
+        if "code" in e["sets"]:
+            groups[(e["sets"]["code"], e["sets"].get("inputs", -1))].append(e)
+    split = [g for g in groups.values()
+             if len({e["host"] for e in g}) > 1 and len({e["graph_key"] for e in g}) > 1]
+    ids = {e["sets"][p] for g in split for e in g for p in FRAGMENT_PARTS if p in e["sets"]}
+    sets = store.component_sets(ids, values=True)
+    counts: dict[str, int] = defaultdict(int)
+    hosts: dict[str, set[str]] = defaultdict(set)
+    values: dict[str, dict[str, str]] = defaultdict(dict)
+    for g in split:
+        seen: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))  # name -> host -> hashes
+        shown: dict[str, dict[str, str]] = defaultdict(dict)
+        for e in g:
+            comps: dict[str, tuple[str, str | None]] = {}
+            for p in FRAGMENT_PARTS:
+                comps.update(sets.get(e["sets"].get(p, -1), {}))
+            for name, (h, v) in comps.items():
+                seen[name][e["host"]].add(h)
+                shown[name].setdefault(e["host"], v or f"(hash {h[:12]})")
+        for name, by_host in seen.items():
+            variants = {frozenset(hs) for hs in by_host.values()}
+            if len(variants) > 1 or len(by_host) < len({e["host"] for e in g}):
+                counts[name] += 1
+                hosts[name].update(by_host)
+                for h, v in shown[name].items():
+                    values[name].setdefault(h, v)
+    return sorted((Split(n, c, tuple(sorted(hosts[n])), tuple(sorted(values[n].items()))) for n, c in counts.items()),
+                  key=lambda s: (-s.graphs, s.component))
+
+
+__all__ += ["Split", "fragmentation"]

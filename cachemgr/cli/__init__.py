@@ -68,9 +68,9 @@ def completion(shell: str) -> None:
 
 
 def _register() -> None:
-    from cachemgr.cli import daemon, evict, explain, fleet, inspect, prewarm
+    from cachemgr.cli import check, daemon, evict, explain, fleet, inspect, prewarm
 
-    for module in (inspect, evict, daemon, prewarm, explain, fleet):
+    for module in (inspect, evict, daemon, prewarm, explain, fleet, check):
         for command in module.COMMANDS:
             cli.add_command(command)
     cli.add_command(completion)

@@ -165,6 +165,7 @@ def explain(app, since: float, graph: str | None, model: str | None, summary: bo
     act = X.activity(x.store, since, misses=misses) if graphs is None else None
     loaded = sum(1 for ev in events if ev.loaded and (graphs is None or ev.graph_key in graphs))
     lines = X.summarize(misses)
+    splits = X.fragmentation(x.store) if summary and graphs is None else []  # a fleet index: what splits it
     shown = misses[-limit:]
     recompiles = sum(1 for m in misses if m.recompiled)
     if as_json:
@@ -173,11 +174,18 @@ def explain(app, since: float, graph: str | None, model: str | None, summary: bo
                "summary": [s.as_dict() for s in lines]}
         if act is not None:
             doc["activity"] = act.as_dict()
+        if splits:
+            doc["fragmentation"] = [s.as_dict() for s in splits]
         if not summary:
             doc["misses"] = [m.as_dict(shorts) for m in shown]
         emit_json(doc)
         return
     width = text_width()
+    if splits:
+        click.echo("fleet: components that differ between hosts for the same graph code")
+        for s in splits:
+            for line in _wrap(s.text(), width - 2, "  ", "      "):
+                click.echo(line)
     if not misses:
         click.echo(f"no compiles in the last {format_duration(since)}" + (" for that graph" if graph else "") +
                    (f" for model {model}" if model else "") + (f" ({loaded:,} entries loaded)" if loaded else "")

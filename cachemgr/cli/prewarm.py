@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import click
 
@@ -32,9 +32,9 @@ EXPORT_EXIT_CODES = """
 IMPORT_EXIT_CODES = """
     \b
     Exit codes:
-        0  the bundle was loaded                   3  no such bundle file
-        2  bad command line                        9  not a bundle, or built for another torch,
-                                                      Triton or GPU architecture
+        0  the bundle was loaded (--check-only:    3  no such bundle file
+           it would be)                            9  not a bundle; none of its graphs would hit
+        2  bad command line                           here; or partial (without --allow-partial)
     """
 
 
@@ -74,6 +74,14 @@ def _search_path(env: dict[str, str]) -> list[str]:
 def _artifacts(counts: dict | None) -> str:
     """`{"inductor": 12, "aot_autograd": 3}` as people read it: `12 inductor, 3 aot_autograd`."""
     return ", ".join(f"{n} {kind}" for kind, n in (counts or {}).items()) or "no artifacts"
+
+
+def _check_line(doc: dict) -> str:
+    """The cache check of a bundle, in one line: 'check: 8 of 10 graphs will hit here (...)'."""
+    causes = "; ".join(s["text"] for s in doc.get("summary", []) if s["verdict"] != "hit")
+    partial = f"; partial: {len(doc['missing'])} missing" if doc.get("missing") else ""
+    return (f"check: {doc.get('hit', 0)} of {doc.get('graphs', 0)} graphs will hit here"
+            + (f" ({causes})" if causes else "") + partial)
 
 
 @click.command()
@@ -266,9 +274,13 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
         return list(by_dev.items())
 
     tty = sys.stderr.isatty()
+    from cachemgr.cli.check import check_spec, learn
+
+    spec = check_spec(app, m, devs) if bundle_path else None  # the manifest's options: what this host compiles with
     with _progress(tty) as on:
         result = worker.run(jobs_for(), env, timeout=timeout, on_event=on,
-                            import_bundle=os.path.abspath(bundle_path) if bundle_path else None)
+                            import_bundle=os.path.abspath(bundle_path) if bundle_path else None, check=spec)
+    learn(app, result)
     results = [result]
     failures = [msg for _, msg in errors] + result.failures()
     if result.imported is not None and not result.imported.get("ok"):
@@ -289,6 +301,8 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
         _print_run(result, f"prewarm {app.settings.cache_dir}")
         if len(results) > 1:
             _print_run(results[1], "verify (fresh workers)")
+        if result.imported and result.imported.get("check"):
+            click.echo(_check_line(result.imported["check"]))
         if result.imported and result.imported.get("ok"):
             click.echo(f"imported {bundle_path}: {_artifacts(result.imported.get('artifacts'))}")
         n = sum(1 for r in result.shapes if r.ok and not r.lead_in)
@@ -345,6 +359,9 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
     with _progress(sys.stderr.isatty(), "export") as on:
         result = worker.run(jobs, env, phase="export", on_event=on,
                             export={"out": os.path.abspath(out), "cache_dir": app.settings.cache_dir})
+    from cachemgr.cli.check import learn
+
+    learn(app, result)
     ex = result.exported or {"ok": False, "error": "the export worker reported nothing"}
     failures = result.failures() + ([] if ex.get("ok") else [ex["error"]])
     if as_json:
@@ -354,36 +371,71 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
 
         h = ex["header"]
         click.echo(f"wrote {out}: {format_size(h['bytes'])}, {_artifacts(h['artifacts'])}; torch {h['torch']}, "
-                   f"Triton {h['triton'] or '-'}, GPU {','.join(h['gpu_arch'] or []) or '-'}")
+                   f"Triton {h['triton'] or '-'}, GPU {','.join(h['gpu_arch'] or []) or '-'}"
+                   + ("" if h.get("complete", True) else "; PARTIAL"))
+    if ex.get("ok") and not ex["header"].get("complete", True):
+        missing = ex["header"].get("missing") or []
+        click.echo(f"cachemgr: {out} is a partial bundle: {len(missing)} thing(s) its entries name are not in it "
+                   f"(first: {missing[0] if missing else '?'}); `import` refuses it without --allow-partial", err=True)
     if failures:
         raise PrewarmError("; ".join(failures))
 
 
 @click.command("import")
 @click.argument("bundle_path", metavar="FILE", type=click.Path(dir_okay=False))
+@click.option("--check-only", is_flag=True, help="Only say which of its graphs would hit here; write nothing.")
+@click.option("--allow-partial", is_flag=True, help="Import a bundle that lacks some of what its entries name.")
+@click.option("--manifest", "manifest_path", metavar="FILE", type=click.Path(dir_okay=False),
+              help="The workload's models: their compile options are what this host compiles with.")
+@click.option("--devices", metavar="LIST", help="Where the workload runs here (cuda:0,cuda:1 or cpu).")
 @json_option
 @pass_app
 @_exit_codes(IMPORT_EXIT_CODES)
-def import_(app, bundle_path: str, as_json: bool) -> None:
-    """Load a bundle into the cache (torch.compiler.load_cache_artifacts), refusing one built for
-    another torch, Triton or GPU architecture.
+def import_(app, bundle_path: str, check_only: bool, allow_partial: bool, manifest_path: str | None,
+            devices: str | None, as_json: bool) -> None:
+    """Load a bundle into the cache (torch.compiler.load_cache_artifacts), after checking it.
+
+    First the same check as `cachemgr check --bundle` runs in the worker: which of the bundle's
+    graphs this host would hit (each entry's hash components against this host's torch, GPU,
+    options and devices) and whether the bundle holds every graph, kernel and autotune result its
+    entries name. A bundle of which no graph would hit, or a partial one, is refused.
 
     \b
     Example:
         cachemgr --cache-dir /cache import /seed/cache.bundle
+        cachemgr import /seed/cache.bundle --check-only --json | jq .check.summary
     """
+    from cachemgr.cli.check import check_spec, learn, worker_device
     from cachemgr.prewarm import bundle, worker
 
     bundle.read(bundle_path, payload=False)  # not a bundle / missing: say so before starting torch
-    os.makedirs(app.settings.cache_dir, exist_ok=True)
+    devs = _devices(devices)
+    manifest = None
+    if manifest_path:
+        from cachemgr.prewarm import manifest as mf
+
+        manifest = mf.load(manifest_path)
+    spec = check_spec(app, manifest, devs, check_only=check_only, allow_partial=allow_partial)
+    existed = os.path.isdir(app.settings.cache_dir)
+    if not check_only:
+        os.makedirs(app.settings.cache_dir, exist_ok=True)
     with _progress(sys.stderr.isatty(), "import") as on:
-        result = worker.run([("cpu", [])], worker_env(app), phase="import", on_event=on,
-                            import_bundle=os.path.abspath(bundle_path))
+        result = worker.run([(worker_device(devs), [])], worker_env(app), phase="import", on_event=on,
+                            import_bundle=os.path.abspath(bundle_path), check=spec)
+    if check_only and not existed:
+        with suppress(OSError):  # torch makes its cache dir when it starts: a check leaves none behind
+            os.rmdir(app.settings.cache_dir)
+    learn(app, result)
     imp = result.imported or {"ok": False, "error": "the import worker reported nothing"}
     if as_json:
         emit_json(imp)
-    elif imp.get("ok"):
-        click.echo(f"imported {bundle_path} into {app.settings.cache_dir}: {_artifacts(imp['artifacts'])}")
+    else:
+        if imp.get("check"):
+            click.echo(_check_line(imp["check"]))
+        if imp.get("ok") and imp.get("loaded"):
+            click.echo(f"imported {bundle_path} into {app.settings.cache_dir}: {_artifacts(imp['artifacts'])}")
+        elif imp.get("ok"):
+            click.echo(f"check only: nothing written to {app.settings.cache_dir}")
     if not imp.get("ok"):
         raise bundle.BundleError(imp["error"])
 

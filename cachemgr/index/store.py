@@ -902,6 +902,33 @@ class Store:
             "JOIN entries v ON v.cache_id = a.cache_id AND v.ref = r.ref AND v.kind || '' = 'fxgraph' "
             "WHERE a.kind = 'aotautograd' AND v.torch_version IS NOT NULL")]
 
+    # -- the cache check (cachemgr.check): learned fingerprints, the fleet's fragmentation ---------
+
+    def record_fingerprint(self, kind: str, hash_: str, name: str, now: float | None = None) -> None:
+        """Learn what a `torch_version` (kind 'torch') or `system_info` (kind 'system') hash names
+        on this host, as a process running that torch reported it."""
+        now = time.time() if now is None else now
+        self.driver.write(
+            "INSERT INTO fingerprints (kind, hash, host, name, first_seen, last_seen) "
+            "VALUES (:kind, :hash, :host, :name, :now, :now) "
+            "ON CONFLICT (kind, hash, host) DO UPDATE SET name = :name, last_seen = :now",
+            {"kind": kind[:16], "hash": hash_[:64], "host": self.host[:255], "name": name[:255], "now": now})
+
+    def fingerprints(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """Every learned fingerprint of every host, newest first."""
+        cols = ("kind", "hash", "host", "name", "first_seen", "last_seen")
+        where = "" if kind is None else " WHERE kind = :kind"
+        return [dict(zip(cols, r, strict=True)) for r in self.driver.rows(
+            f"SELECT {', '.join(cols)} FROM fingerprints{where} ORDER BY last_seen DESC, kind, hash", {"kind": kind})]
+
+    def fleet_graph_sets(self) -> list[tuple[str, int, str | None, str, int]]:
+        """(host, entry id, graph key, part, component set id) of every parsed fxgraph entry of
+        every cache in the index: what the fragmentation report groups by graph code."""
+        return [(h, int(i), g, p, int(s)) for h, i, g, p, s in self.driver.rows(
+            "SELECT c.host, e.id, e.graph_key, s.part, s.set_id FROM entries e "
+            "JOIN caches c ON c.id = e.cache_id JOIN entry_component_sets s ON s.entry_id = e.id "
+            "WHERE e.kind = 'fxgraph' AND e.corrupt IS NULL AND e.parse_state = 0 ORDER BY c.host, e.id", {})]
+
 
 SORT_KEYS = {
     "size": lambda e: (-e.bytes, e.key),

@@ -5,9 +5,12 @@ mega-cache bytes (torch.compiler.save_cache_artifacts / load_cache_artifacts).
     {"torch": "2.11.0+cu128", "triton": "3.6.0", "gpu_arch": ["sm_90"], ...}\\n
     <save_cache_artifacts() bytes>
 
-The header can be read without torch (`cachemgr import` checks it first); the check against the
-host runs in the worker, where torch is imported and the true versions are known. Cache entries
-embed the torch version and the device, so a mismatched bundle could only ever miss: refuse it.
+The header can be read without torch; so can the payload (`artifacts`), whose entries record
+what their keys were hashed from. What this host will hit is not judged from the header but from
+the entries (cachemgr.check, run by `import`, `prewarm --bundle` and `check --bundle`); the
+header's `torch` names the writer only of entries that record nothing themselves. A bundle is
+*complete* when every graph, kernel and autotune result its entries name is in it
+(`completeness`); `export` names a partial bundle, `import` refuses one unless told otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 
 from cachemgr.errors import CachemgrError, NotFound
@@ -63,24 +67,203 @@ def read(path: str, payload: bool = True) -> Bundle:
     return Bundle(header, data)
 
 
-def mismatches(header: dict, host: dict) -> list[str]:
-    """Why this host cannot use the bundle; empty when it can. `host` is worker.host_info()."""
-    out = []
-    if header.get("torch") != host.get("torch"):
-        out.append(f"torch {header.get('torch')} (this host: {host.get('torch')})")
-    if header.get("gpu_arch"):
-        if header.get("triton") != host.get("triton"):
-            out.append(f"Triton {header.get('triton')} (this host: {host.get('triton') or 'not installed'})")
-        missing = sorted(set(header["gpu_arch"]) - set(host.get("gpu_arch") or []))
-        if missing:
-            have = ", ".join(host.get("gpu_arch") or []) or "no GPU"
-            out.append(f"GPU architecture {', '.join(missing)} (this host: {have})")
+# -- torch's mega-cache payload, read and written without torch -----------------------------------
+#
+# torch/utils/_appending_byte_serializer.py (torch 2.7+): a CRC32 of the rest (4 bytes, big
+# endian), a u64 version (1), then records: artifact type (a base64 string: u64 length + bytes),
+# u64 count, and per artifact its key (base64 string) and content (u64 length + bytes).
+
+PAYLOAD_VERSION = 1
+BINARIES = (".cubin", ".hsaco", ".zebin", ".spv")  # a Triton kernel's binary, per backend
+Artifacts = dict[str, list[tuple[str, bytes]]]  # type ('inductor', 'aot_autograd', 'autotune', ...) -> (key, content)
+
+
+def artifacts(payload: bytes, path: str = "bundle") -> Artifacts:
+    """The artifacts of a mega-cache payload, by type (torch.compiler.save_cache_artifacts' bytes)."""
+    import base64
+    import zlib
+
+    def bad(why: str) -> BundleError:
+        return BundleError(f"{path}: torch's artifacts do not read: {why}")
+
+    if len(payload) < 12:
+        raise bad("too short")
+    if zlib.crc32(payload[4:]).to_bytes(4, "big") != payload[:4]:
+        raise bad("checksum mismatch")
+    at = 4
+
+    def u64() -> int:
+        nonlocal at
+        if at + 8 > len(payload):
+            raise bad("truncated")
+        at += 8
+        return int.from_bytes(payload[at - 8 : at], "big")
+
+    def blob() -> bytes:
+        nonlocal at
+        n = u64()
+        if at + n > len(payload):
+            raise bad("truncated")
+        at += n
+        return payload[at - n : at]
+
+    def string() -> str:
+        try:
+            return base64.b64decode(blob(), validate=True).decode()
+        except ValueError as e:
+            raise bad(f"a name is not base64 text ({e})") from None
+
+    if u64() != PAYLOAD_VERSION:
+        raise bad("unknown version")
+    out: Artifacts = {}
+    while at < len(payload):
+        kind = string()
+        for _ in range(u64()):
+            key = string()
+            out.setdefault(kind, []).append((key, blob()))
     return out
 
 
-def refuse_message(path: str, header: dict, host: dict) -> str | None:
-    bad = mismatches(header, host)
-    if not bad:
-        return None
-    return (f"bundle {path} was built for {'; '.join(bad)}: refusing to import it, its entries could only miss "
-            "(export a bundle on a host with this image and GPU, or run `cachemgr prewarm` here)")
+def payload_of(arts: Artifacts) -> bytes:
+    """artifacts()'s inverse: bytes torch.compiler.load_cache_artifacts reads."""
+    import base64
+    import zlib
+
+    body = bytearray(PAYLOAD_VERSION.to_bytes(8, "big"))
+
+    def blob(b: bytes) -> None:
+        body.extend(len(b).to_bytes(8, "big"))
+        body.extend(b)
+
+    for kind, items in arts.items():
+        blob(base64.b64encode(kind.encode()))
+        body.extend(len(items).to_bytes(8, "big"))
+        for key, content in items:
+            blob(base64.b64encode(key.encode()))
+            blob(content)
+    return zlib.crc32(body).to_bytes(4, "big") + bytes(body)
+
+
+# -- completeness: what an entry names is in the bundle -----------------------------------------
+
+_KERNEL = re.compile(r"async_compile\.triton\(\s*['\"]([A-Za-z_][\w]*)['\"]")
+
+
+def kernels_of(content: bytes) -> tuple[list[str], dict[str, set[str]], list[str]]:
+    """An fxgraph entry's Triton kernels: the names its wrapper module launches, the files its
+    bundled kernel artifacts hold per kernel name (suffixes), and the bundled kernels' hashes."""
+    from cachemgr.parse.unpickle import items, safe_load, state_of, text
+
+    st = state_of(safe_load(content))
+    source = st.get("source_code")
+    names = list(dict.fromkeys(_KERNEL.findall(source))) if isinstance(source, str) else []
+    files: dict[str, set[str]] = {}
+    hashes = []
+    tb = state_of(st.get("_triton_bundle"))
+    for art in items(tb.get("kernel_artifacts")):
+        a = state_of(art)
+        h = text(a.get("kernel_hash"), 128)
+        if h:
+            hashes.append(h)
+        for f in items(a.get("artifacts")):
+            name = text(state_of(f).get("filename"), 512) or ""
+            stem, dot, suffix = name.removeprefix("__grp__").partition(".")
+            if dot:
+                files.setdefault(stem, set()).add("." + suffix)
+    return names, files, hashes
+
+
+def completeness(arts: Artifacts, expects: dict | None = None) -> list[str]:
+    """What bundled entries name that the bundle lacks, one line each (empty: complete):
+    - an AOTAutograd entry's forward/backward graphs (its modules): inductor artifacts;
+    - each Triton kernel a graph's wrapper module launches: a bundled kernel artifact with its
+      binary (a kernel compiled without `bundle_triton_into_fx_graph_cache`, or one whose binary
+      was dropped, recompiles on the importing host);
+    - each autotune result the exporting cache held for a bundled kernel (`expects`, written into
+      the header by `cachemgr export`).
+    The C++ builds of CPU graphs are never in torch's bundles: they are rebuilt on first use."""
+    from cachemgr.parse import parse_aotautograd
+    from cachemgr.vocab import Kind
+
+    out: list[str] = []
+    graphs = {key for key, _ in arts.get("inductor", [])}
+    for key, content in arts.get("aot_autograd", []):
+        for kind, ref in parse_aotautograd(content).refs:
+            if kind == Kind.FXGRAPH and ref not in graphs:
+                out.append(f"aotautograd entry {key}: its graph {ref} is not in the bundle")
+    for key, content in arts.get("inductor", []):
+        try:
+            names, files, _ = kernels_of(content)
+        except Exception as e:  # noqa: BLE001 - a hostile entry is a problem of the bundle, named
+            out.append(f"graph {key}: its entry does not read ({type(e).__name__})")
+            continue
+        for name in names:
+            if name not in files:
+                out.append(f"graph {key}: Triton kernel {name} is not in the bundle")
+            elif not files[name] & set(BINARIES):
+                out.append(f"graph {key}: Triton kernel {name} has no binary ({', '.join(BINARIES)}) in the bundle")
+    have = {key for key, _ in arts.get("autotune", [])}
+    for key in (expects or {}).get("autotune", []):
+        if key not in have:
+            out.append(f"autotune result {key} is not in the bundle")
+    return out
+
+
+def expected_autotune(cache_dir: str, arts: Artifacts) -> list[str]:
+    """The autotune results (`<2ch>/<hash>.best_config`, keyed as the bundle keys them) that the
+    cache holds for the Triton kernels of the bundled graphs."""
+    from cachemgr.layout import classify
+    from cachemgr.parse import autotune_refs
+    from cachemgr.vocab import Kind
+
+    kernels: set[str] = set()
+    for _, content in arts.get("inductor", []):
+        try:
+            kernels.update(kernels_of(content)[2])
+        except Exception:  # noqa: BLE001 - named by completeness()
+            continue
+    if not kernels:
+        return []
+    out = []
+    try:
+        tops = sorted(os.listdir(cache_dir))
+    except OSError:
+        return []
+    for top in tops:
+        folder = os.path.join(cache_dir, top)
+        if len(top) != 2 or os.path.islink(folder) or not os.path.isdir(folder):
+            continue
+        for name in sorted(os.listdir(folder)):
+            key = f"{top}/{name}"
+            c = classify(key)
+            if c is None or c.kind != Kind.AUTOTUNE:
+                continue
+            try:
+                with open(os.path.join(folder, name), "rb") as f:
+                    refs = autotune_refs(f.read(1 << 20))
+            except OSError:
+                continue
+            if any(ref in kernels for _, ref in refs):
+                out.append(key)
+    return out
+
+
+def graphs(arts: Artifacts, header: dict | None = None) -> list:
+    """The bundle's fxgraph entries as the cache check reads them (cachemgr.check.Graph). Where an
+    entry records no components, a bundle that replayed models names the torch that wrote them
+    (its header's `torch`)."""
+    from dataclasses import replace
+
+    from cachemgr.check import graph_of
+    from cachemgr.parse import parse_fxgraph
+
+    header = header or {}
+    claimed = header.get("torch") if header.get("models") else None
+    out = []
+    for i, (key, content) in enumerate(arts.get("inductor", [])):
+        p = parse_fxgraph(content, key)
+        g = graph_of(f"{key}#{i}", p)
+        if not g.recorded and claimed:
+            g = replace(g, torch_version=str(claimed))
+        out.append(g)
+    return out

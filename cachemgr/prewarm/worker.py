@@ -90,6 +90,8 @@ class RunResult:
     imported: dict | None = None
     exported: dict | None = None
     seconds: float = 0.0
+    host_side: dict | None = None  # phase 'check': this host's side of the hash components
+    fingerprints: list[dict] = field(default_factory=list)  # what each worker's torch is (worker_ready)
 
     def failures(self, verify: bool = False) -> list[str]:
         out = [msg for _, msg in self.model_errors]
@@ -107,6 +109,17 @@ class RunResult:
         return {"shapes": [asdict(r) for r in self.shapes],
                 "model_errors": [{"model": m, "error": e} for m, e in self.model_errors],
                 "imported": self.imported, "exported": self.exported, "seconds": round(self.seconds, 3)}
+
+    def learned(self) -> list[tuple[str, str, str]]:
+        """(kind, hash, name) the workers' torch reported: 'torch' (the torch_version component hash
+        -> torch.__version__) and 'system' (system_info's hash -> 'NVIDIA H200, CUDA 13.0, ...')."""
+        out = []
+        for fp in self.fingerprints:
+            if fp.get("torch_version_hash") and fp.get("torch"):
+                out.append(("torch", fp["torch_version_hash"], fp["torch"]))
+            if fp.get("system_hash") and fp.get("system"):
+                out.append(("system", fp["system_hash"], fp["system"]))
+        return list(dict.fromkeys(out))
 
 
 def plan(manifest: Manifest, recorded: list[dict]) -> tuple[list[ModelPlan], list[tuple[str, str]]]:
@@ -242,7 +255,8 @@ def distribute(plans: list[ModelPlan], devices: list[str], replicate: bool = Fal
 
 
 def _slice(p: ModelPlan, idx: list[int]) -> Slice:
-    lead = p.shapes[0].index if p.automatic_dynamic and idx and idx[0] != p.shapes[0].index and len(p.shapes) > 1 else None
+    first = p.shapes[0].index
+    lead = first if p.automatic_dynamic and idx and idx[0] != first and len(p.shapes) > 1 else None
     return Slice(p, idx, lead)
 
 
@@ -285,7 +299,7 @@ class _Workers:
 
 def run(jobs: Jobs, env: dict[str, str], *, phase: str = "prewarm", timeout: float | None = None,
         on_event: Callable[[Event], None] | None = None, import_bundle: str | None = None,
-        export: dict | None = None) -> RunResult:
+        export: dict | None = None, check: dict | None = None) -> RunResult:
     """Run the jobs' workers concurrently (at least one, on the CPU); return every shape's result.
 
     Interrupted (KeyboardInterrupt, or any exception in this thread), it kills every worker's
@@ -295,6 +309,7 @@ def run(jobs: Jobs, env: dict[str, str], *, phase: str = "prewarm", timeout: flo
     results: list[ShapeResult] = []
     model_errors: list[tuple[str, str]] = []
     extra: dict[str, Any] = {}
+    fingerprints: list[dict] = []
     lock = threading.Lock()
     workers = _Workers()
 
@@ -304,8 +319,10 @@ def run(jobs: Jobs, env: dict[str, str], *, phase: str = "prewarm", timeout: flo
                 results.append(ShapeResult(**{k: ev[k] for k in ShapeResult.__dataclass_fields__ if k in ev}))
             elif ev["e"] == "model_error":
                 model_errors.append((ev["model"], ev["error"]))
-            elif ev["e"] in ("imported", "exported"):
+            elif ev["e"] in ("imported", "exported", "host_side"):
                 extra[ev["e"]] = ev
+            elif ev["e"] == "worker_ready" and ev.get("fingerprint"):
+                fingerprints.append(ev["fingerprint"])
             if on_event and not workers.stopped:
                 on_event(ev)
 
@@ -315,7 +332,8 @@ def run(jobs: Jobs, env: dict[str, str], *, phase: str = "prewarm", timeout: flo
             # daemon threads: an interrupted run never waits at exit for a thread whose worker is dead
             t = threading.Thread(target=_drive, daemon=True,
                                  args=(d, slices, env, phase, timeout, emit, workers,
-                                       import_bundle if i == 0 else None, export if i == 0 else None))
+                                       import_bundle if i == 0 else None, export if i == 0 else None,
+                                       check if i == 0 else None))
             t.start()
             threads.append(t)
         for t in threads:
@@ -324,28 +342,34 @@ def run(jobs: Jobs, env: dict[str, str], *, phase: str = "prewarm", timeout: flo
         workers.stop()
         raise
     results.sort(key=lambda r: (r.model, r.phase, r.index, r.device, not r.lead_in))
-    return RunResult(results, model_errors, extra.get("imported"), extra.get("exported"), time.monotonic() - t0)
+    return RunResult(results, model_errors, extra.get("imported"), extra.get("exported"), time.monotonic() - t0,
+                     extra.get("host_side"), fingerprints)
 
 
-def _job_doc(device: str, slices: list[Slice], phase: str, import_bundle: str | None, export: dict | None) -> dict:
-    return {"device": device, "phase": phase, "import_bundle": import_bundle, "export": export,
+def _job_doc(device: str, slices: list[Slice], phase: str, import_bundle: str | None, export: dict | None,
+             check: dict | None = None) -> dict:
+    return {"device": device, "phase": phase, "import_bundle": import_bundle, "export": export, "check": check,
             "models": [{"spec": s.model.spec.as_dict(), "compile": s.model.compile,
-                        "shapes": ([{**asdict(s.model.shapes[s.lead_in]), "lead_in": True}] if s.lead_in is not None else [])
+                        "shapes": ([{**asdict(s.model.shapes[s.lead_in]), "lead_in": True}]
+                                   if s.lead_in is not None else [])
                                   + [asdict(s.model.shapes[i]) for i in s.indices]} for s in slices]}
 
 
 def _drive(device: str, slices: list[Slice], env: dict[str, str], phase: str, timeout: float | None,
-           emit: Callable[[Event], None], workers: _Workers, import_bundle: str | None, export: dict | None) -> None:
+           emit: Callable[[Event], None], workers: _Workers, import_bundle: str | None, export: dict | None,
+           check: dict | None = None) -> None:
     """One device: run a worker; if it dies or hangs, fail that shape and start another for the rest."""
     remaining = list(slices)
     first = True
     while (remaining or first) and not workers.stopped:
-        job = _job_doc(device, remaining, phase, import_bundle if first else None, export if first else None)
+        job = _job_doc(device, remaining, phase, import_bundle if first else None, export if first else None,
+                       check if first else None)
         first = False
         done: set[tuple[str, int]] = set()
         current: list[Any] = [None]
 
-        def on(ev: Event) -> None:
+        # `on` runs only within this iteration (one worker's events): the loop's names are its own
+        def on(ev: Event, done=done, current=current, remaining=remaining) -> None:  # noqa: ANN001
             if ev["e"] == "shape_start":
                 current[0] = ev
             elif ev["e"] == "shape":
@@ -404,7 +428,8 @@ def _one_worker(job: dict, env: dict[str, str], timeout: float | None, on: Calla
         proc.wait()
         return "stopped"
     on({"e": "worker_start", "device": job["device"], "pid": proc.pid, "phase": job["phase"],
-        "models": len(job["models"]), "shapes": sum(1 for m in job["models"] for s in m["shapes"] if not s.get("lead_in"))})
+        "models": len(job["models"]),
+        "shapes": sum(1 for m in job["models"] for s in m["shapes"] if not s.get("lead_in"))})
     stderr_tail: list[bytes] = []
     t_err = threading.Thread(target=_tail, args=(proc.stderr, stderr_tail), daemon=True)
     t_err.start()
@@ -441,7 +466,7 @@ def _one_worker(job: dict, env: dict[str, str], timeout: float | None, on: Calla
                         finished = True
                     if ev["e"] in ("shape_start", "import_start", "export_start"):
                         deadline = time.monotonic() + timeout if timeout else None
-                    elif ev["e"] in ("shape", "imported", "exported"):
+                    elif ev["e"] in ("shape", "imported", "exported", "host_side"):
                         deadline = None
                     on(ev)
                 if len(buf) > MAX_EVENT:
@@ -495,6 +520,13 @@ class _Out:
 
 
 def child_main() -> None:
+    if sys.argv[1:] == ["--probe"]:  # this torch's defaults, in the environment it was started with
+        import torch
+
+        from cachemgr.prewarm import adapters
+
+        print(json.dumps({"lines": adapters.load(torch.__version__).components(torch, {})}))
+        return
     procs.die_with_parent_from_env()  # the CLI killed (or gone before this line): so are we
     out = _Out(int(os.environ["CACHEMGR_WORKER_FD"]))
     job = json.loads(sys.stdin.read())
@@ -502,11 +534,15 @@ def child_main() -> None:
     from torch._dynamo.utils import counters
 
     device = job["device"]
-    out(e="worker_ready", pid=os.getpid(), device=device, phase=job["phase"], torch=torch.__version__)
+    adapter, fingerprint = _adapter(torch)
+    out(e="worker_ready", pid=os.getpid(), device=device, phase=job["phase"], torch=torch.__version__,
+        fingerprint=fingerprint)
     unusable = _device_problem(torch, device)
+    if job.get("check") and not job.get("import_bundle"):
+        out(e="host_side", **host_side(torch, adapter, fingerprint, job["check"]))
     if job.get("import_bundle"):
         out(e="import_start")
-        out(e="imported", **_import_bundle(job["import_bundle"]))
+        out(e="imported", **_import_bundle(job["import_bundle"], torch, adapter, fingerprint, job.get("check") or {}))
     replay_models = job["models"]
     for m in replay_models:
         if unusable:
@@ -516,8 +552,73 @@ def child_main() -> None:
         _replay_model(m, device, job["phase"], out, torch, counters)
     if job.get("export"):
         out(e="export_start")
-        out(e="exported", **_export(job["export"], [m["spec"]["name"] for m in replay_models], device))
+        out(e="exported", **_export(job["export"], [m["spec"]["name"] for m in replay_models], device, adapter,
+                                    fingerprint))
     out(e="done")
+
+
+def _adapter(torch) -> tuple[Any, dict | None]:
+    """The adapter for this torch (cachemgr.prewarm.adapters) and its fingerprint; (None, None)
+    for a torch no adapter knows, or one whose private names moved."""
+    from cachemgr.prewarm import adapters
+
+    try:
+        adapter = adapters.load(torch.__version__)
+    except adapters.Unsupported:
+        return None, None
+    try:
+        return adapter, adapter.fingerprint(torch)
+    except Exception:  # noqa: BLE001 - a torch whose internals moved: no fingerprint, the rest still runs
+        return adapter, None
+
+
+MIRRORED_OPTIONS = ["cpp_wrapper", "fx_wrapper"]  # options compile_fx also passes as fx_kwargs
+
+
+def host_side(torch, adapter, fingerprint: dict | None, spec: dict) -> dict:
+    """This host's side of every hash component that does not depend on the graph, under its
+    defaults and under each option set of `spec` (cachemgr.check.option_sets): the first set's
+    debug lines in full, the others' as the lines that differ. With TORCHINDUCTOR_* variables
+    set, also torch's defaults without them (a second process, `--probe`)."""
+    from cachemgr.check import option_variables
+
+    if adapter is None:
+        raise RuntimeError(f"torch {torch.__version__}: cachemgr has no adapter for it")
+    base = adapter.components(torch, {})
+    have = set(base)
+    configs = [{"label": "defaults", "options": {}, "lines": base,
+                "mirrors": adapter.config_values(torch, {}, MIRRORED_OPTIONS)}]
+    seen, errors = {"{}"}, []
+    for s in spec.get("option_sets") or []:
+        try:
+            patch = dict(adapter.mode_options(torch, s.get("mode"), s.get("dynamic")))
+            for k, v in (s.get("options") or {}).items():
+                if not adapter.known_option(torch, k):
+                    raise ValueError(f"{k!r} is not an Inductor option of torch {torch.__version__}")
+                patch[k.replace("-", "_")] = v
+            sig = json.dumps(patch, sort_keys=True, default=str)
+            if sig in seen:
+                continue
+            seen.add(sig)
+            lines = adapter.components(torch, patch)
+            configs.append({"label": s["label"], "options": patch, "lines": [ln for ln in lines if ln not in have],
+                            "mirrors": adapter.config_values(torch, patch, MIRRORED_OPTIONS)})
+        except Exception as e:  # noqa: BLE001 - one bad option set is that set's error
+            errors.append(f"{s.get('label')}: {_first_line(e)}")
+    env = option_variables(os.environ)
+    pristine = None
+    if env:
+        clean = {k: v for k, v in os.environ.items() if k not in env and k != "CACHEMGR_WORKER_FD"}
+        r = subprocess.run([sys.executable, "-m", "cachemgr.prewarm.worker", "--probe"], env=clean,
+                           capture_output=True, text=True, timeout=900)
+        if r.returncode == 0 and r.stdout.strip():
+            pristine = [ln for ln in json.loads(r.stdout.strip().splitlines()[-1])["lines"] if ln not in have]
+        else:
+            errors.append(f"torch's own defaults (without {', '.join(sorted(env))}): the probe failed")
+    info = host_info()
+    return {"torch": torch.__version__, "fingerprint": fingerprint, "configs": configs, "pristine": pristine,
+            "env": env, "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            "triton": info["triton"], "gpu_arch": info["gpu_arch"], "errors": errors}
 
 
 def _device_problem(torch, device: str) -> str | None:
@@ -679,44 +780,74 @@ def _contig(shape: list[int]) -> list[int]:
     return list(reversed(stride))
 
 
-def _import_bundle(path: str) -> dict:
+def check_bundle(path: str, b, torch, adapter, fingerprint: dict | None, spec: dict) -> dict:
+    """The cache check of a bundle on this host (cachemgr.check): which of its graphs will hit,
+    and whether it holds all that its entries name."""
+    from cachemgr import check
+    from cachemgr.prewarm import bundle
+
+    arts = bundle.artifacts(b.payload, path)
+    host = check.Host.of(host_side(torch, adapter, fingerprint, spec), spec.get("devices"),
+                         bool(spec.get("complete")))
+    report = check.check(bundle.graphs(arts, b.header), host, path)
+    return {**report.as_dict(), "missing": bundle.completeness(arts, b.header.get("expects"))}
+
+
+def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: dict) -> dict:
+    """Check the bundle first; load it (torch.compiler.load_cache_artifacts) unless none of its
+    graphs would hit here, or it is partial (and `allow_partial` is not set), or `check_only`."""
     from cachemgr.prewarm import bundle
 
     try:
         b = bundle.read(path)
-        refuse = bundle.refuse_message(path, b.header, host_info())
-        if refuse:
-            return {"ok": False, "error": refuse, "header": b.header}
-        import torch
-
+        doc = check_bundle(path, b, torch, adapter, fingerprint, spec)
+        base = {"header": b.header, "check": doc}
+        if doc["graphs"] and not doc["hit"]:
+            causes = "; ".join(s["text"] for s in doc["summary"])
+            return {**base, "ok": False, "error": f"bundle {path}: none of its {doc['graphs']} graphs would hit here "
+                                                  f"({causes}): refusing to import it (export a bundle on a host with "
+                                                  "this image and GPU, or run `cachemgr prewarm` here)"}
+        if doc["missing"] and not spec.get("allow_partial"):
+            n = len(doc["missing"])
+            return {**base, "ok": False, "error": f"bundle {path} is partial: {n} thing(s) its entries name are not "
+                                                  f"in it (first: {doc['missing'][0]}): refusing to import it "
+                                                  "(--allow-partial imports it anyway)"}
+        if spec.get("check_only"):
+            return {**base, "ok": True, "loaded": False}
         info = torch.compiler.load_cache_artifacts(b.payload)
         if info is None:
-            return {"ok": False, "error": f"bundle {path}: torch could not read its artifacts", "header": b.header}
-        return {"ok": True, "header": b.header, "artifacts": {k: len(v) for k, v in info.artifacts.items()}}
+            return {**base, "ok": False, "error": f"bundle {path}: torch could not read its artifacts"}
+        return {**base, "ok": True, "loaded": True, "artifacts": {k: len(v) for k, v in info.artifacts.items()}}
     except Exception as e:  # noqa: BLE001 - reported to the parent as the import's failure
         return {"ok": False, "error": str(e) if hasattr(e, "exit_code") else _first_line(e)}
 
 
-def _export(export: dict, models: list[str], device: str) -> dict:
+def _export(export: dict, models: list[str], device: str, adapter, fingerprint: dict | None) -> dict:
     """Write a bundle: the artifacts this process's replays produced or hit, or (no models) the
-    whole local cache's fxgraph / aotautograd / autotune entries recorded through torch's manager."""
+    whole local cache's fxgraph / aotautograd / autotune entries handed to torch's manager. Its
+    header says whether it is complete (bundle.completeness)."""
     import torch
-    from torch.compiler._cache import CacheArtifactManager
 
     from cachemgr.prewarm import bundle
 
     try:
         if not models:
-            _record_disk(export["cache_dir"], CacheArtifactManager)
+            if adapter is None:
+                raise RuntimeError(f"torch {torch.__version__}: cachemgr has no adapter for it")
+            adapter.record_artifacts(_disk_artifacts(export["cache_dir"]))
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             return {"ok": False, "error": "nothing to export: no cache artifacts were produced or found"}
         payload, info = saved
+        arts = bundle.artifacts(payload)
+        expects = {"autotune": bundle.expected_autotune(export["cache_dir"], arts)}
+        missing = bundle.completeness(arts, expects)
         host = host_info()
         cpu_only = bool(models) and not device.startswith("cuda")  # replayed on CPU: no GPU entries
         header = {**host, "format": 1, "created": time.time(), "models": models or None,
-                  "gpu_arch": None if cpu_only else host["gpu_arch"],
-                  "artifacts": {k: len(v) for k, v in info.artifacts.items()}}
+                  "gpu_arch": None if cpu_only else host["gpu_arch"], "fingerprint": fingerprint,
+                  "artifacts": {k: len(v) for k, v in info.artifacts.items()}, "expects": expects,
+                  "complete": not missing, "missing": missing[:100]}
         return {"ok": True, "header": bundle.write(export["out"], header, payload), "out": export["out"]}
     except Exception as e:  # noqa: BLE001
         return {"ok": False, "error": _first_line(e)}
@@ -744,8 +875,9 @@ def _read_regular(path: str, limit: int = MAX_ENTRY) -> bytes | None:
         os.close(fd)
 
 
-def _record_disk(root: str, manager) -> None:
-    manager._ensure_cache_artifacts_registered()  # a process that compiled nothing has not imported them
+def _disk_artifacts(root: str):
+    """(kind, key, content) of the cache's fxgraph, aotautograd and autotune entries, as torch's
+    mega-cache records them."""
     for kind, typ in (("fxgraph", "inductor"), ("aotautograd", "aot_autograd")):
         base = os.path.join(root, kind)
         if os.path.islink(base):  # never read outside the cache
@@ -756,7 +888,7 @@ def _record_disk(root: str, manager) -> None:
                     continue
                 data = _read_regular(os.path.join(dirpath, f))
                 if data is not None:
-                    manager.record_artifact(typ, os.path.basename(dirpath), data)
+                    yield typ, os.path.basename(dirpath), data
     for dirpath, _dirs, files in os.walk(root):
         for f in files:
             if f.endswith(".best_config"):
@@ -767,7 +899,7 @@ def _record_disk(root: str, manager) -> None:
                 except (ValueError, RecursionError):
                     config = None
                 if isinstance(config, dict):
-                    manager.record_artifact("autotune", os.path.relpath(p, root), config)
+                    yield "autotune", os.path.relpath(p, root), config
 
 
 if __name__ == "__main__":

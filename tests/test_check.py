@@ -1,0 +1,468 @@
+"""`cachemgr check`: predictions checked against what torch then does.
+
+Each case predicts, with the real CLI in its own process, which graphs of a real cache this host
+will hit; then the workload that cache came from runs in a fresh process with TORCH_TRACE on, and
+torch's own `fx_graph_cache_hit` artifacts name the keys it hit. A graph predicted to hit must hit,
+one predicted to miss must not, and an unknown is never counted as a hit. The counters of
+torch._dynamo.utils.counters must agree with the trace.
+
+Bundles: completeness (a kernel, a graph or an autotune result removed is caught), and import's
+check (--check-only writes nothing; a partial bundle or one that cannot hit here is refused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachemgr import check
+from cachemgr.fingerprint import component_hash
+from cachemgr.prewarm import adapters, bundle
+from tests.conftest import FIXTURES, PROGRAMS, Cli, subprocess_env
+
+pytestmark = pytest.mark.slow
+MAKE_CACHE = FIXTURES / "make_cache.py"
+WORKLOAD = PROGRAMS / "check_workload.py"
+ENV = {"PYTHONPATH": os.pathsep.join((str(Path(__file__).resolve().parent.parent), str(PROGRAMS)))}
+
+# The fixtures' workload (tests/fixtures/make_cache.py): what each function is compiled with.
+FIXTURE_MANIFEST = """
+[[model]]
+name = "train"
+factory = "make_cache:train_loss"
+train = true
+compile = {}
+
+[[model]]
+name = "infer"
+factory = "make_cache:infer"
+compile = {}
+
+[[model]]
+name = "opt_fn_no_epilogue"
+factory = "make_cache:opt_fn"
+compile = { options = { epilogue_fusion = false } }
+
+[[model]]
+name = "opt_fn"
+factory = "make_cache:opt_fn"
+compile = {}
+"""
+
+WORKLOAD_MANIFEST = """
+[[model]]
+name = "mlp"
+factory = "check_workload:MLP"
+train = true
+compile = {}
+
+[[model]]
+name = "infer"
+factory = "check_workload:infer"
+compile = {}
+
+[[model]]
+name = "scaled"
+factory = "check_workload:scaled"
+compile = { options = %s }
+"""
+
+
+# -- running things ---------------------------------------------------------------------------------
+
+
+def run_traced(program: list[str], cache_dir: Path, trace: Path, **env: str) -> tuple[dict, set[str], int]:
+    """Run a workload in a fresh process: (its counters, the keys torch hit, how many it missed)."""
+    out = subprocess.run([sys.executable, *program], capture_output=True, text=True, timeout=1200,
+                         env=subprocess_env(cache_dir, TORCH_TRACE=str(trace), **env))
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    counters = line.get("counters", {}).get("inductor") if "counters" in line else line
+    hits, misses = outcome(trace)
+    return counters, hits, misses
+
+
+def outcome(trace: Path) -> tuple[set[str], int]:
+    """torch's structured trace: the fxgraph keys it hit, and how many lookups missed."""
+    hits: set[str] = set()
+    misses = 0
+    for f in trace.iterdir():
+        lines = f.read_text(errors="replace").splitlines()
+        for i, line in enumerate(lines):
+            for kind in ("hit", "miss"):
+                if f'{{"artifact": {{"name": "fx_graph_cache_{kind}"' in line and not line.startswith("\t") \
+                        and i + 1 < len(lines) and lines[i + 1].startswith("\t"):
+                    body = []  # the payload: the lines after the artifact's, each after a tab
+                    for nxt in lines[i + 1:]:
+                        if not nxt.startswith("\t"):
+                            break
+                        body.append(nxt[1:])
+                    payload = json.loads("\n".join(body))
+                    if kind == "hit":
+                        hits.add(payload["key"])
+                    else:
+                        misses += 1
+    return hits, misses
+
+
+def predict(cli: Cli, *args: str, env: dict | None = None) -> dict:
+    r = cli.proc("check", *args, "--json", timeout=900, env={**ENV, **(env or {})})
+    assert r.returncode == 0, f"stdout: {r.stdout[-3000:]}\nstderr: {r.stderr[-3000:]}"
+    return json.loads(r.stdout)
+
+
+def compare(case: str, report: dict, hits: set[str], counters: dict, exact: bool = True) -> dict:
+    """Prediction against outcome, graph by graph; a row for the table."""
+    seen = {"hit": 0, "miss": 0}
+    for p in report["predictions"]:
+        outcome_ = "hit" if p["graph_key"] in hits else "miss"
+        seen[outcome_] += 1
+        assert p["verdict"] != "hit" or outcome_ == "hit", f"{case}: {p['graph_key']} predicted hit, missed"
+        assert p["verdict"] != "miss" or outcome_ == "miss", f"{case}: {p['graph_key']} predicted miss, hit"
+        if exact:
+            assert p["verdict"] != "unknown", f"{case}: {p['graph_key']} unknown: {p['cause']}"
+    assert counters["fxgraph_cache_hit"] == len(hits) >= seen["hit"]
+    row = {"case": case, "graphs": report["graphs"], "predicted": {v: report[v] for v in ("hit", "miss", "unknown")},
+           "seen": seen, "counters": {k: counters.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")},
+           "causes": [s["text"] for s in report["summary"]]}
+    table = os.environ.get("CACHEMGR_CHECK_TABLE")
+    if table:
+        with open(table, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+def causes(report: dict) -> list[str]:
+    return [s["text"] for s in report["summary"]]
+
+
+def named(report: dict, verdict: str) -> set[str]:
+    """The component names the predictions of a verdict differ in."""
+    return {d["name"] for p in report["predictions"] if p["verdict"] == verdict
+            for ds in p["groups"].values() for d in ds if d["certain"] or verdict != "miss"}
+
+
+# -- the cases ------------------------------------------------------------------------------------------
+
+
+def test_same_host_every_graph_hits(fixture_cache, tmp_path, db_url):
+    root = fixture_cache("torch-2.13.0-cpu")  # written by this very torch build (its fingerprint is checked below)
+    (tmp_path / "m.toml").write_text(FIXTURE_MANIFEST)
+    cli = Cli(root, db_url)
+    report = predict(cli, "--manifest", str(tmp_path / "m.toml"))
+    assert (report["graphs"], report["hit"]) == (8, 8), causes(report)
+    assert causes(report) == ["7 graphs will hit", "1 graph will hit (compiled with the options of model "
+                                                   "opt_fn_no_epilogue)"]
+    # without the manifest the option set of one graph is not known: unknown, never a guessed hit
+    bare = predict(cli)
+    assert (bare["hit"], bare["unknown"]) == (7, 1)
+    (p,) = [p for p in bare["predictions"] if p["verdict"] == "unknown"]
+    assert p["groups"]["options"][0]["name"] == "inductor_config[epilogue_fusion]"
+    assert (p["groups"]["options"][0]["cache"], p["groups"]["options"][0]["host"]) == ("False", "True")
+    counters, hits, misses = run_traced([str(MAKE_CACHE)], root, tmp_path / "trace")
+    counters = {"fxgraph_cache_hit": counters.get("fxgraph_cache_hit", 0),
+                "fxgraph_cache_miss": counters.get("fxgraph_cache_miss", 0)}
+    assert misses == 0 and counters == {"fxgraph_cache_hit": 8, "fxgraph_cache_miss": 0}
+    compare("same host (torch-2.13.0-cpu fixture, manifest)", report, hits, counters)
+    compare("same host, no manifest", bare, hits, counters, exact=False)
+    # the worker learned this host's fingerprints
+    from cachemgr.index import Database, Store
+
+    db = Database(db_url)
+    try:
+        fps = {(f["kind"], f["hash"]): f["name"] for f in Store.of(db, "testhost", str(root)).fingerprints()}
+    finally:
+        db.close()
+    fp = json.loads((FIXTURES / "caches" / "torch-2.13.0-cpu.json").read_text())["fingerprint"]["2.13.0+cpu"]
+    assert fps[("torch", fp["torch_version_hash"])] == "2.13.0+cpu"
+    assert fps[("system", fp["system_info"]["hash"])] == "no GPU"
+
+
+@pytest.fixture(scope="module")
+def workload_cache(tmp_path_factory) -> Path:
+    """A cache of check_workload.py's `mlp` workload, written by this host."""
+    root = tmp_path_factory.mktemp("wl") / "cache"
+    counters, _, _ = run_traced([str(WORKLOAD), "mlp"], root, root.parent / "trace0")
+    assert counters["fxgraph_cache_miss"] > 0 and counters["fxgraph_cache_hit"] == 0
+    return root
+
+
+def test_a_changed_inductor_option_misses_the_changed_graphs_named(workload_cache, tmp_path, db_url):
+    root = tmp_path / "cache"
+    shutil.copytree(workload_cache, root)
+    (tmp_path / "same.toml").write_text(WORKLOAD_MANIFEST % "{ epilogue_fusion = false }")
+    (tmp_path / "changed.toml").write_text(WORKLOAD_MANIFEST % "{ epilogue_fusion = true, shape_padding = false }")
+    cli = Cli(root, db_url)
+    same = predict(cli, "--manifest", str(tmp_path / "same.toml"))
+    assert same["hit"] == same["graphs"] > 3, causes(same)
+    changed = predict(cli, "--manifest", str(tmp_path / "changed.toml"))
+    assert (changed["miss"], changed["hit"]) == (1, changed["graphs"] - 1), causes(changed)
+    (p,) = [p for p in changed["predictions"] if p["verdict"] == "miss"]
+    diffs = {d["name"]: d for d in p["groups"]["options"]}
+    assert set(diffs) == {"inductor_config[epilogue_fusion]"}  # nearest: the defaults (mlp's and infer's)
+    assert (diffs["inductor_config[epilogue_fusion]"]["cache"], diffs["inductor_config[epilogue_fusion]"]["host"]) \
+        == ("False", "True")
+    counters, hits, misses = run_traced([str(WORKLOAD), "mlp", "--scaled-options",
+                                         '{"epilogue_fusion": true, "shape_padding": false}'], root, tmp_path / "t")
+    assert misses == 1 == counters["fxgraph_cache_miss"]
+    compare("changed inductor option (manifest: scaled's options)", changed, hits, counters)
+
+
+def test_an_option_this_hosts_environment_sets_is_named(workload_cache, tmp_path, db_url):
+    root = tmp_path / "cache"
+    shutil.copytree(workload_cache, root)
+    (tmp_path / "same.toml").write_text(WORKLOAD_MANIFEST % "{ epilogue_fusion = false }")
+    env = {"TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE": "1"}
+    cli = Cli(root, db_url)
+    report = predict(cli, "--manifest", str(tmp_path / "same.toml"), env=env)
+    assert report["miss"] == report["graphs"], causes(report)
+    assert causes(report) == [f"{report['graphs']} graphs will miss because inductor_config[max_autotune_pointwise] "
+                              "differs"]
+    assert report["host"]["environment"] == env
+    # without the manifest: the graph compiled with options of its own differs in one more option,
+    # which a per-call option may explain: unknown, never a hit
+    bare = predict(cli, env=env)
+    assert (bare["miss"], bare["unknown"], bare["hit"]) == (bare["graphs"] - 1, 1, 0), causes(bare)
+    counters, hits, _ = run_traced([str(WORKLOAD), "mlp"], root, tmp_path / "t", **env)
+    assert counters["fxgraph_cache_hit"] == 0
+    compare("option set by this host's environment (TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=1)", report, hits, counters)
+    compare("the same, no manifest", bare, hits, counters, exact=False)
+
+
+@pytest.mark.parametrize("name", ["torch-2.14.1-cpu", "torch-2.9.1-cpu"])
+def test_another_torch_versions_cache_misses_by_torch_version(name, fixture_cache, tmp_path, db_url):
+    root = fixture_cache(name)
+    (tmp_path / "m.toml").write_text(FIXTURE_MANIFEST)
+    report = predict(Cli(root, db_url), "--manifest", str(tmp_path / "m.toml"))
+    assert report["miss"] == report["graphs"] == 8
+    assert causes(report) == ["8 graphs will miss because torch_version differs"]
+    tv = next(d for p in report["predictions"] for d in p["groups"]["environment"] if d["name"] == "torch_version")
+    assert tv["host"].startswith("2.13.0+cpu (hash sjldm5hyfytk")
+    counters, hits, _ = run_traced([str(MAKE_CACHE)], root, tmp_path / "trace")
+    counters = {k: counters.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+    assert counters == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 8}
+    compare(f"another torch's cache ({name})", report, hits, counters)
+
+
+@pytest.mark.parametrize("name", ["torch-2.5.1-cpu", "torch-2.6.0-cpu"])
+def test_a_format_without_components_is_unknown_never_a_hit(name, fixture_cache, tmp_path, db_url):
+    root = fixture_cache(name)
+    report = predict(Cli(root, db_url))
+    assert report["unknown"] == report["graphs"] == 8
+    family = name.split("-")[1].rsplit(".", 1)[0]
+    assert causes(report) == [f"8 graphs unknown: torch {family}.* records no hash components: what it was "
+                              "compiled for cannot be compared"]
+    counters, hits, _ = run_traced([str(MAKE_CACHE)], root, tmp_path / "trace")
+    counters = {k: counters.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+    assert counters["fxgraph_cache_hit"] == 0
+    compare(f"a format without components ({name})", report, hits, counters, exact=False)
+
+
+def test_the_gpu_fixture_on_this_cpu_host_misses_by_device_and_system(fixture_masters, tmp_path, db_url):
+    root = tmp_path / "gpu"
+    with __import__("tarfile").open(FIXTURES / "gpu" / "torch-2.11-h200-triton.tar.gz") as t:
+        t.extractall(root, filter="data")
+    report = predict(Cli(root, db_url))
+    assert report["miss"] == report["graphs"] == 10
+    assert causes(report) == ["10 graphs will miss because torch_version, system_info and device differ"]
+    env = {d["name"]: d for d in report["predictions"][0]["groups"]["environment"]}
+    assert env["system_info[device]"]["cache"] == "{'name': 'NVIDIA H200'}"
+    assert env["system_info[device]"]["host"] == "(absent)"
+    (dev,) = report["predictions"][0]["groups"]["inputs"]
+    assert (dev["name"], dev["cache"], dev["host"]) == ("device", "cuda:0", "no CUDA device")
+    counters, hits, _ = run_traced([str(WORKLOAD), "gpu-triton", "--device", "cpu"], root, tmp_path / "trace")
+    assert counters["fxgraph_cache_hit"] == 0
+    compare("the GPU fixture (H200, torch 2.11) on this CPU host", report, hits, counters)
+
+
+# -- bundles: completeness and import's check -----------------------------------------------------------
+
+
+def _export(cache: Path, out: Path, db_url: str) -> dict:
+    r = Cli(cache, db_url).proc("export", "--out", str(out), "--json", timeout=900, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)["exported"]["header"]
+
+
+def _rewrite(src: Path, dst: Path, edit) -> None:  # noqa: ANN001 - edit(arts) changes the artifacts
+    b = bundle.read(str(src))
+    arts = bundle.artifacts(b.payload)
+    edit(arts)
+    bundle.write(str(dst), b.header, bundle.payload_of(arts))
+
+
+def test_a_bundle_missing_a_kernel_a_graph_or_an_autotune_result_is_caught(tmp_path, db_url):
+    root = tmp_path / "gpu"
+    with __import__("tarfile").open(FIXTURES / "gpu" / "torch-2.11-h200-triton.tar.gz") as t:
+        t.extractall(root, filter="data")
+    whole = tmp_path / "whole.bundle"
+    header = _export(root, whole, db_url)
+    assert header["complete"] and header["missing"] == [] and len(header["expects"]["autotune"]) == 9
+    arts = bundle.artifacts(bundle.read(str(whole)).payload)
+    assert bundle.completeness(arts, header["expects"]) == []
+
+    # one kernel removed: every file of one kernel the first graph launches gets another (same-length) name
+    def drop_kernel(arts):  # noqa: ANN001
+        key, content = arts["inductor"][0]
+        names, files, _ = bundle.kernels_of(content)
+        name = names[0]
+        other = "x" * len(name)
+        for suffix in sorted(files[name]):
+            content = content.replace(f"{name}{suffix}".encode(), f"{other}{suffix}".encode())
+        arts["inductor"][0] = (key, content)
+        drop_kernel.name = (key, name)
+
+    partial = tmp_path / "partial.bundle"
+    _rewrite(whole, partial, drop_kernel)
+    key, name = drop_kernel.name
+    problems = bundle.completeness(bundle.artifacts(bundle.read(str(partial)).payload), header["expects"])
+    assert problems == [f"graph {key}: Triton kernel {name} is not in the bundle"]
+
+    # one kernel's binary dropped (torch#172542): the kernel is there, its .cubin is not
+    def drop_cubin(arts):  # noqa: ANN001
+        k, content = arts["inductor"][0]
+        name = bundle.kernels_of(content)[0][0]
+        arts["inductor"][0] = (k, content.replace(f"{name}.cubin".encode(), f"{name}.cubix".encode()))
+        drop_cubin.name = (k, name)
+
+    _rewrite(whole, partial, drop_cubin)
+    k, name = drop_cubin.name
+    problems = bundle.completeness(bundle.artifacts(bundle.read(str(partial)).payload), header["expects"])
+    assert f"graph {k}: Triton kernel {name} has no binary (.cubin, .hsaco, .zebin, .spv) in the bundle" in problems
+
+    # a graph an AOTAutograd entry names, and an autotune result
+    def drop_graph_and_tuning(arts):  # noqa: ANN001
+        from cachemgr.parse import parse_aotautograd
+
+        ref = parse_aotautograd(arts["aot_autograd"][0][1]).refs[0][1]
+        arts["inductor"] = [(k, c) for k, c in arts["inductor"] if k != ref]
+        drop_graph_and_tuning.gone = (arts["aot_autograd"][0][0], ref, arts["autotune"][0][0])
+        arts["autotune"] = arts["autotune"][1:]
+
+    _rewrite(whole, partial, drop_graph_and_tuning)
+    aot, ref, tuning = drop_graph_and_tuning.gone
+    problems = bundle.completeness(bundle.artifacts(bundle.read(str(partial)).payload), header["expects"])
+    assert f"aotautograd entry {aot}: its graph {ref} is not in the bundle" in problems
+    assert f"autotune result {tuning} is not in the bundle" in problems
+    r = Cli(root, db_url).proc("check", "--bundle", str(partial), timeout=900, env=ENV)
+    assert r.returncode == 0 and "partial bundle:" in r.stdout and f"its graph {ref} is not in the bundle" in r.stdout
+
+
+def test_import_checks_first(fixture_cache, tmp_path, db_url):
+    ours = tmp_path / "ours.bundle"
+    assert _export(fixture_cache("torch-2.13.0-cpu"), ours, db_url)["complete"]
+    other = tmp_path / "other.bundle"
+    _export(fixture_cache("torch-2.14.1-cpu"), other, db_url)
+    target = Cli(tmp_path / "empty", db_url)
+    r = target.proc("import", str(ours), "--check-only", timeout=900, env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert "check: 7 of 8 graphs will hit here (1 graph unknown: compiled with options cachemgr does not know" \
+        in r.stdout and "check only: nothing written" in r.stdout
+    assert not (tmp_path / "empty").exists()
+    r = target.proc("import", str(other), timeout=900, env=ENV)
+    assert r.returncode == 9 and "none of its 8 graphs would hit here (8 graphs will miss because torch_version " \
+        "differs): refusing to import it" in r.stderr, r.stderr
+    assert not (tmp_path / "empty" / "fxgraph").exists()
+
+    # a partial bundle: refused, or imported with --allow-partial
+    def drop_graph(arts):  # noqa: ANN001
+        from cachemgr.parse import parse_aotautograd
+
+        ref = parse_aotautograd(arts["aot_autograd"][0][1]).refs[0][1]
+        arts["inductor"] = [(k, c) for k, c in arts["inductor"] if k != ref]
+
+    partial = tmp_path / "partial.bundle"
+    _rewrite(ours, partial, drop_graph)
+    r = target.proc("import", str(partial), timeout=900, env=ENV)
+    assert r.returncode == 9 and "is partial: 1 thing(s) its entries name are not in it" in r.stderr, r.stderr
+    r = target.proc("import", str(partial), "--allow-partial", "--json", timeout=900, env=ENV)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["loaded"] and doc["check"]["graphs"] == 7 and len(doc["check"]["missing"]) == 1
+
+
+# -- the adapters -------------------------------------------------------------------------------------
+
+
+def test_each_fixture_version_gets_its_adapter_and_its_hashes():
+    """Live on this host's torch (2.13); the other versions by the values their fixtures stored:
+    the component hash the adapters rely on (a fast pickle of torch_key(), sha256, base32) gives
+    each version's stored torch_version and system_info[hash] components."""
+    import torch
+
+    seen = 0
+    for path in sorted((FIXTURES / "caches").glob("torch-*-cpu.json")):
+        doc = json.loads(path.read_text())
+        for version, fp in doc["fingerprint"].items():
+            assert adapters.name_for(version) == ("torch_2_5" if version.startswith("2.5.") else "torch_2_6_plus")
+            assert component_hash(bytes.fromhex(fp["torch_key_hex"])) == fp["torch_version_hash"]
+            assert component_hash(fp["system_info"]["hash"]) == fp["system_info_hash_hash"]
+            seen += 1
+    assert seen == 7
+    assert adapters.name_for("2.4.1") is None and adapters.name_for("3.0.0") == "torch_2_6_plus"
+    live = adapters.load(torch.__version__).fingerprint(torch)
+    fp = json.loads((FIXTURES / "caches" / "torch-2.13.0-cpu.json").read_text())["fingerprint"]["2.13.0+cpu"]
+    assert (live["torch_version_hash"], live["system_component"]) == (fp["torch_version_hash"],
+                                                                      fp["system_info_hash_hash"])
+    assert live["torch_key"] == fp["torch_key_hex"] and live["system"] == "no GPU"
+    gpu = json.loads((FIXTURES / "gpu" / "torch-2.11-h200-triton.json").read_text())["fingerprint"]
+    assert component_hash(gpu["system_info"]["hash"]) == gpu["system_info_hash_component"]
+
+
+def test_graph_independent_components_of_this_torch_equal_its_entries(fixture_masters):
+    """The adapter's components for no graph are the ones this torch wrote into the fixture's
+    entries: every one that does not depend on the graph, name and hash."""
+    import torch
+
+    from cachemgr.parse import components_of, parse_fxgraph
+
+    ours = {c.name: c.hash for c in components_of(adapters.load(torch.__version__).components(torch, {}))}
+    root = fixture_masters("torch-2.13.0-cpu")
+    compared = 0
+    for f in sorted((root / "fxgraph").glob("*/*/*")):
+        p = parse_fxgraph(f.read_bytes())
+        for c in p.components:
+            if check.graph_dependent(c.name) or c.name == "inductor_config[epilogue_fusion]":
+                continue
+            assert ours.get(c.name) == c.hash, c.name
+            compared += 1
+    assert compared > 8 * 500
+
+
+# -- the fleet: what splits one graph's cache between hosts ------------------------------------------------
+
+
+def test_explain_summary_names_what_splits_the_fleet(workload_cache, tmp_path):
+    from test_fleet import _admin  # the fleet tests' PostgreSQL server
+
+    name = f"cachemgr_t_check_{os.getpid()}"
+    with _admin() as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        c.execute(f'CREATE DATABASE "{name}"')
+    url = f"postgresql+psycopg://{os.environ.get('CACHEMGR_TEST_PG', 'root@127.0.0.1:5432')}/{name}"
+    try:
+        a, b = tmp_path / "a", tmp_path / "b"
+        shutil.copytree(workload_cache, a)
+        run_traced([str(WORKLOAD), "mlp"], b, tmp_path / "trace", TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE="1")
+        for host, root in (("gpu-a", a), ("gpu-b", b)):
+            r = Cli(root, url, host=host).proc("scan", timeout=300, env=ENV)
+            assert r.returncode == 0, r.stderr
+        r = Cli(a, url, host="gpu-a").proc("explain", "--summary", "--since", "30d", "--json", timeout=300, env=ENV)
+        assert r.returncode == 0, r.stderr
+        splits = {s["component"]: s for s in json.loads(r.stdout)["fragmentation"]}
+        assert list(splits) == ["inductor_config[max_autotune_pointwise]"], splits
+        s = splits["inductor_config[max_autotune_pointwise]"]
+        assert s["graphs"] >= 4 and s["hosts"] == ["gpu-a", "gpu-b"]
+        assert s["values"] == [{"host": "gpu-a", "value": "False"}, {"host": "gpu-b", "value": "True"}]
+        text = Cli(a, url, host="gpu-a").proc("explain", "--summary", "--since", "30d", timeout=300, env=ENV).stdout
+        assert f"{s['graphs']} graphs split between 2 hosts because inductor_config[max_autotune_pointwise] " \
+               "differs (gpu-a: False; gpu-b: True)" in text
+    finally:
+        with _admin() as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
