@@ -92,11 +92,8 @@ def _print_result(r, cache_dir: str, grace: float) -> None:
         say(f"evicted {plural(r.evicted, 'entry')}, freed {human_size(r.freed_bytes)}; "
             f"{human_size(r.remaining_bytes)} left in {cache_dir}")
     if r.skipped:
-        say(f"kept {plural(len(r.skipped), 'entry')}: {held_text([why for _, why in r.skipped], grace)}")
-    for key, reason in r.skipped[:SHOWN]:
-        click.echo(f"kept {clean(key)}: {reason}", err=True)
-    if len(r.skipped) > SHOWN:
-        click.echo(f"kept {len(r.skipped) - SHOWN:,} more", err=True)
+        say(f"kept {plural(len(r.skipped), 'entry')}: {held_text([why for _, why in r.skipped], grace)} "
+            "(--json lists them)")
 
 
 def _print_keys(app, rows, keys: Sequence[str], wide: bool) -> None:

@@ -229,15 +229,14 @@ def _print_stats(doc: dict, totals, act, models) -> None:
     where = index["path"] or index["url"]
     if index["bytes"] is not None:
         where += f" ({human_size(index['bytes'])})"
-    scanned = "never scanned" if totals.last_scan is None else f"scanned {age(totals.last_scan)} ago"
     ratio = "-" if act.hit_ratio is None else f"{act.hit_ratio:.1%}"
     state = ", ".join(x for x in (f"{totals.corrupt} corrupt" if totals.corrupt else "",
                                   f"{totals.pending:,} not parsed yet" if totals.pending else "",
                                   plural(totals.pinned, "pin") if totals.pinned else "") if x)
-    window = format_duration(act.window)
     for line in fields_block([
         ("cache", doc["cache_dir"]),
-        ("index", f"{where}, {scanned}"),
+        ("index", where),
+        ("last scan", "never" if totals.last_scan is None else f"{age(totals.last_scan)} ago"),
         ("policy", f"{doc['policy']}; evicts down to {doc['low_water']:.0%} of a limit; grace "
                    f"{format_duration(doc['grace_seconds'])}"),
         ("size", against(human_size(t.bytes), size, "max_size", human_size(size["limit"]))),
@@ -245,9 +244,10 @@ def _print_stats(doc: dict, totals, act, models) -> None:
         ("free space", free_text),
         ("max age", age_text),
         ("entries", f"{t.entries:,}" + (f" ({state})" if state else "")),
-        (f"last {window}", f"{plural(act.hits, 'hit')}, {plural(act.compiles, 'compile')} "
-                           f"({plural(act.recompiles, 'recompile')}), {act.loaded:,} loaded; hit ratio {ratio}; "
-                           f"{act.compile_seconds:.1f} s compiling; {plural(act.evictions, 'eviction')}"),
+        (f"last {format_duration(act.window)}",
+         f"{plural(act.compiles, 'compile')} ({plural(act.recompiles, 'recompile')}), {plural(act.hits, 'hit')}, "
+         f"{act.loaded:,} loaded: hit ratio {ratio}"),
+        ("", f"{act.compile_seconds:.1f} s compiling, {plural(act.evictions, 'eviction')}"),
     ]):
         click.echo(line)
     click.echo()
@@ -256,7 +256,7 @@ def _print_stats(doc: dict, totals, act, models) -> None:
             click.echo("no recorded models (record them with cachemgr.record; see: cachemgr shapes)")
             return
         table([Col("model", cut=True), Col("shapes", True), Col("graphs", True), Col("entries", True),
-               Col("bytes", True), Col("hits", True), Col("compile", True), Col("used", True)],
+               Col("bytes", True), Col("hits", True), Col("compile", True), Col("last used", True)],
               [(m.model, m.signatures, m.graphs, m.entries, human_size(m.bytes), m.hits,
                 seconds(m.compile_seconds), age(m.last_access)) for m in models])
         return
