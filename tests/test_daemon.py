@@ -16,9 +16,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import PROGRAMS, subprocess_env
 
 from cachemgr import layout
-from conftest import PROGRAMS, subprocess_env
 
 HOST = "testhost"
 
@@ -440,3 +440,19 @@ def test_journald_log_format(tmp_path, start):
     lines = d.logs().splitlines()
     assert "<6>starting: cache " + str(cache) in lines[0]
     assert all(line.startswith("<") and line[2] == ">" for line in lines), lines
+
+
+# -- a notify socket nobody reads ----------------------------------------------------------------
+
+def test_a_notify_socket_nobody_reads_never_blocks_the_daemon(tmp_path, start):
+    """sd_notify to a full socket queue is dropped, not waited on: reloads and stop still work."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    d = start(cache, wait_ready=False)  # its notify socket is never read
+    d.wait_log("ready: watching")
+    qlen = int(Path("/proc/sys/net/unix/max_dgram_qlen").read_text())
+    for n in range(1, qlen + 6):  # two datagrams per reload: the queue is full well before the end
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda n=n: d.logs().count("reloading config") == n, timeout=30)
+    assert d.stop(timeout=30) == 0
+    assert "stopped" in d.logs()

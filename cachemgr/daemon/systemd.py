@@ -9,18 +9,23 @@ from collections.abc import Mapping
 
 
 def notify(*states: str, environ: Mapping[str, str] = os.environ) -> bool:
-    """Send e.g. notify('READY=1', 'STATUS=watching /x'). False when not run under systemd."""
+    """Send e.g. notify('READY=1', 'STATUS=watching /x'). False when not run under systemd, or
+    when the message was dropped.
+
+    Never blocks: a datagram to a socket whose queue is full (nobody reads it: systemd hung, or
+    a NOTIFY_SOCKET left from elsewhere) would wait for room forever, and with it the main loop,
+    which then answers neither SIGTERM nor SIGHUP. Such a message is dropped instead."""
     addr = environ.get("NOTIFY_SOCKET")
     if not addr:
         return False
     if addr.startswith("@"):  # abstract namespace
         addr = "\0" + addr[1:]
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as s:
             s.sendto("\n".join(states).encode(), addr)
         return True
     except OSError:
-        return False  # systemd gone or socket not ours: never fatal
+        return False  # queue full (EAGAIN), systemd gone or socket not ours: never fatal
 
 
 def reloading() -> tuple[str, str]:
