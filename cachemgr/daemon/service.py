@@ -17,8 +17,9 @@ the lock.
 from __future__ import annotations
 
 import errno
-import fcntl
 import faulthandler
+import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -31,6 +32,7 @@ import warnings
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cachemgr import layout
 from cachemgr.config import Settings, state_dir
@@ -39,6 +41,9 @@ from cachemgr.daemon.watcher import Watcher
 from cachemgr.errors import AlreadyRunning, CacheDirError, CachemgrError
 from cachemgr.index.db import Database, redact
 from cachemgr.index.scan import check_root
+
+if TYPE_CHECKING:
+    from cachemgr.daemon.metrics import Metrics
 
 log = logging.getLogger("cachemgr.daemon")
 SPOOL_INTERVAL = 30.0  # seconds between spool ingests: recorded shapes reach the index this fast
@@ -159,7 +164,8 @@ class DaemonLocks:
         """A flock on the root's trash folder: every user and state dir sees it. Not on the root
         itself, which the evictor flocks for each run (a CLI evict beside the daemon waits on it)."""
         try:
-            fd = os.open(os.path.join(root, layout.TRASH_DIR), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(os.path.join(root, layout.TRASH_DIR),
+                         os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return None  # gone meanwhile: the next hold takes the new one
         st = os.fstat(fd)
@@ -175,8 +181,9 @@ class DaemonLocks:
     @staticmethod
     def _message(name: str, root: str, pid: int | None, path: Path | None) -> str:
         who = f"PID {pid}" if pid else "a process whose PID cannot be read"
-        what = {"pair": f"cache dir {root} and this index", "cache": f"cache dir {root} (with another index: two "
-                "daemons would both evict it)", "trash": f"cache dir {root} (perhaps as another user)"}[name.split("-")[0]]
+        what = {"pair": f"cache dir {root} and this index",
+                "cache": f"cache dir {root} (with another index: two daemons would both evict it)",
+                "trash": f"cache dir {root} (perhaps as another user)"}[name.split("-")[0]]
         where = f" (lock {path})" if path else ""
         return f"another cachemgr daemon ({who}) already serves {what}{where}"
 
@@ -219,6 +226,38 @@ def _flock_holder(st: os.stat_result) -> int | None:
     return None
 
 
+class Jobs:
+    """The scheduler's jobs, counted while they run: stopping waits for them with a deadline
+    (APScheduler's own shutdown waits without one), and none starts once closed."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.running = 0
+        self.closed = False
+
+    def wrap(self, fn: Callable[[], None]) -> Callable[[], None]:
+        @functools.wraps(fn)
+        def job() -> None:
+            with self.cond:
+                if self.closed:
+                    return
+                self.running += 1
+            try:
+                fn()
+            finally:
+                with self.cond:
+                    self.running -= 1
+                    self.cond.notify_all()
+
+        return job
+
+    def close(self, deadline: float) -> bool:
+        """No job starts from now on; wait until none runs or the deadline. True if one still does."""
+        with self.cond:
+            self.closed = True
+            return not self.cond.wait_for(lambda: self.running == 0, max(0.0, deadline - time.monotonic()))
+
+
 class Daemon:
     """`cachemgr daemon`. `load` re-reads the effective settings (at start and on SIGHUP)."""
 
@@ -227,12 +266,14 @@ class Daemon:
         self.wake = threading.Event()
         self.stopping = self.reload_asked = False
         self.root_lost = threading.Event()
-        self.settings: Settings | None = None
-        self.db: Database | None = None
+        self.settings: Settings  # set by run() before anything reads it
+        self.db: Database  # opened by run() (migrated) before anything reads it
         self.cache_id = 0
         self.watcher: Watcher | None = None
         self.scheduler = None
-        self.metrics = None
+        self.scheduler_thread: threading.Thread | None = None
+        self.jobs = Jobs()
+        self.metrics: Metrics | None = None
         self.last_problem: str | None = None
         self.evict_pending = False
         self.last_overflow_scan = -1e9
@@ -315,8 +356,7 @@ class Daemon:
             log.warning("eviction still running at stop; exiting anyway (the next start reconciles)")
             logging.shutdown()
             os._exit(0)
-        if self.db is not None:
-            self.db.close()
+        self.db.close()
         self.locks.release()
         log.info("stopped")
 
@@ -374,27 +414,36 @@ class Daemon:
             self.watcher = None
 
     def _start_scheduler(self, s: Settings) -> None:
-        from apscheduler.executors.pool import ThreadPoolExecutor
-        from apscheduler.schedulers.background import BackgroundScheduler
+        """APScheduler's BlockingScheduler on a thread of ours: its liveness is ours to check."""
+        from apscheduler.events import EVENT_SCHEDULER_STARTED  # type: ignore[import-untyped]
+        from apscheduler.executors.pool import ThreadPoolExecutor  # type: ignore[import-untyped]
+        from apscheduler.schedulers.blocking import BlockingScheduler  # type: ignore[import-untyped]
 
-        sched = BackgroundScheduler(executors={"default": ThreadPoolExecutor(2)},
-                                    job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": 60})
-        sched.add_job(self._evict_job, "interval", seconds=s.evict_interval, id="evict")
-        sched.add_job(self._scan_job, "interval", seconds=s.scan_interval, id="scan")
-        sched.add_job(self._spool_job, "interval", seconds=SPOOL_INTERVAL, id="spool")
-        sched.start()
-        self.scheduler = sched
+        self.jobs = jobs = Jobs()
+        sched = BlockingScheduler(executors={"default": ThreadPoolExecutor(2)},
+                                  job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": 60})
+        sched.add_job(jobs.wrap(self._evict_job), "interval", seconds=s.evict_interval, id="evict")
+        sched.add_job(jobs.wrap(self._scan_job), "interval", seconds=s.scan_interval, id="scan")
+        sched.add_job(jobs.wrap(self._spool_job), "interval", seconds=SPOOL_INTERVAL, id="spool")
+        started = threading.Event()
+        sched.add_listener(lambda _event: started.set(), EVENT_SCHEDULER_STARTED)
+        thread = threading.Thread(target=sched.start, name="cachemgr-scheduler", daemon=True)
+        thread.start()
+        while not started.wait(0.05):  # the jobs are added once it runs: modify_job works from then on
+            if not thread.is_alive():
+                raise CachemgrError("the job scheduler did not start (see the error above)")
+        self.scheduler, self.scheduler_thread = sched, thread
 
     def _stop_scheduler(self, deadline: float) -> bool:
         """Shut the scheduler down; True when a job is still running at the deadline."""
         if self.scheduler is None:
             return False
         sched, self.scheduler = self.scheduler, None
-        sched.shutdown(wait=False)
-        pool = sched._lookup_executor("default")._pool  # noqa: SLF001 - to wait with a deadline
-        for t in list(getattr(pool, "_threads", ())):
-            t.join(max(0.0, deadline - time.monotonic()))
-        return any(t.is_alive() for t in getattr(pool, "_threads", ()))
+        sched.shutdown(wait=False)  # no new runs; its own wait has no deadline
+        busy = self.jobs.close(deadline)
+        if self.scheduler_thread is not None:
+            self.scheduler_thread.join(max(0.0, deadline - time.monotonic()))
+        return busy
 
     # -- jobs ----------------------------------------------------------------------------------------
 
@@ -528,8 +577,8 @@ class Daemon:
         """None when observer (if watching), scheduler and database answer; else what does not."""
         if self.watcher is not None and not self.watcher.alive():
             return "the file watcher has stopped"
-        sched = self.scheduler
-        if sched is None or not sched.running or not getattr(sched, "_thread", None) or not sched._thread.is_alive():
+        sched, thread = self.scheduler, self.scheduler_thread
+        if sched is None or not sched.running or thread is None or not thread.is_alive():
             return "the scheduler has stopped"
         try:
             from sqlalchemy import text
