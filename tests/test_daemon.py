@@ -3,6 +3,7 @@ real torch.compile runs into its cache dir, real signals, real eviction, kill -9
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -442,7 +443,131 @@ def test_journald_log_format(tmp_path, start):
     assert all(line.startswith("<") and line[2] == ">" for line in lines), lines
 
 
-# -- a notify socket nobody reads ----------------------------------------------------------------
+# -- lost events and watch limits ------------------------------------------------------------------
+
+QUEUED = Path("/proc/sys/fs/inotify/max_queued_events")
+WATCHES = Path("/proc/sys/fs/inotify/max_user_watches")
+
+
+@contextlib.contextmanager
+def sysctl(path: Path, value: int):
+    """Set a /proc/sys value for the block, and put the old one back whatever happens (needs root)."""
+    old = path.read_text()
+    path.write_text(f"{value}\n")
+    try:
+        yield
+    finally:
+        path.write_text(old)
+
+
+def inotify_watches_in_use() -> int:
+    """Inotify watches held now by processes of this user (the count fs.inotify.max_user_watches caps)."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:inotify":
+                    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                        total += sum(1 for line in f if line.startswith("inotify wd:"))
+        except OSError:
+            continue  # gone meanwhile
+    return total
+
+
+def autotune(cache: Path, folder: str, i: int) -> str:
+    """A small real entry (an autotune result) written as Inductor writes it; its key."""
+    key = f"{folder}/{i:064x}.best_config"
+    write_atomic(cache / key, b'{"XBLOCK": 8}')
+    return key
+
+
+def kernel(cache: Path, device: str, name: str) -> str:
+    """A Triton kernel written as Triton writes it: a tmp.pid_* directory renamed into place."""
+    tmp = cache / "triton" / device / f"tmp.pid_{os.getpid()}_{name}"
+    tmp.mkdir(parents=True)
+    (tmp / f"{name}.cubin").write_bytes(b"\0" * 64)
+    (tmp / f"__grp__{name}.json").write_text("{}")
+    os.replace(tmp, cache / "triton" / device / name)
+    return f"triton/{device}/{name}"
+
+
+def test_queue_overflow_during_a_burst_every_entry_indexed_new_dirs_watched(tmp_path, start, cli_for):
+    """The daemon is stopped (SIGSTOP) while a burst larger than its kernel queue is written, new
+    directories among it: the queue overflows for certain. Then it finds every entry, and watches
+    the directories whose creation it never saw."""
+    cache = tmp_path / "cache"
+    autotune(cache, "ab", 0)
+    cli = cli_for(cache, host=HOST)
+    if os.access(QUEUED, os.W_OK):  # root (CI): a small queue; its size is fixed when the daemon makes it
+        limit = 256
+        with sysctl(QUEUED, limit):
+            d = start(cache, "--scan-interval", "1h")
+    else:
+        limit = int(QUEUED.read_text())
+        d = start(cache, "--scan-interval", "1h")
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        burst = [autotune(cache, "ab", i) for i in range(1, limit // 2 + 50)]  # 4 events each: twice the queue
+        burst.append(autotune(cache, "cd", 1))  # a new folder, made while events are lost
+        burst.append(kernel(cache, "1", "k" * 52))  # triton/ and triton/1/ too
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    d.wait_log("inotify queue overflowed")
+    d.wait_log("rescan after lost events")
+    wait_until(lambda: index_keys(cli) == disk_keys(cache), timeout=60)
+    assert set(burst) <= index_keys(cli)
+    overflows, rescans = d.logs().count("queue overflowed"), d.logs().count("rescan after lost events")
+    # the folders made while events were lost are watched now: new entries there are seen at once
+    # (no periodic rescan is due for an hour, and no other overflow happened)
+    later = [autotune(cache, "cd", 2), kernel(cache, "1", "j" * 52)]
+    wait_until(lambda: set(later) <= index_keys(cli), timeout=30)
+    assert (d.logs().count("queue overflowed"), d.logs().count("rescan after lost events")) == (overflows, rescans)
+    assert d.stop() == 0
+    assert "Traceback" not in d.logs()
+
+
+@pytest.mark.skipif(not os.access(WATCHES, os.W_OK), reason="lowers fs.inotify.max_user_watches (root)")
+def test_out_of_watches_one_log_line_and_the_rescan_still_indexes(tmp_path, start, cli_for):
+    cache = tmp_path / "cache"
+    folders = [f"{i:02x}" for i in range(40)]
+    for f in folders:
+        autotune(cache, f, 0)
+    cli = cli_for(cache, host=HOST)
+    with sysctl(WATCHES, inotify_watches_in_use() + 8):  # the root and a few folders: not 40
+        d = start(cache, "--scan-interval", "1s")
+        d.wait_log("out of inotify watches")
+        new = [autotune(cache, f, 1) for f in folders]  # most in folders without a watch
+        wait_until(lambda: set(new) <= index_keys(cli), timeout=60)
+        assert index_keys(cli) == disk_keys(cache)
+        line = next(line for line in d.logs().splitlines() if "out of inotify watches" in line)
+        assert "fs.inotify.max_user_watches" in line and " ERROR " in line
+        assert d.logs().count("out of inotify watches") == 1  # one line, not one per directory or rescan
+    d.wait_log(f"every directory under {cache} is watched again")  # the next rescan, once there is room
+    assert d.stop() == 0
+    assert "Traceback" not in d.logs()
+
+
+def test_hits_counted_in_a_key_directory_with_an_odd_name(tmp_path, start, cli_for, cpu_cache_master):
+    """The index %-escapes odd names; the read watch is on the directory as named on disk."""
+    cache = tmp_path / "cache"
+    src = an_fxgraph(cpu_cache_master)
+    rel = src.relative_to(cpu_cache_master)
+    path = cache / rel.parts[0] / rel.parts[1] / f"{rel.parts[2]} %41\x01" / rel.parts[3]
+    write_atomic(path, src.read_bytes())
+    key = layout.key_of(str(path.relative_to(cache)))
+    assert "%" in key
+    cli = cli_for(cache, host=HOST)
+    d = start(cache)  # indexed by the start-up scan, read watch and all, as after a restart
+    wait_until(lambda: cli.json("show", key)["signature"], timeout=30)  # parsed: our own read is no hit
+    assert cli.json("show", key)["hit_count"] == 0
+    path.read_bytes()
+    wait_until(lambda: cli.json("show", key)["hit_count"] == 1, timeout=30)
+    assert d.stop() == 0
+
+
+# -- a notify socket nobody reads ------------------------------------------------------------------
 
 def test_a_notify_socket_nobody_reads_never_blocks_the_daemon(tmp_path, start):
     """sd_notify to a full socket queue is dropped, not waited on: reloads and stop still work."""

@@ -1,7 +1,9 @@
 """The daemon: start-up in order, the main loop (signals, supervision, systemd watchdog), stop.
 
-Start-up: config (given) -> database (migrated) -> full reconcile -> observer -> scheduler ->
-READY=1. The main thread only waits and supervises: SIGTERM/SIGINT stop it, SIGHUP reloads the
+Start-up: config (given) -> database (migrated) -> inotify watches -> full reconcile (on the
+watcher's consumer thread: nothing written meanwhile is missed) -> scheduler -> READY=1; pending
+entries are read after READY, between batches of file events. The main thread only waits and
+supervises: SIGTERM/SIGINT stop it, SIGHUP reloads the
 config, and every tick it checks that the cache root is still there (a missing, removed or
 unreadable root is logged once; the daemon keeps running and recovers when the root comes back).
 Index writes happen on the watcher's consumer thread; eviction on the scheduler's.
@@ -28,7 +30,6 @@ import stat
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -60,7 +61,7 @@ def setup_logging(level: int = logging.INFO) -> None:
     handler.setFormatter(_OneLine(journald=bool(os.environ.get("JOURNAL_STREAM"))))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(logging.WARNING)  # libraries (alembic, apscheduler, watchdog): warnings only
+    root.setLevel(logging.WARNING)  # libraries (alembic, apscheduler): warnings only
     logging.getLogger("cachemgr").setLevel(level)
 
 
@@ -276,7 +277,6 @@ class Daemon:
         self.metrics: Metrics | None = None
         self.last_problem: str | None = None
         self.evict_pending = False
-        self.last_overflow_scan = -1e9
         self.last_trigger = -1e9  # monotonic time eviction was last started by crossing a cap
         self.locks = DaemonLocks()
 
@@ -288,8 +288,6 @@ class Daemon:
         signal.signal(signal.SIGHUP, self._on_hup)
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every thread's stack
         tune_malloc()
-        # watchdog warns (RuntimeWarning, multi-line) when it re-adds a watch it has: not news
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"watchdog\.")
         self.settings = self.load()
         s = self.settings
         self.locks.hold(s.cache_dir, s.db)  # a second daemon stops here: AlreadyRunning, exit 10
@@ -380,26 +378,27 @@ class Daemon:
             raise CachemgrError(f"cannot serve metrics on {s.metrics}: {e.strerror or e}") from e
 
     def _start_watching(self) -> bool:
-        """Full reconcile, then the observer. False (and a clear log line) when the root is not usable."""
+        """Watches, then a full reconcile. False (and a clear log line) when the root is not usable."""
         s = self.settings
         try:
             check_root(s.cache_dir)
             self.locks.hold(s.cache_dir, s.db, in_root=True)  # the lock inside it too (AlreadyRunning: we stop)
-            from cachemgr.index.scan import reconcile
-
-            # full: every file stat'ed, since anything may have happened while no daemon watched
-            r = reconcile(self.db, self.cache_id, s.cache_dir, full=True, parse_now=False)  # phase one: READY after it
-            log.info("full scan: %d added, %d changed, %d removed, %d unchanged (%.2f s)", r.added,
-                     r.changed, r.removed, r.unchanged, r.seconds)
+            self.root_lost.clear()
+            w = Watcher(self.db, self.cache_id, s.cache_dir, s.debounce, s.max_wait,
+                        on_batch=self._after_batch, on_root_lost=self._on_root_lost)
+            w.start()
+            try:
+                # full: every file stat'ed, since anything may have happened while no daemon watched.
+                # Phase one only (READY after it); its pending entries are read on the consumer thread.
+                r = w.request_scan("", full=True).result()
+            except BaseException:
+                w.stop()
+                raise
+            log.info("full scan: %d added, %d changed, %d removed, %d unchanged (%.2f s, %d directories watched)",
+                     r.added, r.changed, r.removed, r.unchanged, r.seconds, w.tree.watches() if w.tree else 0)
             if self.metrics is not None:
                 self.metrics.scanned(r.seconds)
                 self.metrics.watch(self.db, self.cache_id)  # a backlog found at start is no activity
-            self.root_lost.clear()
-            w = Watcher(self.db, self.cache_id, s.cache_dir, s.debounce, s.max_wait,
-                        on_batch=self._after_batch, on_root_lost=self._on_root_lost, on_overflow=self._on_overflow)
-            w.start()
-            if r.pending:
-                w.request_parse()  # phase two in the background, between batches of file events
             self.watcher = w
         except CacheDirError as e:
             self._problem(f"{e}; waiting for it (checked every second)")
@@ -487,7 +486,6 @@ class Daemon:
                  r.added, r.changed, r.removed, r.unchanged, r.seconds)
         if self.metrics is not None:
             self.metrics.scanned(r.seconds)
-        w.check_watches()
 
     def _spool_job(self) -> None:
         """Move the shapes cachemgr.record spooled into the index (the workload never waits on it)."""
@@ -502,13 +500,6 @@ class Daemon:
             log.info("spool: %d recorded signatures ingested (%d new shapes)", r.lines, r.new_shapes)
         for bad in r.bad_lines:
             log.warning("spool: skipped %s", bad)
-
-    def _on_overflow(self) -> None:
-        """Events were lost: a full rescan soon, at most one a minute (a rescan is what heals)."""
-        now = time.monotonic()
-        if self.scheduler is not None and now - self.last_overflow_scan > 60:
-            self.last_overflow_scan = now
-            self.scheduler.modify_job("scan", next_run_time=datetime.now().astimezone() + timedelta(seconds=5))
 
     def _after_batch(self, result) -> None:
         """Consumer thread, after each applied batch: evict at once (debounced) when over a cap."""

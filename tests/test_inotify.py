@@ -1,0 +1,188 @@
+"""The daemon's inotify layer on its own (no daemon, no index): the recursive tree of watches
+follows creates, renames (one node moves, whatever is below it), moves out of the root and
+deletions, and reports a queue overflow. Conditions are polled, never slept on."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from pathlib import Path
+
+import pytest
+
+from cachemgr.daemon.inotify import TreeWatcher
+from cachemgr.daemon.reads import ReadWatcher
+
+QUEUED = Path("/proc/sys/fs/inotify/max_queued_events")
+
+
+def until(check, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, "condition never became true"
+        time.sleep(0.01)
+    return value
+
+
+class Tree:
+    """A TreeWatcher on `root` whose items and calls are collected."""
+
+    def __init__(self, root: Path) -> None:
+        self.items: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        self.seen: list[tuple[str, str]] = []
+        self.dirs: list[str] = []
+        self.overflows = self.limits = self.lost = 0
+        self.w = TreeWatcher(str(root), lambda k, r: self.items.put((k, r)), self.dirs.append,
+                             self._overflow, self._limit, self._lost)
+        self.w.start()
+
+    def _overflow(self) -> None:
+        self.overflows += 1
+
+    def _limit(self) -> None:
+        self.limits += 1
+
+    def _lost(self) -> None:
+        self.lost += 1
+
+    def saw(self, item: tuple[str, str], timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while item not in self.seen:
+            try:
+                self.seen.append(self.items.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                return False
+        return True
+
+    def watched(self) -> set[str]:
+        with self.w.lock:
+            return {d.rel() for d in self.w.by_wd.values()}
+
+
+@pytest.fixture
+def tree(tmp_path):
+    made: list[Tree] = []
+
+    def _make(root: Path) -> Tree:
+        t = Tree(root)
+        made.append(t)
+        return t
+
+    yield _make
+    for t in made:
+        t.w.stop()
+
+
+def test_existing_and_new_directories_are_watched_but_not_writes_in_progress(tmp_path, tree):
+    root = tmp_path / "c"
+    (root / "fxgraph" / "ab" / "fkey").mkdir(parents=True)
+    (root / ".cachemgr-trash").mkdir()
+    t = tree(root)
+    assert t.watched() == {"", "fxgraph", "fxgraph/ab", "fxgraph/ab/fkey"}
+    # a directory made with subdirectories before its own watch exists: all watched
+    (root / "triton" / "0" / "k1").mkdir(parents=True)
+    until(lambda: {"triton", "triton/0", "triton/0/k1"} <= t.watched())
+    (root / "triton" / "0" / "k1" / "x.cubin").write_bytes(b"x")
+    assert t.saw(("p", "triton/0/k1/x.cubin"))
+    # Triton's temporary directory is not watched; renamed into place, it is
+    tmp = root / "triton" / "0" / "tmp.pid_1_abc"
+    tmp.mkdir()
+    (tmp / "k.cubin").write_bytes(b"k")
+    os.replace(tmp, root / "triton" / "0" / "k2")
+    assert t.saw(("d", "triton/0/k2"))
+    until(lambda: "triton/0/k2" in t.watched())
+    assert not any("tmp." in rel for _, rel in t.seen) and not any("tmp." in d for d in t.watched())
+    assert "triton/0/k2" in t.dirs
+    (root / "triton" / "0" / "k2" / "k.cubin").unlink()
+    assert t.saw(("p", "triton/0/k2/k.cubin"))
+
+
+def test_a_renamed_directory_keeps_its_watches_below_it(tmp_path, tree):
+    root = tmp_path / "c"
+    (root / "a" / "b" / "c").mkdir(parents=True)
+    t = tree(root)
+    wds = dict(t.w.by_wd)
+    os.rename(root / "a", root / "z")
+    assert t.saw(("d", "z"))
+    until(lambda: t.watched() == {"", "z", "z/b", "z/b/c"})
+    assert dict(t.w.by_wd).keys() == wds.keys()  # the same watches, not new ones
+    (root / "z" / "b" / "c" / "f").write_bytes(b"")
+    assert t.saw(("p", "z/b/c/f"))
+
+
+def test_moved_out_of_the_root_and_deleted_directories_lose_their_watches(tmp_path, tree):
+    root = tmp_path / "c"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "d" / "e").mkdir(parents=True)
+    t = tree(root)
+    os.rename(root / "a", tmp_path / "outside")
+    assert t.saw(("d", "a"))
+    until(lambda: t.watched() == {"", "d", "d/e"})  # an unpaired move: dropped after the pairing delay
+    (tmp_path / "outside" / "b" / "f").write_bytes(b"")  # no longer ours: no item
+    (root / "d" / "e").rmdir()
+    (root / "d").rmdir()
+    assert t.saw(("d", "d"))
+    until(lambda: t.watched() == {""})
+    assert not any(rel.startswith(("outside", "a/")) for _, rel in t.seen)
+
+
+def test_resync_watches_what_has_no_watch_and_forgets_what_is_gone(tmp_path, tree):
+    root = tmp_path / "c"
+    (root / "a").mkdir(parents=True)
+    t = tree(root)
+    with t.w.lock:  # as after lost events: a directory the tree does not know, one it knows that is gone
+        node = t.w.top.children.pop("a")  # type: ignore[union-attr]
+        del t.w.by_wd[node.wd]
+        t.w.ino.rm_watch(node.wd)
+    (root / "ghost").mkdir()
+    until(lambda: "ghost" in t.watched())
+    os.rmdir(root / "ghost")
+    until(lambda: "ghost" not in t.watched())
+    assert t.w.resync() == 0
+    assert t.watched() == {"", "a"}
+    (root / "a" / "f").write_bytes(b"")
+    assert t.saw(("p", "a/f"))
+
+
+def test_the_root_removed_is_reported(tmp_path, tree):
+    root = tmp_path / "c"
+    root.mkdir()
+    t = tree(root)
+    root.rmdir()
+    until(lambda: t.lost)
+
+
+@pytest.mark.skipif(not os.access(QUEUED, os.W_OK), reason="lowers fs.inotify.max_queued_events (root)")
+def test_a_queue_overflow_is_reported(tmp_path, tree):
+    root = tmp_path / "c"
+    root.mkdir()
+    old = QUEUED.read_text()
+    QUEUED.write_text("16")
+    try:
+        t = tree(root)  # the queue's size is fixed when the instance is made
+    finally:
+        QUEUED.write_text(old)
+    with t.w.lock:  # the reader waits for the tree: the kernel queue fills meanwhile
+        for i in range(100):
+            (root / str(i)).write_bytes(b"")
+    until(lambda: t.overflows)
+    assert t.w.alive()
+    (root / "after").write_bytes(b"")
+    assert t.saw(("p", "after"))
+
+
+def test_read_watcher_names_files_as_on_disk(tmp_path):
+    root = tmp_path / "c"
+    odd = "fkey %41\x01"  # an index key %-escapes this name; inotify and the disk do not
+    (root / "fxgraph" / "ab" / odd).mkdir(parents=True)
+    (root / "fxgraph" / "ab" / odd / "entry").write_bytes(b"x")
+    got: queue.SimpleQueue[str] = queue.SimpleQueue()
+    r = ReadWatcher(str(root), got.put, lambda: None)
+    r.start()
+    try:
+        r.watch([f"fxgraph/ab/{odd}"])
+        (root / "fxgraph" / "ab" / odd / "entry").read_bytes()
+        assert got.get(timeout=10) == f"fxgraph/ab/{odd}/entry"
+    finally:
+        r.stop()
