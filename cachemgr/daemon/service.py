@@ -41,7 +41,7 @@ from cachemgr.daemon import systemd
 from cachemgr.daemon.watcher import Watcher
 from cachemgr.errors import AlreadyRunning, CacheDirError, CachemgrError
 from cachemgr.index.db import Database, redact
-from cachemgr.index.scan import check_root
+from cachemgr.index.scan import ParseResult, check_root
 
 if TYPE_CHECKING:
     from cachemgr.daemon.metrics import Metrics
@@ -502,14 +502,17 @@ class Daemon:
             log.warning("spool: skipped %s", bad)
 
     def _after_batch(self, result) -> None:
-        """Consumer thread, after each applied batch: evict at once (debounced) when over a cap."""
-        if getattr(result, "added", None) or getattr(result, "changed", None):
+        """Consumer thread, after each applied batch, scan or parse step: evict at once
+        (debounced) when over a cap."""
+        if isinstance(result, ParseResult) or getattr(result, "added", None) or getattr(result, "changed", None):
             self._check_limits()
 
     def _check_limits(self) -> None:
         s = self.settings
         if s.max_size is None and s.max_files is None:
             return
+        if self.watcher is not None and not self.watcher.parsed.is_set():
+            return  # entries not read yet are never evicted: the parse step that reads the last ones checks
         from sqlalchemy import func, select
 
         from cachemgr.index.models import Entry

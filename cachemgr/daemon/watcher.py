@@ -70,7 +70,8 @@ class Watcher:
         self.consumer: threading.Thread | None = None
         self.pool = Pool(min(2, default_workers()))  # parse workers: started on the first entry to read
         self._parse_queued = False
-        self.parsed = threading.Event()  # set once no entry is pending
+        self.parsed = threading.Event()  # set while no entry a scan left is waiting to be read
+        self.parsed.set()
         self._own: dict[str, list] = {}  # path -> [reads of ours not yet seen as events, when]
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -213,6 +214,7 @@ class Watcher:
         """Read the entries a scan left pending, a step at a time between batches."""
         if not self._parse_queued:
             self._parse_queued = True
+            self.parsed.clear()
             self.q.put(("parse",))
 
     def _parse_step(self) -> None:
