@@ -310,7 +310,11 @@ def predict(graph: Graph, host: Host) -> Prediction:
     n_diff, _, best = min(scored, key=lambda s: (s[0], s[1]))
     label = None if best is host.defaults else best.label
     if n_diff:
-        diffs.extend(_option_differences(graph, host, best, _option_diff(graph, best, names)))
+        options = _option_differences(graph, host, best, _option_diff(graph, best, names))
+        if any(d.name == "torch_version" for d in diffs):  # another torch: its options are another set
+            options = [Difference(d.group, d.name, d.cache, d.host, False, "another torch build's option")
+                       for d in options]
+        diffs.extend(options)
     certain = [d for d in diffs if d.certain]
     if certain:
         return Prediction(graph, MISS, tuple(diffs), label)

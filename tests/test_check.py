@@ -58,18 +58,18 @@ compile = {}
 WORKLOAD_MANIFEST = """
 [[model]]
 name = "mlp"
-factory = "check_workload:MLP"
+factory = "compile_models:MLP"
 train = true
 compile = {}
 
 [[model]]
 name = "infer"
-factory = "check_workload:infer"
+factory = "compile_models:infer"
 compile = {}
 
 [[model]]
 name = "scaled"
-factory = "check_workload:scaled"
+factory = "compile_models:scaled"
 compile = { options = %s }
 """
 
@@ -404,7 +404,7 @@ def test_each_fixture_version_gets_its_adapter_and_its_hashes():
             assert component_hash(bytes.fromhex(fp["torch_key_hex"])) == fp["torch_version_hash"]
             assert component_hash(fp["system_info"]["hash"]) == fp["system_info_hash_hash"]
             seen += 1
-    assert seen == 7
+    assert seen == 5  # 2.5.1, 2.6.0, 2.9.1, 2.13.0, 2.14.1
     assert adapters.name_for("2.4.1") is None and adapters.name_for("3.0.0") == "torch_2_6_plus"
     live = adapters.load(torch.__version__).fingerprint(torch)
     fp = json.loads((FIXTURES / "caches" / "torch-2.13.0-cpu.json").read_text())["fingerprint"]["2.13.0+cpu"]
@@ -461,6 +461,7 @@ def test_explain_summary_names_what_splits_the_fleet(workload_cache, tmp_path):
         assert s["graphs"] >= 4 and s["hosts"] == ["gpu-a", "gpu-b"]
         assert s["values"] == [{"host": "gpu-a", "value": "False"}, {"host": "gpu-b", "value": "True"}]
         text = Cli(a, url, host="gpu-a").proc("explain", "--summary", "--since", "30d", timeout=300, env=ENV).stdout
+        text = " ".join(text.split())  # wrapped to the terminal's width
         assert f"{s['graphs']} graphs split between 2 hosts because inductor_config[max_autotune_pointwise] " \
                "differs (gpu-a: False; gpu-b: True)" in text
     finally:

@@ -276,7 +276,8 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
     tty = sys.stderr.isatty()
     from cachemgr.cli.check import check_spec, learn
 
-    spec = check_spec(app, m, devs) if bundle_path else None  # the manifest's options: what this host compiles with
+    # the whole manifest's options (not only --model's): what this host compiles with
+    spec = check_spec(app, mf.load(manifest_path), devs) if bundle_path else None
     with _progress(tty) as on:
         result = worker.run(jobs_for(), env, timeout=timeout, on_event=on,
                             import_bundle=os.path.abspath(bundle_path) if bundle_path else None, check=spec)

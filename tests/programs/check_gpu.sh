@@ -21,23 +21,8 @@ mkdir -p "$OUT"
 W=/tmp/check-gpu
 rm -rf "$W" && mkdir -p "$W"
 export CACHEMGR_DB=sqlite:///$W/index.db XDG_STATE_HOME=$W/state
-cat > "$W/m.toml" <<'EOF'
-[[model]]
-name = "mlp"
-factory = "check_workload:MLP"
-train = true
-compile = {}
-
-[[model]]
-name = "infer"
-factory = "check_workload:infer"
-compile = {}
-
-[[model]]
-name = "scaled"
-factory = "check_workload:scaled"
-compile = { options = { epilogue_fusion = false } }
-EOF
+python3 -c "from tests.test_check import WORKLOAD_MANIFEST as M; print(M % '{ epilogue_fusion = false }')" \
+    > "$W/m.toml" || exit 1
 
 case_run() {  # NAME CACHE_DIR CHECK_ARGS -- WORKLOAD...
     local name=$1 cache=$2 args=$3

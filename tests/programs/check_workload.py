@@ -5,8 +5,9 @@ Run it with TORCH_TRACE=DIR to see, per graph, which key hit and which missed.
     TORCHINDUCTOR_CACHE_DIR=DIR python check_workload.py mlp [--scaled-options '{"epilogue_fusion": false}']
     TORCHINDUCTOR_CACHE_DIR=DIR python check_workload.py gpu-triton --device cpu
 
-`mlp`: a training step of a small MLP (batch 4, then 8: a static then a dynamic graph), an
-inference function, and `scaled` compiled with the options given (default: epilogue_fusion off).
+`mlp`: a training step of compile_models.py's MLP (batch 4, then 8: a static then a dynamic
+graph), its inference function, and `scaled` compiled with the options given (default:
+epilogue_fusion off).
 `gpu-triton`: the Triton-heavy workload of tests/fixtures/gpu/make_gpu_cache.py, on `--device`
 (a CPU host runs the GPU fixture's graphs on the CPU: the nearest it can come to them).
 """
@@ -18,24 +19,7 @@ import sys
 
 import torch
 from cache_counters import cache_counters
-
-
-class MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = torch.nn.Linear(16, 32)
-        self.l2 = torch.nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(torch.relu(self.l1(x)))
-
-
-def infer(x: torch.Tensor) -> torch.Tensor:
-    return (x.sin() + 1).cos() * 2
-
-
-def scaled(x: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(x) * 3 + x
+from compile_models import MLP, infer, scaled
 
 
 def mlp_workload(scaled_options: dict) -> None:
@@ -43,7 +27,7 @@ def mlp_workload(scaled_options: dict) -> None:
     model = MLP()
     step = torch.compile(model)
     for b in (4, 8):
-        step(torch.randn(b, 16)).square().mean().backward()
+        step(torch.randn(b, 32)).square().mean().backward()
     with torch.no_grad():
         torch.compile(infer)(torch.randn(10))
         torch.compile(scaled, options=scaled_options)(torch.randn(6, 5))
