@@ -36,6 +36,7 @@ from typing import Any
 
 from cachemgr.errors import NotFound, UsageError
 from cachemgr.index.store import CompileEvent, GraphEntry, Store
+from cachemgr.vocab import Event, Kind
 
 GROUPS = ("code", "inputs", "options", "environment", "other", "entry")  # entry: fields outside the key
 ENVIRONMENT = {"torch_version", "cuda_matmul_settings", "deterministic_algorithms_settings", "default_dtype",
@@ -69,7 +70,9 @@ _INDEX = re.compile(r"\[(\d+)\]$")
 
 def _split_top(body: str) -> list[str]:
     """'a=1, b=f(x, y)' -> ['a=1', 'b=f(x, y)']: split on commas outside brackets."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in body:
         if ch in "([{":
             depth += 1
@@ -349,7 +352,7 @@ class Explainer:
         for set_id, items in self.store.component_sets(missing, values=values).items():
             self._hashes[set_id] = {n: h for n, (h, _) in items.items()}
             if values:
-                self._values[set_id] = {n: v for n, (_, v) in items.items()}
+                self._values[set_id] = {n: v or "" for n, (_, v) in items.items()}
         for s in missing:  # a set with no items
             self._hashes.setdefault(s, {})
             if values:
@@ -401,7 +404,7 @@ class Explainer:
         found = [self.by_key[e.key] for e in match.entries if e.key in self.by_key]
         if not found:
             e = match.entries[0]
-            why = (f"it is a {e.kind} entry; only fxgraph entries have hash components" if e.kind != "fxgraph"
+            why = (f"it is a {e.kind} entry; only fxgraph entries have hash components" if e.kind != Kind.FXGRAPH
                    else "it is not parsed yet (run: cachemgr scan)" if not e.parsed else f"it is corrupt: {e.corrupt}")
             raise UsageError(f"cannot compare {spec!r}: {why}")
         return max(found, key=lambda e: e.order), len(found)
@@ -462,7 +465,8 @@ class Explainer:
                 derived = "the shapes became dynamic"  # new code with symbolic sizes, a size argument
             changes.append(Change(c.group, c.name, c.a, c.b, c.fields, derived))
         changes.sort(key=lambda c: (GROUPS.index(c.group), c.derived is not None, _natural(c.name)))
-        code_diff, similarity = (), None
+        code_diff: tuple[str, ...] = ()
+        similarity = None
         if gm is not None:
             la, lb = gm[0].splitlines(), gm[1].splitlines()
             similarity = round(difflib.SequenceMatcher(None, la, lb, autojunk=False).ratio(), 3)
@@ -628,9 +632,9 @@ def activity(store: Store, window: float | None = None, after_id: int = 0, upto_
     compiles = [ev for ev in events if not ev.loaded]
     if misses is None:
         misses = Explainer(store).misses(compiles) if compiles else []
-    return Activity(window, counts.get("hit", 0), len(compiles), sum(1 for m in misses if m.recompiled),
+    return Activity(window, counts.get(Event.HIT, 0), len(compiles), sum(1 for m in misses if m.recompiled),
                     len(events) - len(compiles), sum(ev.seconds or 0.0 for ev in compiles),
-                    counts.get("evict", 0), tuple(ev.seconds for ev in compiles if ev.seconds is not None))
+                    counts.get(Event.EVICT, 0), tuple(ev.seconds for ev in compiles if ev.seconds is not None))
 
 
 def since_epoch(window: float | None) -> float:

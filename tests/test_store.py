@@ -202,3 +202,17 @@ def test_the_stdlib_driver_needs_no_sqlalchemy(fixture_cache, cli_for, db_url):
     r = subprocess.run([sys.executable, "-c", NO_SQLALCHEMY, db_url.split(":///", 1)[1], HOST, str(root), short],
                        env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_mark_loaded(fixture_cache, cli_for, db_url):
+    """What `cachemgr import` wrote is loaded, not compiled, once it says so."""
+    root = fixture_cache()
+    db, store, _ = scanned(cli_for, root, db_url)
+    before = explain.activity(store, 3650 * 86400)
+    events = store.compile_events()
+    assert before.compiles == len(events) > 1 and before.loaded == 0
+    assert store.mark_loaded([events[0].key]) == 1 and store.mark_loaded([events[0].key]) == 0
+    after = explain.activity(store, 3650 * 86400)
+    assert (after.compiles, after.loaded) == (before.compiles - 1, 1)
+    assert [e.loaded for e in store.compile_events()] == [True] + [False] * (len(events) - 1)
+    db.close()

@@ -29,6 +29,7 @@ class App:
         self._settings: config.Settings | None = None
         self._db = None
         self._store = None
+        self._quick = None
 
     @property
     def settings(self) -> config.Settings:
@@ -68,9 +69,13 @@ class App:
         from cachemgr.index.store import Store, sqlite_path
 
         path = sqlite_path(self.settings.db)
-        return None if path is None else Store.sqlite(path, HEAD_REVISION, self.settings.host, self.settings.cache_dir)
+        if self._quick is None and path is not None:
+            self._quick = Store.sqlite(path, HEAD_REVISION, self.settings.host, self.settings.cache_dir)
+        return self._quick
 
     def close(self) -> None:
+        if self._quick is not None:
+            self._quick.close()
         if self._db is not None:
             self._db.close()
 

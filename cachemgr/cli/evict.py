@@ -31,7 +31,7 @@ from cachemgr.cli.common import (
 )
 from cachemgr.errors import NotFound, UsageError
 from cachemgr.layout import KINDS
-from cachemgr.vocab import Held, Kind
+from cachemgr.vocab import Held, Kind, Policy
 
 SHOWN = 20  # plan lines printed for people; --json has them all
 RECENT_HITS = 7 * 86400  # purge --stale: torch versions hit this recently are still in use
@@ -60,7 +60,8 @@ def _locked_and_scanned(app):
 
 def held_text(reasons: Sequence[str], grace: float) -> str:
     """'2 pinned, 1 in use within the grace period': why entries a plan wanted were kept."""
-    words = {Held.PINNED: "pinned", Held.GRACE: "in use within the grace period", Held.UNPARSED: "not parsed yet"}
+    words: dict[str, str] = {Held.PINNED: "pinned", Held.GRACE: "in use within the grace period",
+                             Held.UNPARSED: "not parsed yet"}
     return ", ".join(f"{n:,} {words.get(why, why)}" for why, n in sorted(Counter(reasons).items()))
 
 
@@ -131,7 +132,7 @@ def _unreachable(p, limits) -> str | None:
 @click.option("--max-age", type=DURATION, help="Evict what was not accessed for this long, e.g. 14d.")
 @click.option("--max-files", type=click.IntRange(min=0), help="File-count cap (inode quotas).")
 @click.option("--min-free", metavar="SIZE|PCT", help="Free-space floor on the cache's file system, e.g. 10% or 50GiB.")
-@click.option("--policy", type=click.Choice(["lru", "cost"]),
+@click.option("--policy", type=click.Choice([p.value for p in Policy]),
               help="lru (the default): least recently used first; cost: keep what is expensive to "
                    "recompile per byte.")
 @model_option

@@ -205,8 +205,8 @@ def explain(app, since: float, graph: str | None, model: str | None, summary: bo
         head += f"; {loaded:,} entries loaded, not compiled"
     for line in _wrap(head, width, "", "  "):
         click.echo(line)
-    for s in lines:
-        for line in _wrap(s.text(), width - 2, "  ", "      "):
+    for cause in lines:
+        for line in _wrap(cause.text(), width - 2, "  ", "      "):
             click.echo(line)
 
 

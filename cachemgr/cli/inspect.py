@@ -33,6 +33,7 @@ from cachemgr.cli.common import (
 from cachemgr.errors import UsageError
 from cachemgr.layout import KINDS
 from cachemgr.units import format_duration
+from cachemgr.vocab import PICKLED, Kind
 
 
 def run_scan(app, quiet_progress: bool = False, full: bool = False):
@@ -197,7 +198,7 @@ def _limits(store, totals, s) -> dict:
     floor = None
     if s.min_free and free:
         size, pct = parse_size_or_percent(s.min_free)
-        floor = size if size is not None else int(pct * free["total"])
+        floor = size if size is not None else int((pct or 0.0) * free["total"])
     out["min_free"] = {"limit": s.min_free, "floor_bytes": floor, **(free or {"free": None, "total": None})}
     idle = store.idle_usage(s.max_age) if s.max_age is not None else None
     out["max_age"] = {"limit_seconds": s.max_age, "idle_entries": idle.entries if idle else None,
@@ -305,7 +306,7 @@ def entry_note(e) -> str:
         return f"corrupt: {e.corrupt}"
     if not e.parsed:
         return "not parsed yet"
-    note = e.signature or ("not recorded" if e.unrecorded and e.kind == "fxgraph" else "")
+    note = e.signature or ("not recorded" if e.unrecorded and e.kind == Kind.FXGRAPH else "")
     return f"pinned; {note}" if e.pinned and note else ("pinned" if e.pinned else note)
 
 
@@ -393,7 +394,7 @@ def _host_entries(app, host: str, f) -> list[tuple]:
     caches = app.store.caches(host)
     if not caches:
         raise NotFound(f"no host {host!r} in the index (see: cachemgr stats --fleet)")
-    out = []
+    out: list[tuple] = []
     for c in caches:
         store = app.store.on(c)
         rows = store.entries(f)
@@ -460,14 +461,14 @@ def _show_lines(e, d: dict, wide: bool) -> list[str]:
     pending = "not parsed yet" if not e.parsed else None
     torch = e.torch_version or (f"not named (build hash {e.torch_version_hash[:12]})" if e.torch_version_hash
                                 else pending)
-    parsed_kind = e.kind in ("fxgraph", "aotautograd")
+    parsed_kind = e.kind in PICKLED
     files = d["files_on_disk"]
     prefix = e.key.rstrip("/") + "/"
     file_names = [(f["path"][len(prefix):] if f["path"].startswith(prefix) else f["path"], f["bytes"]) for f in files]
     pairs = [
         ("key", e.key), ("short key", d["short"]), ("kind", e.kind),
         ("bytes", f"{human_size(e.bytes)} ({e.bytes:,} bytes) in {plural(e.files, 'file')}"),
-        ("graph key", e.graph_key or (pending if e.kind == "fxgraph" else None)),
+        ("graph key", e.graph_key or (pending if e.kind == Kind.FXGRAPH else None)),
         ("signature", e.signature or (pending if parsed_kind else None)),
         ("guards", e.guards), ("devices", e.device_types),
         ("compile time", seconds(e.compile_seconds) if e.compile_seconds is not None else pending),
@@ -477,7 +478,7 @@ def _show_lines(e, d: dict, wide: bool) -> list[str]:
         ("pinned", (f"yes, as {e.pin}" + (f": {e.pin_reason}" if e.pin_reason else "")) if e.pinned else None),
         ("hits", f"{e.hit_count:,}, last used {age(e.last_access)} ago"),
         ("written", f"{age(e.mtime)} ago"),
-        ("components", f"{d['components']:,} hash components" if e.kind == "fxgraph" and e.parsed else None),
+        ("components", f"{d['components']:,} hash components" if e.kind == Kind.FXGRAPH and e.parsed else None),
     ]
     if wide:
         pairs += [("file", f"{name}  {human_size(n)}") for name, n in file_names]

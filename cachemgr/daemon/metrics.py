@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -40,7 +41,7 @@ class Metrics:
         self.scan_seconds: float | None = None
         self.registry = CollectorRegistry()
         self.registry.register(self)
-        self.server = None
+        self.server: Any = None
 
     # -- wiring ------------------------------------------------------------------------------------
 

@@ -36,11 +36,12 @@ def fleet_report(source: Store | Any, min_hosts: int = 2, limit: int = 20, windo
                  keep_torch: list[str] | tuple[str, ...] = ()) -> FleetReport:
     store = _store(source)
     hits = store.fleet_hits(time.time() - window)
-    hosts = [{"host": host, "caches": caches, "entries": entries, "bytes": size, "hit_count": hit_count,
-              "hits_in_window": hits.get(host, 0), "torch_version": store.host_torch_version(host),
-              "last_scan": iso_time(last_scan)}
-             for host, caches, entries, size, hit_count, last_scan in store.fleet_hosts()]
-    in_use = sorted({h["torch_version"] for h in hosts if h["torch_version"]} | set(keep_torch))
+    hosts: list[dict[str, Any]] = [
+        {"host": host, "caches": caches, "entries": entries, "bytes": size, "hit_count": hit_count,
+         "hits_in_window": hits.get(host, 0), "torch_version": store.host_torch_version(host),
+         "last_scan": iso_time(last_scan)}
+        for host, caches, entries, size, hit_count, last_scan in store.fleet_hosts()]
+    in_use: list[str] = sorted({str(h["torch_version"]) for h in hosts if h["torch_version"]} | set(keep_torch))
 
     dependents: dict[int, tuple[int, set[str]]] = {}  # entry id -> (bytes, versions it belongs to)
     for version, dep_id, size in store.version_dependents():
@@ -48,12 +49,12 @@ def fleet_report(source: Store | Any, min_hosts: int = 2, limit: int = 20, windo
         dependents[dep_id] = (size, (prev[1] if prev else set()) | {version})
     dep_bytes: dict[str, int] = {}
     stale = 0
-    for size, versions in dependents.values():
-        for v in versions:
+    for size, owners in dependents.values():
+        for v in owners:
             dep_bytes[v] = dep_bytes.get(v, 0) + size
-        if not versions & set(in_use):
+        if not owners & set(in_use):
             stale += size
-    versions = []
+    versions: list[dict[str, Any]] = []
     for version, n, size, nh in store.torch_versions():
         used = version in in_use
         if not used:

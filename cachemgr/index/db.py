@@ -162,7 +162,9 @@ class Database:
                 return cid
         except IntegrityError:  # another process of this host created it first (shared PostgreSQL)
             with self.session() as s:
-                return s.scalar(query)
+                cid = s.scalar(query)
+                assert cid is not None  # it is there: our insert lost to it
+                return cid
 
     def close(self) -> None:
         self.engine.dispose()

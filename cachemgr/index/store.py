@@ -4,7 +4,7 @@ fleet report asks of the index is a method of `Store`, and the SQL lives here an
 A Store reads one cache (host + root) of an index, through one of two drivers:
 
 - `Store.of(db, host, root)`: SQLAlchemy (SQLite or PostgreSQL), a pooled connection per query;
-- `Store.sqlite(path, host, root)`: the standard library's sqlite3, read-only. Importing
+- `Store.sqlite(path, head, host, root)`: the standard library's sqlite3, read-only. Importing
   SQLAlchemy costs more than a whole `stats`, so on the embedded default `stats` runs on this.
 
 Both run the same SQL text (named `:parameters`, nothing dialect-specific), so the two paths
@@ -518,7 +518,8 @@ class Store:
 
     def entries(self, f: Filters = Filters(), now: float | None = None) -> list[Entry]:
         """Entries of the cache, filtered and sorted (largest first, by default)."""
-        where, params = ["e.cache_id = :cache"], {}
+        where: list[str] = ["e.cache_id = :cache"]
+        params: dict[str, Any] = {}
         if f.kind:
             where.append("e.kind = :kind")
             params["kind"] = f.kind
@@ -538,7 +539,7 @@ class Store:
         sql = f"SELECT {ENTRY_COLUMNS} FROM entries e WHERE {' AND '.join(where)}"
         pins = self.pin_map()
         if f.graphs is not None:
-            rows = []
+            rows: list[tuple] = []
             for cond in ("e.graph_key", "e.ref"):
                 rows.extend(self._chunked(sql + " AND {in}", cond, sorted(f.graphs), **params))
             out = list({r[0]: _entry(r, pins) for r in rows}.values())
@@ -636,7 +637,7 @@ class Store:
             "SELECT DISTINCT COALESCE(ref, key) FROM entries WHERE cache_id = :cache")})
         shared = {ref for (ref,) in self._rows(
             "SELECT ref FROM entries WHERE cache_id = :cache AND ref IS NOT NULL GROUP BY ref HAVING COUNT(*) > 1")}
-        wanted = sorted({e.ref for e in entries if e.ref in shared})
+        wanted = sorted({e.ref for e in entries if e.ref and e.ref in shared})
         siblings: dict[str, list[str]] = {}
         for ref, key in self._chunked("SELECT ref, key FROM entries WHERE cache_id = :cache AND {in}", "ref", wanted):
             siblings.setdefault(ref, []).append(key)
