@@ -14,9 +14,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import NO_TORCH_PROGRAM, REPO, run_program, subprocess_env
 
 from cachemgr import layout
-from conftest import NO_TORCH_PROGRAM, REPO, run_program, subprocess_env
 
 
 def disk_counts(root: Path) -> tuple[int, int]:
@@ -25,7 +25,8 @@ def disk_counts(root: Path) -> tuple[int, int]:
 
 
 def find_bytes(root: Path) -> int:
-    out = subprocess.run(["find", str(root), "-type", "f", "-printf", "%s\\n"], capture_output=True, text=True, check=True)
+    out = subprocess.run(["find", str(root), "-type", "f", "-printf", "%s\\n"], capture_output=True, text=True,
+                         check=True)
     return sum(int(x) for x in out.stdout.split())
 
 
@@ -149,6 +150,82 @@ def test_parallel_parse_matches_serial(gpu_cache, tmp_path, monkeypatch):
 
 
 
+def _index_of(db_file: Path) -> dict:
+    """What an index holds, in a form two scans of one tree can be compared by."""
+    conn = sqlite3.connect(db_file)
+    try:
+        return {
+            "entries": sorted(conn.execute(
+                "SELECT key, kind, ref, alias, dir, bytes, files, mtime, graph_key, signature_hash, options_hash, "
+                "guards, compile_seconds, torch_version_hash, corrupt, parse_state, content FROM entries")),
+            "refs": sorted(conn.execute(
+                "SELECT e.key, r.kind, r.ref FROM entry_refs r JOIN entries e ON e.id = r.entry_id")),
+            "sets": sorted(conn.execute(
+                "SELECT e.key, s.part, c.digest FROM entry_component_sets s "
+                "JOIN entries e ON e.id = s.entry_id JOIN component_sets c ON c.id = s.set_id")),
+            "dirs": sorted(p for (p,) in conn.execute("SELECT path FROM dirs")),
+        }
+    finally:
+        conn.close()
+
+
+def test_walk_and_parse_in_workers_match_one_process(gpu_cache, tmp_path, monkeypatch):
+    """A first scan whose walk and reads are shared with worker processes (walk units handed out
+    and taken back in order, content read once) indexes exactly what one process indexes."""
+    from cachemgr.index import scan
+    from cachemgr.index.db import Database
+    from cachemgr.index.workers import Pool
+
+    monkeypatch.setattr(scan, "PARALLEL_WALK", 1)  # the fixture's 137 kernel directories: share them out
+    monkeypatch.setattr(scan, "WALK_JOB", (1, 3))
+
+    def index(name: str, pool: Pool | None) -> dict:
+        db = Database(f"sqlite:///{tmp_path / name}")
+        cid = db.cache_id("h", str(gpu_cache))
+        r = scan.index_names(db, cid, str(gpu_cache), pool=pool)
+        assert r.added > 0 and r.pending > 0
+        p = scan.parse_pending(db, cid, str(gpu_cache), pool=pool or Pool(1))
+        assert p.parsed == r.pending and not p.corrupt
+        db.close()
+        return _index_of(tmp_path / name)
+
+    here = index("here.db", None)  # layout.iter_dirs in this process
+    with Pool(1) as one:
+        units_here = index("units.db", one)  # walk units, walked here (one worker: no point sharing)
+    with Pool(3) as three:
+        shared = index("shared.db", three)
+    assert here["entries"] and here["refs"] and here["sets"] and here["dirs"]
+    assert units_here == here
+    assert shared == here
+
+
+def test_a_content_is_read_once_per_scan(gpu_cache, tmp_path):
+    """Two entries with one content name and size (torch names fxgraph/AOT files by their bytes'
+    hash): one is read, the other takes its result, and both say the same."""
+    from cachemgr.index import scan
+    from cachemgr.index.db import Database
+    from cachemgr.index.workers import Pool
+
+    root = tmp_path / "cache"
+    shutil.copytree(gpu_cache, root, symlinks=True)
+    src = sorted(root.glob("fxgraph/*/*/*"))[0]
+    twin = src.parent.parent / (src.parent.name[:-4] + "zzzz") / src.name  # another graph key, same file
+    twin.parent.mkdir()
+    shutil.copy2(src, twin)
+    db = Database(f"sqlite:///{tmp_path / 'index.db'}")
+    cid = db.cache_id("h", str(root))
+    scan.index_names(db, cid, str(root))
+    read: list[str] = []
+    with Pool(2) as pool:
+        p = scan.parse_pending(db, cid, str(root), pool=pool,
+                               reading=lambda entries: read.extend(k for k, _ in entries))
+    keys = {str(x.relative_to(root)) for x in (src, twin)}
+    assert len(keys & set(read)) == 1, sorted(keys & set(read))
+    assert p.from_content >= 1 and not p.corrupt
+    rows = [r for r in _index_of(tmp_path / "index.db")["entries"] if r[0] in keys]
+    assert len(rows) == 2 and rows[0][8] and rows[0][8:] == rows[1][8:]  # graph key onwards: the same
+
+
 UNGUARDED = """
 import os, sys
 from cachemgr import layout
@@ -193,7 +270,8 @@ def test_a_scan_racing_another_writer_reads_again_instead_of_failing(gpu_cache, 
     r = scan.reconcile(db, cid, str(gpu_cache))
     assert raced[0].added == 262 and not r.added and r.unchanged == 262
     with db.engine.connect() as conn:
-        n, total = conn.execute(sa_text("SELECT COUNT(*), SUM(bytes) FROM entries WHERE cache_id = :c"), {"c": cid}).one()
+        n, total = conn.execute(sa_text("SELECT COUNT(*), SUM(bytes) FROM entries WHERE cache_id = :c"),
+                                {"c": cid}).one()
     assert (n, total) == (262, find_bytes(gpu_cache))
 
 
@@ -403,15 +481,16 @@ def test_stats_fast_path_skips_sqlalchemy(cpu_cache, db_url):
     env = subprocess_env()
     subprocess.run([sys.executable, "-m", "cachemgr", *base, "scan"], env=env, check=True, capture_output=True)
     code = INSPECT_WITHOUT_TORCH.replace('"torch" not in', '"sqlalchemy" not in')
-    out = subprocess.run([sys.executable, "-c", code, *base, "stats", "--json"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code, *base, "stats", "--json"], env=env, capture_output=True,
+                         text=True)
     assert out.returncode == 0, out.stderr
 
 
 def test_alembic_head_matches_models(tmp_path):
     from alembic.autogenerate import compare_metadata
+    from alembic.config import Config
     from alembic.migration import MigrationContext
     from alembic.script import ScriptDirectory
-    from alembic.config import Config
 
     from cachemgr.index.db import Database, migrations_dir
     from cachemgr.index.models import Base

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachemgr import layout, parse, safefs
-from cachemgr.index.workers import Job, Pool
+from cachemgr.index.workers import BATCH, WALK, Job, Pool
 from cachemgr.vocab import PICKLED, Kind
 
 MAX_SMALL_FILE = 16 << 20  # an autotune result or a C++ source read for its hash (the real ones are KBs)
@@ -42,7 +42,24 @@ class Describer:
         self.run: int | None = None
         self.root: safefs.Root | None = None
 
-    def describe_job(self, job: Job) -> Described:
+    def run_job(self, job: Job) -> object:
+        """A worker's answer to one job: a Described, a list of them (BATCH), or what a WALK saw:
+        (listings, DirWalk), or None when the root is not the one the caller opened."""
+        if job.kind == WALK:
+            if self._open(job) is not None:
+                return None
+            try:
+                return layout.walk_units(self.root, list(job.items))
+            finally:
+                self.root.forget()
+        if job.kind == BATCH:
+            return [self.describe_job(Job(job.id, job.run, job.root, kind, key, ref, (), job.root_id))
+                    for kind, key, ref in job.items]
+        return self.describe_job(job)
+
+    def _open(self, job: Job) -> str | None:
+        """Open the job's root (kept across jobs); why not, if it cannot be or is not the same
+        directory the caller opened (renamed or swapped since)."""
         if job.run != self.run:
             self.run, self.sent = job.run, set()
         if self.root is None or self.root.path != job.root:
@@ -52,7 +69,17 @@ class Describer:
                 self.root = safefs.Root(job.root)
             except OSError as e:
                 self.root = None
-                return failed(f"unreadable: {e.strerror}")
+                return f"unreadable: {e.strerror}"
+        if job.root_id is not None and self.root.id != job.root_id:
+            self.root.close()
+            self.root = None
+            return "the cache directory was replaced during the scan"
+        return None
+
+    def describe_job(self, job: Job) -> Described:
+        why = self._open(job)
+        if why is not None:
+            return failed(why)
         try:
             return self.describe(self.root, job.kind, job.key, job.ref)
         except Exception as e:  # noqa: BLE001 - one entry's problem is that entry's, never the scan's
@@ -138,6 +165,11 @@ def read_unseen(root: str, rel: str) -> bytes:
 
 
 _runs = iter(range(1, 1 << 62))
+
+
+def new_run() -> int:
+    """A run id: a describer sends each component set's items once per run."""
+    return next(_runs)
 
 
 def describe_all(root: str, entries: list[layout.DiskEntry], progress: Callable[[int, int], None] | None = None,

@@ -20,7 +20,9 @@ its write, the write fails on a unique key, rolls back, and that batch runs once
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -28,15 +30,25 @@ from typing import TypeVar
 from sqlalchemy import bindparam, delete, func, insert, or_, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 
-from cachemgr import layout, parse
+from cachemgr import layout, parse, safefs
 from cachemgr.index.db import Database
-from cachemgr.index.describe import Described, Parts, describe_all
+from cachemgr.index.describe import Described, Parts, failed, new_run
 from cachemgr.index.models import (
-    PARSED, PENDING, PENDING_NEW, Cache, ComponentSet, ComponentSetItem, Dir, Entry, EntryComponentSet, EntryRef,
-    Event, ParsedContent,
+    PARSED,
+    PENDING,
+    PENDING_NEW,
+    Cache,
+    ComponentSet,
+    ComponentSetItem,
+    Dir,
+    Entry,
+    EntryComponentSet,
+    EntryRef,
+    Event,
+    ParsedContent,
 )
 from cachemgr.index.result import ScanResult, check_root
-from cachemgr.index.workers import Pool
+from cachemgr.index.workers import BATCH, WALK, Job, Pool
 from cachemgr.vocab import PICKLED, Kind
 from cachemgr.vocab import Event as Ev
 
@@ -47,6 +59,9 @@ CHUNK = 500  # rows per IN (...) list: well under SQLite's and PostgreSQL's para
 BULK = 2000  # entries per phase-one batch (and per executemany)
 PARSE_CHUNK = 500  # pending entries read per phase-two transaction
 MAX_REPORTED = 1000  # corrupt entries and new keys a result lists (the counts are whole)
+# Kinds whose file name is the hash of the file's bytes (a precompile entry's is always 'entry'):
+# their parse results are kept, and shared, by that name and the size.
+CONTENT_NAMED = frozenset({Kind.FXGRAPH, Kind.AOTAUTOGRAD})
 
 T = TypeVar("T")
 Progress = Callable[[int, int], None]  # (done, total) while parsing entries
@@ -65,12 +80,18 @@ def reconcile(
 ) -> ScanResult:
     """Both phases: the index of `root` (or of one subtree) in line with the disk, then every
     pending entry read. With `parse_now` False only phase one runs (the daemon parses after it
-    says READY)."""
-    r = index_names(db, cache_id, root, subtree, full)
-    if not parse_now:
-        return r
-    p = parse_pending(db, cache_id, root, progress, pool)
-    return r.with_parsed(p)
+    says READY). Both use the workers of `pool` (or of one started here, as many as cores)."""
+    own = pool is None
+    pool = pool or Pool()
+    try:
+        r = index_names(db, cache_id, root, subtree, full, pool)
+        if not parse_now:
+            return r
+        p = parse_pending(db, cache_id, root, progress, pool)
+        return r.with_parsed(p)
+    finally:
+        if own:
+            pool.close()
 
 
 def once_more_on_race(write_step: Callable[..., T], *args) -> T:
@@ -110,8 +131,11 @@ class Counts:
         self.new_keys.extend(list(pickled)[: MAX_REPORTED - len(self.new_keys)])
 
 
-def index_names(db: Database, cache_id: int, root: str, subtree: str = "", full: bool = False) -> ScanResult:
-    """Phase one: insert, update and delete index rows from a walk of names and lstat alone."""
+def index_names(db: Database, cache_id: int, root: str, subtree: str = "", full: bool = False,
+                pool: Pool | None = None) -> ScanResult:
+    """Phase one: insert, update and delete index rows from a walk of names and lstat alone. A
+    walk of the whole tree with nothing to compare against (a first or full scan) is shared with
+    the workers of `pool`, if given (see `_walk`)."""
     t0 = time.monotonic()
     check_root(root)
     sub = subtree.strip("/")
@@ -124,34 +148,104 @@ def index_names(db: Database, cache_id: int, root: str, subtree: str = "", full:
     state = layout.DirWalk({}, set(), {})
     counts = Counts()
     now = time.time()
-    for batch in _batches(layout.iter_dirs(root, sub, None if full else stored, keep_paths=False, state=state)):
+    known = None if full else stored
+    listings = (_walk(root, state, pool) if pool is not None and not sub and not known
+                else layout.iter_dirs(root, sub, known, keep_paths=False, state=state))
+    unseen = set(stored)
+    for batch in _batches(listings):
+        # The mtimes seen so far are those of directories whose listings are in this batch or an
+        # earlier one (the walk records a directory's mtime just before its listing): written with
+        # this batch's entries, never before them, so a rescan never trusts a directory whose
+        # entries are not in the index. Then forgotten: memory holds a batch, not the tree.
+        seen, state.mtimes = state.mtimes, {}
+        unseen.difference_update(seen)
         try:
-            d = _sync_dirs(db, cache_id, batch, empty, now)
+            d = _sync_dirs(db, cache_id, batch, empty, now, stored, seen)
         except IntegrityError:  # another writer indexed some of these first: read their rows, once more
             empty = False
-            d = _sync_dirs(db, cache_id, batch, empty, now)
+            d = _sync_dirs(db, cache_id, batch, empty, now, stored, seen)
         kinds = {e.key: e.kind for listing in batch for e in listing.entries}
         counts.add(d, (k for k in d.added + d.changed if kinds.get(k) in PICKLED))
+    unseen.difference_update(state.mtimes)
     # A directory gone since the last scan is stale: its entries leave the index. One that could
     # not be read (permissions) is not gone: it and all below it keep their rows as last seen.
-    mtimes = state.mtimes | {d: m for d, m in stored.items() if d not in state.mtimes and any(
-        d == u or d.startswith(u + "/") for u in state.unreadable)}
-    gone = [d for d in stored if d not in mtimes]
+    gone = sorted(d for d in unseen if not any(d == u or d.startswith(u + "/") for u in state.unreadable))
     with db.engine.begin() as conn:
         for chunk in _chunks(gone):
             ids = list(conn.execute(select(ENTRIES.c.id).where(ENTRIES.c.cache_id == cache_id,
                                                                  ENTRIES.c.dir.in_(chunk))).scalars())
             delete_entries(conn, ids)
             counts.removed += len(ids)
-        q = select(DIRS.c.path, DIRS.c.mtime_ns).where(DIRS.c.cache_id == cache_id)
-        now_stored = dict(conn.execute(q.where(at_or_below(conn, DIRS.c.path, sub)) if sub else q).all())
-        _write_dirs(conn, cache_id, now_stored, mtimes, gone)  # (another scan may have written some meanwhile)
+        _write_dirs(conn, cache_id, stored, state.mtimes, gone)
         if not sub:
             conn.execute(update(CACHES).where(CACHES.c.id == cache_id).values(last_scan=now))
         unchanged = conn.execute(_count(conn, cache_id, sub)).scalar() - counts.added - counts.changed
         pending = conn.execute(_count(conn, cache_id, sub).where(ENTRIES.c.parse_state != PARSED)).scalar()
     return ScanResult(root, counts.added, counts.changed, counts.removed, unchanged, [], time.monotonic() - t0,
                       state.unreadable, pending=pending, new_keys=counts.new_keys)
+
+
+PARALLEL_WALK = 256  # walk units (kernel directories, module folders...) below which a walk stays here
+WALK_JOB = (16, 512)  # fewest and most units per worker job
+
+
+def _walk(root: str, state: layout.DirWalk, pool: Pool) -> Iterator[layout.Listing]:
+    """`layout.iter_dirs` over the whole tree, with the units below its top folders (Triton
+    kernel directories, graph-prefix and module folders) walked by the pool's workers when there
+    are many: handed out in key order, taken back in the same order, so the listings come as a
+    walk in this process gives them. A job whose worker fails is walked here."""
+    try:
+        r = safefs.Root(root)
+    except OSError:  # iter_dirs says what it can of a root that will not open
+        yield from layout.iter_dirs(root, "", None, keep_paths=False, state=state)
+        return
+    with r:
+        units: list[str] = []
+        yield from layout.iter_dirs(r, "", None, False, state, units=units)
+        if len(units) < PARALLEL_WALK or pool.size < 2:
+            for unit in units:
+                yield from layout.iter_dirs(r, unit, None, False, state)
+            return
+        per = max(WALK_JOB[0], min(WALK_JOB[1], len(units) // (pool.size * 8)))
+        jobs = [Job(i, 0, root, WALK, "", None, tuple(group), r.id) for i, group in enumerate(_unit_groups(units, per))]
+        del units
+        with pool.stream(lambda job, why: None) as stream:
+            stream.submit(jobs)
+            got: dict[int, object] = {}
+            for job in jobs:
+                while job.id not in got:
+                    done, result = stream.get()
+                    got[done.id] = result
+                result = got.pop(job.id)
+                if not isinstance(result, tuple):  # the worker died, ran out of time, or saw another root
+                    for unit in job.items:
+                        yield from layout.iter_dirs(r, unit, None, False, state)
+                    continue
+                listings, seen = result
+                yield from listings
+                # (after its listings: a directory's mtime is never handed on before its entries)
+                state.mtimes.update(seen.mtimes)
+                state.listed.update(seen.listed)
+                state.unreadable.extend(seen.unreadable)
+
+
+def _unit_groups(units: list[str], per: int) -> Iterator[list[str]]:
+    """Walk units in order, `per` to a job; a folder of the root (generated modules, thousands
+    of files) is a job of its own."""
+    group: list[str] = []
+    for unit in units:
+        if "/" not in unit:
+            if group:
+                yield group
+                group = []
+            yield [unit]
+            continue
+        group.append(unit)
+        if len(group) >= per:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 def _count(conn, cache_id: int, sub: str):
@@ -173,8 +267,10 @@ def _batches(listings: Iterator[layout.Listing]) -> Iterator[list[layout.Listing
         yield batch
 
 
-def _sync_dirs(db: Database, cache_id: int, batch: list[layout.Listing], empty: bool, now: float) -> Diff:
-    """Bring the rows of these directories in line with their listings, in one transaction.
+def _sync_dirs(db: Database, cache_id: int, batch: list[layout.Listing], empty: bool, now: float,
+               stored: dict[str, int], seen: dict[str, int]) -> Diff:
+    """Bring the rows of these directories in line with their listings, in one transaction, and
+    record the mtimes `seen` (those differing from `stored`) in it.
     `empty`: the cache had no rows when the scan began (a first scan reads none back)."""
     disk = {e.key: e for listing in batch for e in listing.entries}
     known = {}
@@ -184,7 +280,9 @@ def _sync_dirs(db: Database, cache_id: int, batch: list[layout.Listing], empty: 
                 known.update((r.key, r) for r in conn.execute(
                     select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.dir.in_(chunk))))
     with db.engine.begin() as conn:
-        return sync(conn, cache_id, disk, known, now)
+        diff = sync(conn, cache_id, disk, known, now)
+        _write_dirs(conn, cache_id, stored, seen, [])
+        return diff
 
 
 def sync(conn, cache_id: int, disk: dict[str, layout.DiskEntry], known: dict, now: float) -> Diff:
@@ -201,17 +299,12 @@ def sync(conn, cache_id: int, disk: dict[str, layout.DiskEntry], known: dict, no
         if r.bytes != d.bytes or r.files != d.files or abs(r.mtime - d.mtime) > 1e-6:
             changed.append(d)
         elif max(d.atime, d.mtime) > r.last_access + 1:
-            touched.append({"b_id": r.id, "b_last_access": max(d.atime, d.mtime)})
+            touched.append({"id": r.id, "last_access": max(d.atime, d.mtime)})
     delete_entries(conn, removed)
-    if touched:
-        conn.execute(update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id"))
-                     .values(last_access=bindparam("b_last_access")), touched)
-    if changed:
-        conn.execute(update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(
-            bytes=bindparam("b_bytes"), files=bindparam("b_files"), mtime=bindparam("b_mtime"),
-            parse_state=bindparam("b_state")), [
-            {"b_id": known[d.key].id, "b_bytes": d.bytes, "b_files": d.files, "b_mtime": d.mtime,
-             "b_state": PENDING if d.needs_reading else PARSED} for d in changed])
+    update_rows(conn, ENTRIES, ("id",), touched)
+    update_rows(conn, ENTRIES, ("id",), [
+        {"id": known[d.key].id, "bytes": d.bytes, "files": d.files, "mtime": d.mtime,
+         "parse_state": PENDING if d.needs_reading else PARSED} for d in changed])
     for chunk in _chunks(added, BULK):
         insert_rows(conn, ENTRIES, [_new_row(cache_id, disk[k], now) for k in chunk])
     to_read = [k for k in added if disk[k].needs_reading] + [d.key for d in changed if d.needs_reading]
@@ -224,9 +317,8 @@ def _new_row(cache_id: int, d: layout.DiskEntry, now: float) -> dict:
         "bytes": d.bytes, "files": d.files, "mtime": d.mtime, "first_seen": now,
         "last_access": max(d.atime, d.mtime), "hit_count": 0,
         "parse_state": PENDING_NEW if d.needs_reading else PARSED,
-        "content": d.key.rpartition("/")[2][:64] if d.kind in PICKLED else None,
-        **{c: None for c in ("alias", *PARSED_COLUMNS)},
-    }
+        "content": d.key.rpartition("/")[2][:64] if d.kind in CONTENT_NAMED else None,
+    }  # (the parsed columns stay NULL until phase two)
 
 
 def below(conn, column, sub: str):
@@ -244,16 +336,14 @@ def at_or_below(conn, column, sub: str):
 
 
 def _write_dirs(conn, cache_id: int, stored: dict[str, int], seen: dict[str, int], gone: list[str]) -> None:
-    """Record the mtime each directory had when it was read; forget directories that are gone."""
+    """Record the mtime each directory had when it was read (those new or moved since `stored`
+    was read: written over what another scan may have written meanwhile); forget directories
+    that are gone. (Rows are made a chunk at a time: a first scan sees every directory.)"""
     for chunk in _chunks(gone):
         conn.execute(delete(DIRS).where(DIRS.c.cache_id == cache_id, DIRS.c.path.in_(chunk)))
-    new = [{"cache_id": cache_id, "path": d, "mtime_ns": m} for d, m in seen.items() if d not in stored]
-    for chunk in _chunks(new, BULK):
-        insert_rows(conn, DIRS, chunk)
-    moved = [{"b_path": d, "b_mtime": m} for d, m in seen.items() if d in stored and stored[d] != m]
-    if moved:
-        conn.execute(update(DIRS).where(DIRS.c.cache_id == cache_id, DIRS.c.path == bindparam("b_path"))
-                     .values(mtime_ns=bindparam("b_mtime")), moved)
+    moved = ((d, m) for d, m in seen.items() if stored.get(d) != m)
+    while chunk := [{"cache_id": cache_id, "path": d, "mtime_ns": m} for d, m in itertools.islice(moved, BULK)]:
+        upsert_rows(conn, DIRS, ("cache_id", "path"), chunk)
 
 
 # -- phase two ------------------------------------------------------------------------------------
@@ -274,7 +364,12 @@ def parse_pending(db: Database, cache_id: int, root: str, progress: Progress | N
                   ) -> ParseResult:
     """Phase two: read pending entries (all of them, those of `keys`, or at most `limit`), a
     chunk per transaction. `reading` hears the (key, kind) of each entry just before its files
-    are read (the daemon's read watch must not take our reads for hits)."""
+    are read (the daemon's read watch must not take our reads for hits).
+
+    Each entry file's content is read once: a parse result kept by content (`parsed_content`)
+    is taken as it is, and of the pending entries that share a content name and size one is
+    read and the others take its result. The workers read the next chunks while this process
+    writes the last one (AHEAD chunks in flight)."""
     t0 = time.monotonic()
     out = ParseResult()
     wanted = None if keys is None else list(dict.fromkeys(keys))
@@ -283,39 +378,20 @@ def parse_pending(db: Database, cache_id: int, root: str, progress: Progress | N
                                                             ENTRIES.c.parse_state != PARSED)
         total = conn.execute(q).scalar() if wanted is None else len(wanted)
     total = min(total, limit) if limit is not None else total
+    if not total:
+        return out
     own = pool is None
     pool = pool or Pool(min(max(1, total // 8), Pool().size))
     try:
-        last_id = 0
-        for key_chunk in ([None] if wanted is None else _chunks(wanted, PARSE_CHUNK)):
-            while out.parsed < total:
+        with _Reader(pool, root, reading) as reader:
+            ahead: deque[_Chunk] = deque()
+            for rows in _pending_rows(db, cache_id, wanted, total):
                 with db.engine.connect() as conn:
-                    q = select(ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.kind, ENTRIES.c.ref, ENTRIES.c.bytes,
-                               ENTRIES.c.content, ENTRIES.c.parse_state, ENTRIES.c.mtime).where(
-                        ENTRIES.c.cache_id == cache_id, ENTRIES.c.parse_state != PARSED)
-                    if key_chunk is not None:
-                        q = q.where(ENTRIES.c.key.in_(key_chunk))
-                    else:
-                        q = q.where(ENTRIES.c.id > last_id).order_by(ENTRIES.c.id)
-                    rows = conn.execute(q.limit(min(PARSE_CHUNK, total - out.parsed))).fetchall()
-                    if not rows:
-                        break
-                    described, hits = _from_content(conn, rows)
-                last_id = rows[-1].id
-                misses = [r for r in rows if r.id not in described]
-                if misses and reading:
-                    reading([(r.key, r.kind) for r in misses])
-                if misses:
-                    got = describe_all(root, [layout.DiskEntry(r.kind, r.key, r.ref) for r in misses], pool=pool)
-                    described.update((r.id, got[r.key]) for r in misses)
-                with db.engine.begin() as conn:
-                    _write_parsed(conn, cache_id, rows, described, {r.id for r in misses}, out)
-                out.from_content += hits
-                out.parsed += len(rows)
-                if progress:
-                    progress(out.parsed, total)
-                if key_chunk is not None:
-                    break
+                    ahead.append(reader.start(conn, rows))
+                while len(ahead) > AHEAD:
+                    _finish(db, cache_id, reader, ahead.popleft(), out, total, progress)
+            while ahead:
+                _finish(db, cache_id, reader, ahead.popleft(), out, total, progress)
     finally:
         if own:
             pool.close()
@@ -323,10 +399,168 @@ def parse_pending(db: Database, cache_id: int, root: str, progress: Progress | N
     return out
 
 
+AHEAD = 2  # chunks handed to the workers beyond the one being written
+LIGHT_BATCH = 64  # entries that are not pickles (autotune results, C++ sources) per worker job
+
+
+def _pending_rows(db: Database, cache_id: int, wanted: list[str] | None, total: int) -> Iterator[list]:
+    """The pending rows to read, PARSE_CHUNK at a time: those of `wanted`, or new entries then
+    changed ones, each in id order. (One parse state at a time, so each read is a range of the
+    (cache_id, parse_state) index from the last id on: `parse_state != PARSED` made SQLite read
+    every row of the cache's part of that index, and sort, for each chunk.)"""
+    left = total
+    cols = (ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.kind, ENTRIES.c.ref, ENTRIES.c.bytes, ENTRIES.c.content,
+            ENTRIES.c.parse_state, ENTRIES.c.mtime)
+    if wanted is not None:
+        for key_chunk in _chunks(wanted, PARSE_CHUNK):
+            if left <= 0:
+                return
+            with db.engine.connect() as conn:
+                rows = conn.execute(select(*cols).where(
+                    ENTRIES.c.cache_id == cache_id, ENTRIES.c.parse_state != PARSED,
+                    ENTRIES.c.key.in_(key_chunk)).limit(min(PARSE_CHUNK, left))).fetchall()
+            if rows:
+                left -= len(rows)
+                yield rows
+        return
+    for state in (PENDING_NEW, PENDING):
+        last_id = 0
+        while left > 0:
+            with db.engine.connect() as conn:
+                rows = conn.execute(select(*cols).where(
+                    ENTRIES.c.cache_id == cache_id, ENTRIES.c.parse_state == state, ENTRIES.c.id > last_id,
+                ).order_by(ENTRIES.c.id).limit(min(PARSE_CHUNK, left))).fetchall()
+            if not rows:
+                break
+            last_id = rows[-1].id
+            left -= len(rows)
+            yield rows
+
+
+@dataclass
+class _Chunk:
+    rows: list
+    run: int
+    described: dict[int, Described]  # row id -> what is known of it so far
+    jobs: dict[int, list[int]]  # job id -> the row ids its result answers (a BATCH answers several)
+    copies: dict[int, list[int]]  # row id read -> row ids of the same content that take its result
+    later: list = field(default_factory=list)  # rows whose content an earlier chunk reads: kept by then
+    hits: int = 0
+
+
+class _Reader:
+    """Hands the pending entries of each chunk to the parse workers (one job per pickle, small
+    entries in batches) through a Stream, and gathers their results."""
+
+    def __init__(self, pool: Pool, root: str, reading: Callable[[list[tuple[str, str]]], None] | None) -> None:
+        self.root, self.reading = root, reading
+        try:
+            with safefs.Root(root) as r:
+                self.root_id: tuple[int, int] | None = r.id
+        except OSError:
+            self.root_id = None  # each entry is then reported unreadable by its worker
+        self.stream = pool.stream(lambda job, why: failed(why))
+        self.ids = itertools.count()
+        self.earlier: set[tuple[str, str, int]] = set()  # contents a chunk in flight reads
+        self.got: dict[int, object] = {}  # results that came before their chunk was finished
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stream.close()
+
+    def start(self, conn, rows) -> _Chunk:
+        """Look the chunk's entries up by content, and send the rest to be read."""
+        chunk = _Chunk(rows, new_run(), {}, {}, {})
+        chunk.described, chunk.hits = _from_content(conn, rows)
+        first: dict[tuple[str, str, int], int] = {}
+        reads, light = [], []
+        for r in rows:
+            if r.id in chunk.described:
+                continue
+            same = (r.kind, r.content, r.bytes) if r.kind in CONTENT_NAMED and r.content else None
+            if same is not None and same in first:
+                chunk.copies[first[same]].append(r.id)
+            elif same is not None and same in self.earlier:
+                chunk.later.append(r)
+            else:
+                if same is not None:
+                    first[same] = r.id
+                    chunk.copies[r.id] = []
+                (reads if r.kind in PICKLED else light).append(r)
+        self.earlier.update(first)
+        if self.reading and (reads or light):
+            self.reading([(r.key, r.kind) for r in reads + light])
+        self._send(chunk, reads, light)
+        return chunk
+
+    def _send(self, chunk: _Chunk, reads: list, light: list) -> None:
+        jobs = []
+        for r in reads:
+            jobs.append(Job(next(self.ids), chunk.run, self.root, r.kind, r.key, r.ref, (), self.root_id))
+            chunk.jobs[jobs[-1].id] = [r.id]
+        for i in range(0, len(light), LIGHT_BATCH):
+            part = light[i:i + LIGHT_BATCH]
+            jobs.append(Job(next(self.ids), chunk.run, self.root, BATCH, "", None,
+                            tuple((r.kind, r.key, r.ref) for r in part), self.root_id))
+            chunk.jobs[jobs[-1].id] = [r.id for r in part]
+        self.stream.submit(jobs)
+
+    def finish(self, conn, chunk: _Chunk) -> set[int]:
+        """Wait for the chunk's results; returns the ids of the rows whose files were read."""
+        self._collect(chunk)
+        again = []
+        for rid, others in chunk.copies.items():
+            d = chunk.described[rid]
+            if d.row.get("corrupt"):  # not the content's fault, perhaps (unreadable): each is read
+                again.extend(r for r in chunk.rows if r.id in set(others))
+            else:
+                chunk.described.update((o, d) for o in others)
+                chunk.hits += len(others)
+        if chunk.later:  # an earlier chunk read their content and kept it (when it parsed cleanly)
+            kept, n = _from_content(conn, chunk.later)
+            chunk.described.update(kept)
+            chunk.hits += n
+            again.extend(r for r in chunk.later if r.id not in kept)
+        if again:
+            if self.reading:
+                self.reading([(r.key, r.kind) for r in again])
+            self._send(chunk, again, [])
+            self._collect(chunk)
+        read = {rid for rids in chunk.jobs.values() for rid in rids}
+        return read
+
+    def _collect(self, chunk: _Chunk) -> None:
+        waiting = [j for j in chunk.jobs if chunk.jobs[j][0] not in chunk.described]
+        for j in waiting:
+            while j not in self.got:
+                job, result = self.stream.get()
+                self.got[job.id] = result
+            result = self.got.pop(j)
+            rids = chunk.jobs[j]
+            if isinstance(result, list) and len(result) == len(rids):
+                chunk.described.update(zip(rids, result, strict=True))
+            elif isinstance(result, Described):  # one entry, or a failed BATCH: each of its entries
+                chunk.described.update((rid, result) for rid in rids)
+
+
+def _finish(db: Database, cache_id: int, reader: _Reader, chunk: _Chunk, out: ParseResult, total: int,
+            progress: Progress | None) -> None:
+    with db.engine.connect() as conn:
+        read = reader.finish(conn, chunk)
+    with db.engine.begin() as conn:
+        _write_parsed(conn, cache_id, chunk.rows, chunk.described, read, out)
+    out.from_content += chunk.hits
+    out.parsed += len(chunk.rows)
+    if progress:
+        progress(out.parsed, total)
+
+
 def _from_content(conn, rows) -> tuple[dict[int, Described], int]:
     """Described entries for the pending rows whose content was parsed before (same name and
     size), when every component set they name is still stored."""
-    keyed = [(r.content, r.bytes) for r in rows if r.kind in PICKLED and r.content]
+    keyed = [(r.content, r.bytes) for r in rows if r.kind in CONTENT_NAMED and r.content]
     if not keyed:
         return {}, 0
     cached = {}
@@ -349,22 +583,25 @@ def _write_parsed(conn, cache_id: int, rows, described: dict[int, Described], re
                   out: ParseResult) -> None:
     """Write what parsing said, for the rows still pending now (another process may have
     written them, or an eviction deleted them, since they were read)."""
-    conn.execute(update(CACHES).where(CACHES.c.id == cache_id).values(id=cache_id))  # SQLite: the write lock first
+    # SQLite: the write lock first (a no-op write; not of the key, whose change checks every child row)
+    conn.execute(update(CACHES).where(CACHES.c.id == cache_id).values(last_scan=CACHES.c.last_scan))
     ids = [r.id for r in rows]
-    still = set()
+    still: dict[int, int] = {}  # id -> parse state now
     for chunk in _chunks(ids):
-        still.update(conn.execute(select(ENTRIES.c.id).where(ENTRIES.c.id.in_(chunk),
-                                                             ENTRIES.c.parse_state != PARSED)).scalars())
+        still.update(conn.execute(select(ENTRIES.c.id, ENTRIES.c.parse_state).where(
+            ENTRIES.c.id.in_(chunk), ENTRIES.c.parse_state != PARSED)).all())
     rows = [r for r in rows if r.id in still]
     if not rows:
         return
-    replaced = _sets_of(conn, [r.id for r in rows])  # sets a changed entry had: kept while still used
-    for chunk in _chunks([r.id for r in rows]):
+    seen_before = [r.id for r in rows if still[r.id] != PENDING_NEW]  # (a new row has no refs or sets yet)
+    replaced = _sets_of(conn, seen_before)  # sets a changed entry had: kept while still used
+    for chunk in _chunks(seen_before):
         conn.execute(delete(REFS).where(REFS.c.entry_id.in_(chunk)))
         conn.execute(delete(ENTRY_SETS).where(ENTRY_SETS.c.entry_id.in_(chunk)))
-    conn.execute(update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(
-        parse_state=PARSED, **{c: bindparam("b_" + c) for c in ("alias", *PARSED_COLUMNS)}),
-        [{"b_id": r.id, **{"b_" + c: described[r.id].row.get(c) for c in ("alias", *PARSED_COLUMNS)}} for r in rows])
+    columns = ("alias", *PARSED_COLUMNS)
+    update_rows(conn, ENTRIES, ("id",), [
+        {"id": r.id, "parse_state": PARSED, **{c: row.get(c) for c in columns}}
+        for r in rows for row in (described[r.id].row,)])
     sets = ComponentSets(conn, [described[r.id].parts for r in rows])
     refs, entry_sets = [], []
     for r in rows:
@@ -408,7 +645,7 @@ def _keep_content(conn, rows, described: dict[int, Described]) -> None:
     kept = []
     for r in rows:
         d = described[r.id]
-        if r.kind in PICKLED and r.content and not d.row.get("corrupt"):
+        if r.kind in CONTENT_NAMED and r.content and not d.row.get("corrupt"):
             kept.append({"name": r.content, "bytes": r.bytes, "kind": r.kind, "row": d.row, "refs": d.refs,
                          "parts": {p: digest for p, (digest, _) in d.parts.items()}, "parsed_at": time.time()})
     if not kept:
@@ -480,7 +717,8 @@ class ComponentSets:
                 items = self.items.get(digest)
                 if items is None:  # a describer counted it as sent in a run that wrote nothing: not stored
                     continue
-                self.known[digest] = self.conn.execute(insert(SETS).values(digest=digest, part=part)).inserted_primary_key[0]
+                made = self.conn.execute(insert(SETS).values(digest=digest, part=part))
+                self.known[digest] = made.inserted_primary_key[0]
                 self.pending.append((digest, items))
             out[part] = self.known[digest]
         return out
@@ -505,6 +743,45 @@ def insert_rows(conn, table, rows: list[dict]) -> None:
     quote = conn.dialect.identifier_preparer.quote
     sql = f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, names))}) VALUES ({', '.join('?' * len(names))})"
     conn.exec_driver_sql(sql, [tuple([r[n] for n in names]) for r in rows])
+
+
+def upsert_rows(conn, table, key: tuple[str, ...], rows: list[dict]) -> None:
+    """INSERT many rows (as `insert_rows`), each updating the row with the same `key` columns
+    where there is one."""
+    if not rows:
+        return
+    names = list(rows[0])
+    if conn.dialect.name != "sqlite":
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        q = pg_insert(table)
+        conn.execute(q.on_conflict_do_update(index_elements=list(key), set_={
+            n: q.excluded[n] for n in names if n not in key}), rows)
+        return
+    quote = conn.dialect.identifier_preparer.quote
+    sql = (f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, names))}) VALUES ({', '.join('?' * len(names))}) "
+           f"ON CONFLICT ({', '.join(map(quote, key))}) DO UPDATE SET "
+           f"{', '.join(f'{quote(n)} = excluded.{quote(n)}' for n in names if n not in key)}")
+    conn.exec_driver_sql(sql, [tuple([r[n] for n in names]) for r in rows])
+
+
+def update_rows(conn, table, where: tuple[str, ...], rows: list[dict]) -> None:
+    """UPDATE many rows, each dict naming the `where` columns' values and the new values of the
+    others (all with the keys of the first). On SQLite through the driver's executemany, as
+    `insert_rows`."""
+    if not rows:
+        return
+    names = [n for n in rows[0] if n not in where]
+    if conn.dialect.name != "sqlite":
+        q = update(table).where(*(table.c[w] == bindparam("b_" + w) for w in where))
+        conn.execute(q.values(**{n: bindparam("b_" + n) for n in names}),
+                     [{"b_" + k: v for k, v in r.items()} for r in rows])
+        return
+    quote = conn.dialect.identifier_preparer.quote
+    sql = (f"UPDATE {quote(table.name)} SET {', '.join(quote(n) + ' = ?' for n in names)} "
+           f"WHERE {' AND '.join(quote(w) + ' = ?' for w in where)}")
+    order = names + list(where)
+    conn.exec_driver_sql(sql, [tuple([r[n] for n in order]) for r in rows])
 
 
 def _chunks(items: list, n: int = CHUNK) -> Iterable[list]:

@@ -12,8 +12,13 @@ caller's `__main__`), which:
 - dies with its parent (PR_SET_PDEATHSIG), and keeps the garbage collector off while parsing.
 A worker that dies (killed, out of memory) costs the entry it held a `corrupt` reason, nothing more.
 
+Besides one entry to describe, a job can be a batch of small entries that are not pickles
+(autotune results, C++ sources: read and hashed, never unpickled) or a list of directories to
+walk (scan phase one: `layout.walk_units`). `Stream` keeps the workers busy from a background
+thread while the caller writes earlier results to the index.
+
 Protocol on the worker's stdin/stdout: 8-byte little-endian length, then a pickle (made and
-read only by cachemgr's own code on both ends): jobs in, (job id, Described) out.
+read only by cachemgr's own code on both ends): jobs in, (job id, result) out.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -36,9 +42,13 @@ MAX_WORKERS = 64
 HEADER = struct.Struct("<Q")
 
 
+WALK = "walk"  # Job.kind: walk the directories in `items`
+BATCH = "batch"  # Job.kind: describe the (kind, key, ref) entries in `items`, none of them a pickle
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
-    """One entry to describe: its kind, key and ref, under `root`."""
+    """One entry to describe (its kind, key and ref, under `root`), or a WALK or BATCH of `items`."""
 
     id: int
     run: int  # a describer sends each component set's items once per run
@@ -46,6 +56,8 @@ class Job:
     kind: str
     key: str
     ref: str | None
+    items: tuple = ()
+    root_id: tuple[int, int] | None = None  # (st_dev, st_ino) the caller opened `root` as: checked
 
 
 def default_workers() -> int:
@@ -136,6 +148,10 @@ class Pool:
         ran out of time gets `failed(job, why)` as its result."""
         return _Run(self, jobs, failed)
 
+    def stream(self, failed: Callable[[Job, str], object], backlog: int | None = None) -> Stream:
+        """Jobs handed out by a background thread as they are submitted; see Stream."""
+        return Stream(self, failed, backlog)
+
 
 class _Run:
     def __init__(self, pool: Pool, jobs: Iterable[Job], failed: Callable[[Job, str], object]) -> None:
@@ -143,7 +159,7 @@ class _Run:
         self.pending = deque(jobs)
         self.busy: dict[int, _Worker] = {}
         self.ready: deque[tuple[Job, object]] = deque()
-        self._dispatch()
+        self.dispatch()
 
     def __iter__(self) -> _Run:
         return self
@@ -154,8 +170,8 @@ class _Run:
                 self.pool.last_used = time.monotonic()
                 raise StopIteration
             try:
-                self._wait()
-                self._dispatch()
+                self.wait()
+                self.dispatch()
             except BaseException:  # interrupted (Ctrl-C, a dead pipe): stop every worker of this run
                 self.close()
                 raise
@@ -168,9 +184,10 @@ class _Run:
         self.busy.clear()
         self.pending.clear()
 
-    def _dispatch(self) -> None:
+    def dispatch(self, limit: int | None = None) -> None:
         pool = self.pool
-        while self.pending and len(self.busy) < pool.size:
+        most = pool.size if limit is None else min(pool.size, limit)
+        while self.pending and len(self.busy) < most:
             w = pool.idle.pop() if pool.idle else _Worker()
             try:
                 w.send(self.pending[0])
@@ -180,8 +197,9 @@ class _Run:
             self.pending.popleft()
             self.busy[w.proc.stdout.fileno()] = w
 
-    def _wait(self) -> None:
+    def wait(self, most: float = PARSE_SECONDS) -> None:
         timeout = max(0.0, min(w.started for w in self.busy.values()) + PARSE_SECONDS - time.monotonic())
+        timeout = min(timeout, most)
         ready, _, _ = select.select(list(self.busy), [], [], timeout)
         for fd in ready:
             w = self.busy[fd]
@@ -202,6 +220,78 @@ class _Run:
                 del self.busy[fd]
                 w.kill()
                 self.ready.append((w.job, self.failed(w.job, f"took longer than {PARSE_SECONDS:g} s to parse")))
+
+
+class Stream:
+    """Jobs run by a pool's workers while the caller does other work (a scan writes earlier
+    results to the index meanwhile). `submit` adds jobs; a background thread hands them out in
+    order, reads results, and enforces PARSE_SECONDS; `get` returns the next finished (job,
+    result), in the order they finish. At most `backlog` jobs are running or finished and not
+    yet taken, so memory stays bounded whatever the caller submits. Use it in a with block: on
+    the way out the thread stops, and any worker still busy (an interrupted caller) is killed."""
+
+    def __init__(self, pool: Pool, failed: Callable[[Job, str], object], backlog: int | None = None) -> None:
+        self.run = _Run(pool, (), failed)
+        self.backlog = backlog or 4 * pool.size
+        self.cv = threading.Condition()
+        self.done: deque[tuple[Job, object]] = deque()
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.thread = threading.Thread(target=self._drive, name="cachemgr-parse-pool", daemon=True)
+        self.thread.start()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(self, jobs: Iterable[Job]) -> None:
+        with self.cv:
+            self.run.pending.extend(jobs)
+            self.cv.notify_all()
+
+    def get(self) -> tuple[Job, object]:
+        """The next finished job and its result (blocks until there is one)."""
+        with self.cv:
+            while not self.done:
+                if self.error is not None:
+                    raise self.error
+                if self.stopping:
+                    raise RuntimeError("the parse stream is closed")
+                self.cv.wait()
+            self.cv.notify_all()  # room for another job
+            return self.done.popleft()
+
+    def close(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+        self.thread.join()
+        self.run.close()  # a worker still busy holds a job nobody waits for any more
+        self.run.pool.last_used = time.monotonic()
+
+    def _drive(self) -> None:
+        run = self.run
+        try:
+            while True:
+                with self.cv:
+                    while not self.stopping and not run.busy and not (run.pending and len(self.done) < self.backlog):
+                        self.cv.wait()
+                    if self.stopping:
+                        return
+                    run.dispatch(limit=max(0, self.backlog - len(self.done)))
+                if run.busy:
+                    run.wait(most=0.1)  # (short: a close is noticed soon)
+                if run.ready:
+                    with self.cv:
+                        self.done.extend(run.ready)
+                        run.ready.clear()
+                        self.cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's get()
+            with self.cv:
+                self.error = e
+                self.cv.notify_all()
 
 
 # -- the worker side ------------------------------------------------------------------------------
@@ -249,7 +339,7 @@ def main() -> None:
         if header is None:
             return
         job = pickle.loads(_read_exactly(stdin, HEADER.unpack(header)[0]) or b"")  # noqa: S301 - from our parent
-        result = describer.describe_job(job)
+        result = describer.run_job(job)
         data = pickle.dumps((job.id, result), protocol=pickle.HIGHEST_PROTOCOL)
         stdout.write(HEADER.pack(len(data)) + data)
         stdout.flush()
