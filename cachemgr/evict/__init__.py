@@ -59,21 +59,28 @@ def load_rows(db: Database, cache_id: int, root: safefs.Root | str) -> list[Row]
     with db.engine.connect() as conn:
         pins = pin_keys(conn, cache_id)
         refs: dict[int, list[tuple[str, str]]] = {}
+        kinds: dict[str, str] = {}
         for eid, kind, ref in conn.execute(sql_select(r.c.entry_id, r.c.kind, r.c.ref).join(e, e.c.id == r.c.entry_id)
                                            .where(e.c.cache_id == cache_id)):
-            refs.setdefault(eid, []).append((kind, ref))
+            refs.setdefault(eid, []).append((kinds.setdefault(kind, kind), ref))
         cols = (e.c.id, e.c.key, e.c.kind, e.c.ref, e.c.alias, e.c.bytes, e.c.files, e.c.mtime, e.c.last_access,
                 e.c.compile_seconds, e.c.graph_key, e.c.torch_version, e.c.system_hash, e.c.corrupt, e.c.hit_count,
                 e.c.torch_version_hash, e.c.parse_state)
         rows = conn.execute(sql_select(*cols).where(e.c.cache_id == cache_id)).fetchall()
     referenced = {ref for rs in refs.values() for kind, ref in rs if kind == "triton"}
+    # Values most rows share (kind, torch version, system and version hashes) are kept once: the
+    # driver makes a new string for every row, which at 1,000,000 files was tens of MB.
+    shared: dict[str, str] = {}
+    one = shared.setdefault
     out = []
     for m in rows:
         launcher = m.kind == "triton" and m.ref not in referenced and _holds_binary(root, m.key)
-        out.append(Row(m.id, m.key, m.kind, m.ref, m.alias, m.bytes, m.files, m.mtime, m.last_access,
-                       m.compile_seconds, m.graph_key, m.torch_version, m.system_hash, m.corrupt,
-                       pinned_by(m._mapping, pins) is not None, m.hit_count or 0, launcher, tuple(refs.get(m.id, ())),
-                       m.torch_version_hash, m.parse_state == PARSED))
+        pinned = bool(pins) and pinned_by({"key": m.key, "graph_key": m.graph_key, "ref": m.ref}, pins) is not None
+        tv, sh, tvh = m.torch_version, m.system_hash, m.torch_version_hash
+        out.append(Row(m.id, m.key, one(m.kind, m.kind), m.ref, m.alias, m.bytes, m.files, m.mtime, m.last_access,
+                       m.compile_seconds, m.graph_key, tv and one(tv, tv), sh and one(sh, sh), m.corrupt,
+                       pinned, m.hit_count or 0, launcher, tuple(refs.pop(m.id, ())),
+                       tvh and one(tvh, tvh), m.parse_state == PARSED))
     return out
 
 

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import OperationalError
 
 from cachemgr import layout, safefs
@@ -43,7 +43,7 @@ from cachemgr.errors import UnsafePath
 from cachemgr.evict.policy import Plan, Unit
 from cachemgr.index.db import Database
 from cachemgr.index.models import Cache, Dir, Entry, Event
-from cachemgr.index.scan import delete_entries
+from cachemgr.index.scan import delete_entries, insert_rows
 from cachemgr.vocab import Event as Ev
 from cachemgr.vocab import Held, Kind, Reason
 
@@ -267,11 +267,11 @@ class Executor:
             for start in range(0, len(units), BATCH):
                 taken = self._batch(units[start:start + BATCH], rows_by_id, skipped, dry_run)
                 for t in taken:
-                    for e, f in zip(t.unit.entries, t.files):
+                    for e, f in zip(t.unit.entries, t.files, strict=True):
                         if not f.paths:
                             continue  # an entry of the unit that was gone already: not ours to count
-                        removed.append(Removed(e.key, e.kind, f.bytes, e.recreatable and t.unit.reason == Reason.RECREATABLE,
-                                               e.reason))
+                        recreatable = e.recreatable and t.unit.reason == Reason.RECREATABLE
+                        removed.append(Removed(e.key, e.kind, f.bytes, recreatable, e.reason))
                         freed += f.bytes
                         nfiles += len(f.paths)
                     if unlinker is not None:
@@ -355,7 +355,7 @@ class Executor:
         events = [{"cache_id": self.cache_id, "ts": self.now, "kind": Ev.EVICT, "entry_kind": e.kind,
                    "entry_key": e.key, "graph_key": e.graph_key, "recompile": False,
                    "bytes": f.bytes, "seconds": e.compile_seconds}
-                  for t in taken for e, f in zip(t.unit.entries, t.files) if f.paths]
+                  for t in taken for e, f in zip(t.unit.entries, t.files, strict=True) if f.paths]
         try:
             self._write(taken, events)
         except OperationalError:
@@ -373,8 +373,7 @@ class Executor:
             # this write first: on SQLite it takes the write lock before anything is read
             conn.execute(update(CACHES).where(CACHES.c.id == self.cache_id).values(last_eviction=time.time()))
             delete_entries(conn, [e.id for t in taken for e in t.unit.entries])
-            if events:
-                conn.execute(insert(EVENTS), events)
+            insert_rows(conn, EVENTS, events)
 
     def _rescue(self, taken: list[_Taken]) -> None:
         """The batch failed before its commit: record what was deleted in place, put back what is
@@ -400,7 +399,7 @@ class Executor:
 
     def _keep(self, u: Unit, files: list[_Files], fresh: dict[int, float], rows_by_id: dict) -> str | None:
         cutoff = self.now - self.grace
-        for e, f in zip(u.entries, files):
+        for e, f in zip(u.entries, files, strict=True):
             if f.problem:
                 return f.problem
             if f.newest > cutoff or fresh.get(e.id, 0.0) > cutoff:
@@ -421,7 +420,8 @@ class Executor:
         with self.db.engine.connect() as conn:
             for i in range(0, len(ids), 500):
                 chunk = ids[i:i + 500]
-                out.update(dict(conn.execute(select(ENTRIES.c.id, ENTRIES.c.last_access).where(ENTRIES.c.id.in_(chunk))).all()))
+                out.update(conn.execute(select(ENTRIES.c.id, ENTRIES.c.last_access).where(
+                    ENTRIES.c.id.in_(chunk))).all())
         return out
 
     # -- trash ----------------------------------------------------------------------------------
@@ -453,9 +453,8 @@ class Executor:
         recorded that no index row lives in. This run's own leave to the next."""
         homes = {r.key.rpartition("/")[0] for r in rows_by_id.values() if r.kind in (Kind.FXGRAPH, Kind.AOTAUTOGRAD)}
         with self.db.engine.connect() as conn:
-            dirs = conn.execute(select(DIRS.c.path).where(
-                DIRS.c.cache_id == self.cache_id, DIRS.c.path.startswith("fxgraph/") | DIRS.c.path.startswith("aotautograd/"))
-            ).scalars().all()
+            dirs = conn.execute(select(DIRS.c.path).where(DIRS.c.cache_id == self.cache_id, (
+                DIRS.c.path.startswith("fxgraph/") | DIRS.c.path.startswith("aotautograd/")))).scalars().all()
         cutoff = self.now - self.grace
         for d in dirs:
             if d in homes or d.count("/") != (2 if d.startswith("fxgraph/") else 1):
