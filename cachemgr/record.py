@@ -179,7 +179,8 @@ class Spool:
         except LineError as e:
             raise ValueError(f"the ingester would refuse this signature: {e}") from None
         if len(line) > MAX_LINE:
-            raise ValueError(f"the signature is {len(line)} bytes, over the {MAX_LINE // 1024} KiB a spool line may hold")
+            raise ValueError(f"the signature is {len(line)} bytes, over the {MAX_LINE // 1024} KiB a spool line "
+                             "may hold")
         self.append(doc, line)
 
     def append(self, doc: dict, line: bytes | None = None) -> None:
@@ -281,7 +282,10 @@ def compile(model: Any = None, *, name: str, spool: Spool | None = None, **torch
     compiled = torch.compile(model, **torch_compile_kwargs)
     if isinstance(model, torch.nn.Module):
         rec = Recorder(name, "module", torch_compile_kwargs, spool)
-        compiled._cachemgr_recorder = rec
+        # In the compiled module's own __dict__: OptimizedModule's __setattr__ would put it on the
+        # original module, and every call would then find it through its __getattr__ (Python, a
+        # few µs), after a failed lookup.
+        object.__setattr__(compiled, "_cachemgr_recorder", rec)
         compiled.__class__ = _recorded_class(type(compiled))
         return compiled
     rec = Recorder(name, "function", torch_compile_kwargs, spool)
@@ -292,7 +296,7 @@ def compile(model: Any = None, *, name: str, spool: Spool | None = None, **torch
         observe(args, kwargs)
         return compiled(*args, **kwargs)
 
-    recorded._cachemgr_recorder = rec  # type: ignore[attr-defined]
+    vars(recorded)["_cachemgr_recorder"] = rec
     return recorded
 
 
