@@ -1,21 +1,27 @@
-"""Evict half of a 100,000-file cache, against `find -delete` over the same files, in one run.
+"""Evict half of a large cache, against `find -delete` over the same files, in one run.
 
-The cache is the shared H200 fixture (real fxgraph, AOT, Triton, module and autotune entries)
-copied again and again under new keys, so its proportions are the fixture's. Its index is the
-fixture's scanned index with every key, ref and alias renamed the same way (checked by a rescan
-that must find every entry unchanged). Then, on two identical copies:
+The cache is the repository's H200 fixture (real fxgraph, AOT, Triton, module and autotune
+entries) replicated under new keys, so its proportions are the fixture's; every file is a hard
+link to one extracted copy (a 1,000,000-file cache costs directory entries, not data). Its index
+is the fixture's scanned index with every key, ref and alias renamed the same way (checked by a
+rescan that must find every entry unchanged). Then, on two trees of links to the same files:
 
-  cachemgr: plan + carry out `evict` down to half the files (rename into the trash, index rows
-            and events committed, unlink), through cachemgr.evict.evict;
-  baseline: `find <the same entries' paths> -delete` (fed by xargs), on the other copy.
+  cachemgr: plan + carry out eviction down to half the files (rename into the trash, index rows
+            and events committed, unlink), `cachemgr.evict.evict` in a process of its own, whose
+            peak RSS is reported (target < 150 MB at 1,000,000 files);
+  baseline: `find <the same entries' paths> -delete` (fed by xargs), on the other tree.
 
-    python bench/evict.py               # 100,000 files
-    python bench/evict.py --files 10000 # quick
+Both unlink directory entries only (the files' data stays, held by the other tree's links).
+
+    python bench/evict.py                  # 100,000 files
+    python bench/evict.py --files 1000000
+    python bench/evict.py --quick          # 10,000 files
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -27,57 +33,69 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from sqlalchemy import insert, select  # noqa: E402
-from synth import extract_fixture, renamed, renamed_key, tag  # noqa: E402
+from sqlalchemy import func, select  # noqa: E402
+from synth import check_room, child_env, extract_fixture, link_copies, renamed_key, tag  # noqa: E402
 
 from cachemgr import layout  # noqa: E402
-from cachemgr.evict import Limits, evict  # noqa: E402
 from cachemgr.index.db import Database  # noqa: E402
 from cachemgr.index.models import Entry, EntryRef  # noqa: E402
-from cachemgr.index.scan import reconcile  # noqa: E402
+from cachemgr.index.scan import insert_rows, reconcile  # noqa: E402
+
+MB = 1 << 20
+EVICT = """
+import json, resource, sys, time
+from cachemgr.evict import Limits, evict
+from cachemgr.index.db import Database
+db, cid, root, keep = Database(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+t = time.perf_counter()
+res = evict(db, cid, root, Limits(max_files=keep, low_water=1.0, grace=60))
+took = time.perf_counter() - t
+print(json.dumps({"seconds": took, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "evicted": res.evicted, "freed_files": res.freed_files, "freed_bytes": res.freed_bytes,
+                  "recreatable": res.recreatable_freed_bytes, "skipped": len(res.skipped),
+                  "entries": [[k, kind] for k, kind, _, _ in res.entries]}))
+"""
 
 
 def build(work: Path, files: int, fixture: Path | None) -> tuple[Path, Database, int, int]:
     src = extract_fixture(work / "fixture", fixture)
+    fixture_files = [p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file() and not p.is_symlink()]
+    times = {rel: os.lstat(src / rel).st_mtime for rel in fixture_files}
     template = Database(f"sqlite:///{work / 'template.db'}")
     tcid = template.cache_id("bench", str(src))
     reconcile(template, tcid, str(src))
-    fixture_files = [p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file() and not p.is_symlink()]
+    for rel, m in times.items():  # reading entries may have moved atimes: as old as the fixture again,
+        os.utime(src / rel, (m, m))  # past the grace period (the links share these inodes)
     copies = max(1, round(files / len(fixture_files)))
+    check_room(work, 2 * copies * len(fixture_files))
 
-    root = work / "cache"
-    for c in range(copies):
-        for rel in fixture_files:
-            m = os.lstat(src / rel).st_mtime
-            for base in (root, work / "twin"):  # written twice: copying one would read it (atime)
-                dst = base / renamed(rel, c)
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src / rel, dst)
-                os.utime(dst, (m, m))  # as old as the fixture: past the grace period
+    root, twin = work / "cache", work / "twin"
+    link_copies(src, [root, twin], fixture_files, copies)
 
     e, r = Entry.__table__, EntryRef.__table__
     with template.engine.connect() as conn:
-        rows = [dict(m._mapping) for m in conn.execute(select(e).where(e.c.cache_id == tcid))]
+        rows = [dict(m) for m in conn.execute(select(e).where(e.c.cache_id == tcid)).mappings()]
         refs = [tuple(x) for x in conn.execute(select(r.c.entry_id, r.c.kind, r.c.ref))]
     db = Database(f"sqlite:///{work / 'index.db'}")
     cid = db.cache_id("bench", str(root))
+    by_id = {row["id"]: row for row in rows}
     with db.engine.begin() as conn:
         for c in range(copies):
             new_rows = []
             for row in rows:
                 row = dict(row)
                 row.pop("id")
-                row.update(cache_id=cid, key=renamed_key(row["key"], row["kind"], c), ref=row["ref"] and tag(row["ref"], c),
-                           alias=row["alias"] and tag(row["alias"], c),
+                key = renamed_key(row["key"], row["kind"], c)
+                row.update(cache_id=cid, key=key, dir=layout.home_dir(key, row["kind"]),
+                           ref=row["ref"] and tag(row["ref"], c), alias=row["alias"] and tag(row["alias"], c),
                            graph_key=row["graph_key"] and tag(row["graph_key"], c), last_access=row["mtime"])
                 new_rows.append(row)
-            conn.execute(insert(e), new_rows)
-        ids = {k: i for i, k in conn.execute(select(e.c.id, e.c.key).where(e.c.cache_id == cid))}
-        key_of = {row["id"]: row for row in rows}
-        conn.execute(insert(r), [
-            {"entry_id": ids[renamed_key(key_of[eid]["key"], key_of[eid]["kind"], c)], "kind": kind, "ref": tag(ref, c)}
-            for c in range(copies) for eid, kind, ref in refs
-        ])
+            last = conn.execute(select(func.coalesce(func.max(e.c.id), 0))).scalar()
+            insert_rows(conn, e, new_rows)
+            ids = {k: i for i, k in conn.execute(select(e.c.id, e.c.key).where(e.c.id > last))}
+            insert_rows(conn, r, [
+                {"entry_id": ids[renamed_key(by_id[eid]["key"], by_id[eid]["kind"], c)], "kind": kind,
+                 "ref": tag(ref, c)} for eid, kind, ref in refs])
     check = reconcile(db, cid, str(root))
     assert not (check.added or check.changed or check.removed), check.as_dict()
     return root, db, cid, copies * len(fixture_files)
@@ -88,7 +106,9 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=100_000)
     ap.add_argument("--quick", action="store_true", help="10,000 files")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
-    ap.add_argument("--fixture", default=None, help="the fixture .tgz (default: tests/fixtures/gpu/inductor-cache-h200-torch2.11.tgz)")
+    ap.add_argument("--fixture", default=None,
+                    help="the fixture .tgz (default: tests/fixtures/gpu/inductor-cache-h200-torch2.11.tgz)")
+    ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     files = 10_000 if args.quick else args.files
     work = Path(tempfile.mkdtemp(prefix="bench-evict-", dir=args.dir))
@@ -96,15 +116,15 @@ def main() -> None:
         t = time.perf_counter()
         root, db, cid, n = build(work, files, Path(args.fixture) if args.fixture else None)
         twin = work / "twin"
-        print(f"built {n} files ({sum(1 for _ in layout.walk(str(root)))} entries) x2 in {time.perf_counter() - t:.1f} s")
+        print(f"built {n:,} files x2 (hard links) and their index in {time.perf_counter() - t:.1f} s", flush=True)
 
         os.sync()
-        t = time.perf_counter()
-        res = evict(db, cid, str(root), Limits(max_files=n // 2, low_water=1.0, grace=60))
-        ours = time.perf_counter() - t
-        assert res.skipped == (), res.skipped[:5]
+        out = subprocess.run([sys.executable, "-c", EVICT, db.url, str(cid), str(root), str(n // 2)], env=child_env(),
+                             check=True, capture_output=True, text=True).stdout
+        res = json.loads(out)
+        assert res["skipped"] == 0, res["skipped"]
 
-        paths = [str(twin / k) for k, kind, _ in res.entries for k in _entry_paths(twin, k, kind)]
+        paths = [str(twin / k) for k, kind in res["entries"] for k in _entry_paths(twin, k, kind)]
         listing = work / "paths"
         listing.write_bytes(b"\0".join(p.encode() for p in paths) + b"\0")
         os.sync()
@@ -112,16 +132,30 @@ def main() -> None:
         subprocess.run(["xargs", "-0", "-a", str(listing), "sh", "-c", 'find "$@" -delete', "sh"], check=True)
         theirs = time.perf_counter() - t
 
-        left_ours = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-        left_theirs = sorted(p.relative_to(twin).as_posix() for p in twin.rglob("*") if p.is_file())
+        left_ours, left_theirs = _files(root), _files(twin)
         assert left_ours == left_theirs, "both runs must leave the same files"
-        print(f"evicted {res.evicted} entries, {res.freed_files} files, {res.freed_bytes / 1e6:.0f} MB "
-              f"({res.recreatable_freed_bytes / 1e6:.0f} MB recreatable); {len(left_ours)} files left")
-        print(f"cachemgr evict (plan + trash + index + unlink): {ours:.2f} s")
+        ours = res["seconds"]
+        print(f"evicted {res['evicted']:,} entries, {res['freed_files']:,} files, {res['freed_bytes'] / 1e6:,.0f} MB "
+              f"({res['recreatable'] / 1e6:,.0f} MB recreatable); {len(left_ours):,} files left; "
+              f"{os.cpu_count()} cores")
+        print(f"cachemgr evict (plan + trash + index + unlink): {ours:.2f} s, peak RSS {res['rss'] / MB:.0f} MB "
+              "(target < 150 MB)")
         print(f"find -delete over the same paths:               {theirs:.2f} s")
         print(f"ratio: {ours / theirs:.2f}x (target <= 2x)")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"files": n, "evicted_files": res["freed_files"], "seconds": ours,
+                                                   "find_delete": theirs, "rss": res["rss"]}, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _files(root: Path) -> list[str]:
+    """Every regular file under `root`, relative, sorted (os.walk: pathlib cost minutes at 1,000,000)."""
+    out = []
+    for top, _, names in os.walk(root):
+        rel = os.path.relpath(top, root)
+        out.extend(n if rel == "." else f"{rel}/{n}" for n in names)
+    return sorted(out)
 
 
 def _entry_paths(root: Path, key: str, kind: str) -> list[str]:
