@@ -15,7 +15,7 @@ if [ -d .whl ] && [ -z "${SKIP_WHEELS:-}" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || exit 1
 fi
-export PYTHONPATH=/tmp/site:$PWD:$PWD/tests/programs PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD:$PWD/tests:$PWD/tests/programs PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/check-gpu-out}
 mkdir -p "$OUT"
 W=/tmp/check-gpu

@@ -20,8 +20,9 @@ def system_description(system: dict) -> str:
         parts.append(f"CUDA {version['cuda']}")
     if version.get("hip"):
         parts.append(f"ROCm/HIP {version['hip']}")
-    if version.get("triton"):
-        parts.append(f"Triton {version['triton']}")
+    if version.get("triton"):  # '3.6.0' then '-'-joined sha256 hex digests of Triton's sources
+        first = str(version["triton"]).split("-", 1)[0]
+        parts.append(f"Triton {first[:-64] if len(first) > 64 else first[:32]}")
     return ", ".join(parts) or "no GPU"
 
 
