@@ -185,10 +185,12 @@ class Col:
 GAP = "  "
 
 
-def render_table(cols: Sequence[Col], rows: Sequence[Sequence[Any]], width: int | None) -> list[str]:
-    """The lines of a table at most `width` columns wide (None: as wide as its cells)."""
+def render_table(columns: Sequence[Col | str], rows: Sequence[Sequence[Any]], width: int | None) -> list[str]:
+    """The lines of a table at most `width` columns wide (None: as wide as its cells). A column
+    given as a plain header is shown whole."""
     from rich.cells import cell_len, set_cell_size
 
+    cols = [c if isinstance(c, Col) else Col(str(c)) for c in columns]
     cells = [[clean(v) for v in row] for row in rows]
     natural = [max([cell_len(c.header)] + [cell_len(r[i]) for r in cells]) for i, c in enumerate(cols)]
     widths = list(natural)
@@ -213,7 +215,8 @@ def render_table(cols: Sequence[Col], rows: Sequence[Sequence[Any]], width: int 
     return [line.rstrip() for line in lines]
 
 
-def table(cols: Sequence[Col], rows: Sequence[Sequence[Any]], wide: bool = False, title: str | None = None) -> None:
+def table(cols: Sequence[Col | str], rows: Sequence[Sequence[Any]], wide: bool = False,
+          title: str | None = None) -> None:
     """Print a table fitted to the terminal (whole when `wide` or piped)."""
     if title:
         click.echo(title)

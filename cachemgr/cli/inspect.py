@@ -348,7 +348,7 @@ def ls(app, kind, older_than, larger_than, graph, model, pinned, corrupt, sort, 
     if on_host is not None:
         if graph or model:
             raise UsageError("--graph and --model name graphs of this cache: not with --host")
-        listed = _host_entries(app, on_host, f)
+        listed = _host_entries(app, on_host, replace(f, locks=as_json))
     else:
         store = scanned_store(app)
         rows = store.entries(replace(f, graphs=graph_filter(app, store, graph, model), locks=as_json))
