@@ -40,8 +40,7 @@ def report(app, min_hosts: int, limit: int, window: float, as_json: bool) -> Non
     """
     from cachemgr.fleet.report import fleet_report
 
-    with app.db.engine.connect() as conn:
-        r = fleet_report(conn, min_hosts=min_hosts, limit=limit, window=window, keep_torch=app.settings.keep_torch)
+    r = fleet_report(app.store, min_hosts=min_hosts, limit=limit, window=window, keep_torch=app.settings.keep_torch)
     if as_json:
         emit_json(r.as_dict())
         return
@@ -164,8 +163,7 @@ def push(app, model: str | None, graph: str | None, force: bool, no_scan: bool, 
             from cachemgr.cli.inspect import run_scan
 
             run_scan(app, quiet_progress=as_json)
-        with app.db.engine.connect() as conn:
-            items, extra = push_items(conn, app.cache_id, model=model, graph=graph)
+        items, extra = push_items(app.store, model=model, graph=graph)
         r = rem.push(items, app.settings.cache_dir, app.settings.host, force=force)
     finally:
         rem.close()

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from cachemgr.errors import NotFound, RemoteError, UsageError
+from cachemgr.index.store import Store
 
 KEY_VERSION = 1  # the `:c1` suffix: remote_cache.RedisRemoteCache's `version`
 FX_CACHE_ID = "fx-graph-v1"
@@ -619,38 +620,24 @@ def plan_eviction(keys: list[RemoteKey], aot_refs: Mapping[str, list[str]], max_
 
 # -- what to push (reads the local index) ---------------------------------------------------
 
-def push_items(conn, cache_id: int, model: str | None = None, graph: str | None = None) -> tuple[list[PushItem], int]:
+def push_items(store: Store, model: str | None = None, graph: str | None = None) -> tuple[list[PushItem], int]:
     """The local fxgraph and AOT entries to publish, and how many extra guard sets were left out.
 
     No selector: every entry. `graph`: that fxgraph or AOT key. `model`: the fxgraph entries whose
     input signature was recorded for that model (the shapes table). Either way the AOT <-> FX
     edges are followed, so an AOT entry travels with the graphs it needs and the other way round.
     """
-    from sqlalchemy import select
-
-    from cachemgr.index.models import Entry, EntryRef
-
-    e, r = Entry.__table__, EntryRef.__table__
-    rows = conn.execute(
-        select(e.c.id, e.c.key, e.c.kind, e.c.ref, e.c.mtime, e.c.compile_seconds, e.c.torch_version, e.c.signature_hash)
-        .where(e.c.cache_id == cache_id, e.c.kind.in_(("fxgraph", "aotautograd")), e.c.corrupt.is_(None))
-    ).fetchall()
-    edges: dict[int, list[str]] = {}
-    for eid, ref in conn.execute(select(r.c.entry_id, r.c.ref).join(e, e.c.id == r.c.entry_id).where(
-            e.c.cache_id == cache_id, e.c.kind == "aotautograd", r.c.kind == "fxgraph")):
-        edges.setdefault(eid, []).append(ref)
+    rows, edges = store.push_candidates()
 
     if graph is None and model is None:
-        wanted = {row.ref for row in rows}
+        wanted = {row[3] for row in rows}
     else:
         if graph is not None:
-            seeds = {row.ref for row in rows if row.ref == graph}
+            seeds = {row[3] for row in rows if row[3] == graph}
             what = f"graph {graph!r}"
         else:
-            from cachemgr.index.queries import model_graphs
-
-            graphs = model_graphs(conn, cache_id, model)
-            seeds = {row.ref for row in rows if row.kind == "fxgraph" and row.ref in graphs}
+            graphs = store.model_graphs(model)
+            seeds = {row[3] for row in rows if row[2] == "fxgraph" and row[3] in graphs}
             what = f"model {model!r}"
         if not seeds:
             raise NotFound(f"no fxgraph or aotautograd entry for {what} in the index (run: cachemgr scan; "
@@ -659,24 +646,24 @@ def push_items(conn, cache_id: int, model: str | None = None, graph: str | None 
 
     best: dict[str, Any] = {}
     extra = 0
-    for row in rows:
-        if row.ref not in wanted:
+    for eid, key, kind, ref, mtime, seconds, version, _ in rows:
+        if ref not in wanted:
             continue
-        if row.ref in best:
+        if ref in best:
             extra += 1
-            if row.mtime <= best[row.ref].mtime:
+            if mtime <= best[ref][4]:
                 continue
-        best[row.ref] = row  # several guard sets under one key: Redis holds one, the newest
+        best[ref] = (eid, key, kind, ref, mtime, seconds, version)  # several guard sets under one key: Redis holds one
     items = []
-    for row in sorted(best.values(), key=lambda x: (x.kind != "fxgraph", x.key)):
-        cache = FX_CACHE_ID if row.kind == "fxgraph" else AOT_CACHE_ID
-        items.append(PushItem(redis_key(cache, row.ref), row.kind, row.ref, row.key,
-                              int((row.compile_seconds or 0) * 1000), row.torch_version, edges.get(row.id, [])))
+    for eid, key, kind, ref, _, seconds, version in sorted(best.values(), key=lambda x: (x[2] != "fxgraph", x[1])):
+        cache = FX_CACHE_ID if kind == "fxgraph" else AOT_CACHE_ID
+        items.append(PushItem(redis_key(cache, ref), kind, ref, key, int((seconds or 0) * 1000), version,
+                              edges.get(eid, [])))
     return items, extra
 
 
 def _closure(seeds: set[str], rows: list, edges: dict[int, list[str]]) -> set[str]:
-    aot_needs = {row.ref: set(edges.get(row.id, ())) for row in rows if row.kind == "aotautograd"}
+    aot_needs = {row[3]: set(edges.get(row[0], ())) for row in rows if row[2] == "aotautograd"}
     wanted = set(seeds)
     while True:
         more = set()

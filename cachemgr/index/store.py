@@ -811,6 +811,21 @@ class Store:
                                          "kind = :hit AND ts >= :since AND graph_key IS NOT NULL",
                                          hit=Event.HIT.value, since=since)}
 
+    def push_candidates(self) -> tuple[list[tuple], dict[int, list[str]]]:
+        """The readable fxgraph and AOT entries, as (id, key, kind, ref, mtime, compile_seconds,
+        torch_version, signature_hash), and each AOT entry's graph keys: what `remote push` publishes."""
+        rows = self._rows(
+            "SELECT id, key, kind, ref, mtime, compile_seconds, torch_version, signature_hash FROM entries "
+            "WHERE cache_id = :cache AND kind IN (:fx, :aot) AND corrupt IS NULL",
+            fx=Kind.FXGRAPH.value, aot=Kind.AOTAUTOGRAD.value)
+        edges: dict[int, list[str]] = {}
+        for eid, ref in self._rows(
+                "SELECT r.entry_id, r.ref FROM entry_refs r JOIN entries e ON e.id = r.entry_id "
+                "WHERE e.cache_id = :cache AND e.kind = :aot AND r.kind = :fx",
+                fx=Kind.FXGRAPH.value, aot=Kind.AOTAUTOGRAD.value):
+            edges.setdefault(eid, []).append(ref)
+        return rows, edges
+
     def fingerprint_names(self) -> dict[str, str]:
         """torch_version hash -> the torch build it names, as processes running it reported."""
         return dict(self._rows("SELECT hash, name FROM fingerprints WHERE kind = 'torch' ORDER BY last_seen"))
