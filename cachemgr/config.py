@@ -213,31 +213,42 @@ class Option:
     parse: Callable[[Any], Any]
     default: Callable[[Mapping[str, str]], Any]  # from the environment loading uses
     help: str
+    unit: str | None = None  # 'size' or 'duration': how `config show` prints it for people
+    read_from: tuple[str, ...] = ()  # other programs' variables the default comes from, first set wins
+
+    def default_source(self, environ: Mapping[str, str]) -> str:
+        """Where the default value came from: one of `read_from`, or cachemgr's built-in default."""
+        return next((f"env {v}" for v in self.read_from if environ.get(v)), "default")
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("cache_dir", _path, _default_cache_dir, "TorchInductor cache directory to manage"),
+    Option("cache_dir", _path, _default_cache_dir, "TorchInductor cache directory to manage",
+           read_from=("TORCHINDUCTOR_CACHE_DIR",)),
     Option("db", _nonempty, lambda env: f"sqlite:///{state_dir(env) / 'index.db'}",
-           "index database URL (SQLite or PostgreSQL)"),
+           "index database URL (SQLite or PostgreSQL)", read_from=("STATE_DIRECTORY", "XDG_STATE_HOME")),
     Option("host", _host, _default_host, "host name recorded on every row (fleet tier)"),
     Option("spool_dir", _path, lambda env: str(state_dir(env) / "spool"),
-           "where cachemgr.record appends recorded shapes"),
-    Option("max_size", _optional(_size), lambda env: None, "size cap, e.g. 20GiB"),
+           "where cachemgr.record appends recorded shapes", read_from=("STATE_DIRECTORY", "XDG_STATE_HOME")),
+    Option("max_size", _optional(_size), lambda env: None, "size cap, e.g. 20GiB", unit="size"),
     Option("low_water", _fraction, lambda env: 0.9, "evict down to this fraction of max_size / max_files"),
-    Option("max_age", _optional(_duration()), lambda env: None, "evict entries not accessed for this long, e.g. 14d"),
+    Option("max_age", _optional(_duration()), lambda env: None, "evict entries not accessed for this long, e.g. 14d",
+           unit="duration"),
     Option("max_files", _optional(_count), lambda env: None, "file-count cap (inode quotas)"),
     Option("min_free", _optional(_min_free), lambda env: None, "free-space floor on the cache's file system, 10% or 50GiB"),
     Option("policy", _policy, lambda env: "lru", "eviction policy: lru or cost"),
-    Option("grace", _duration(), lambda env: 60.0, "never delete files younger than this (since write or last access)"),
+    Option("grace", _duration(), lambda env: 60.0, "never delete files younger than this (since write or last access)",
+           unit="duration"),
     # an interval of 0 would spin
-    Option("evict_interval", _duration(1.0), lambda env: 300.0, "daemon: run eviction this often"),
-    Option("scan_interval", _duration(1.0), lambda env: 3600.0, "daemon: reconcile the whole tree this often (heals lost events)"),
+    Option("evict_interval", _duration(1.0), lambda env: 300.0, "daemon: run eviction this often", unit="duration"),
+    Option("scan_interval", _duration(1.0), lambda env: 3600.0,
+           "daemon: reconcile the whole tree this often (heals lost events)", unit="duration"),
     Option("debounce", _duration(0.0, MAX_BATCH_WAIT), lambda env: 0.3,
-           "daemon: quiet period before applying a batch of file events"),
-    Option("max_wait", _duration(0.01, MAX_BATCH_WAIT), lambda env: 1.0, "daemon: apply a batch at the latest after this long"),
+           "daemon: quiet period before applying a batch of file events", unit="duration"),
+    Option("max_wait", _duration(0.01, MAX_BATCH_WAIT), lambda env: 1.0,
+           "daemon: apply a batch at the latest after this long", unit="duration"),
     Option("metrics", _metrics, lambda env: "off", "daemon: Prometheus endpoint HOST:PORT (a bare PORT binds 127.0.0.1), or off"),
     Option("redis_url", _optional(_nonempty), lambda env: env.get("TORCHINDUCTOR_REDIS_URL") or None,
-           "Redis of the shared remote cache (fleet tier)"),
+           "Redis of the shared remote cache (fleet tier)", read_from=("TORCHINDUCTOR_REDIS_URL",)),
     Option("keep_torch", _keep_torch, lambda env: [], "torch versions that purge --stale must keep"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
@@ -265,6 +276,10 @@ class Settings:
     keep_torch: list[str]
     sources: Mapping[str, str]  # option name -> 'default' | 'file PATH' | 'env NAME' | 'flag'
     config_file: str | None = None
+
+    def defaulted(self, name: str) -> bool:
+        """True when nobody set `name` for cachemgr: its built-in default, or another program's variable."""
+        return self.sources[name] == "default" or self.sources[name] in {f"env {v}" for v in BY_NAME[name].read_from}
 
     def values(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("sources", "config_file")}
@@ -306,7 +321,7 @@ def load(config_file: str | None = None, flags: Mapping[str, Any] | None = None,
             sources[o.name] = src
         else:
             values[o.name] = o.default(environ)
-            sources[o.name] = "default"
+            sources[o.name] = o.default_source(environ)
     return Settings(**values, sources=sources, config_file=path)
 
 

@@ -199,9 +199,12 @@ def test_walk_and_parse_in_workers_match_one_process(gpu_cache, tmp_path, monkey
     assert shared == here
 
 
-def test_a_content_is_read_once_per_scan(gpu_cache, tmp_path):
+def test_a_content_is_read_once_per_scan_and_never_where_hits_are_counted(gpu_cache, tmp_path):
     """Two entries with one content name and size (torch names fxgraph/AOT files by their bytes'
-    hash): one is read, the other takes its result, and both say the same."""
+    hash): one is read, the other takes its result, and both say the same. Every read goes
+    through a link in the trash folder: none is seen in an entry's own directory, where a running
+    daemon counts reads as hits (a CLI scan beside a daemon counted every entry it read)."""
+    from cachemgr.daemon.inotify import IN_CLOSE_NOWRITE, IN_CREATE, Inotify
     from cachemgr.index import scan
     from cachemgr.index.db import Database
     from cachemgr.index.workers import Pool
@@ -215,13 +218,20 @@ def test_a_content_is_read_once_per_scan(gpu_cache, tmp_path):
     db = Database(f"sqlite:///{tmp_path / 'index.db'}")
     cid = db.cache_id("h", str(root))
     scan.index_names(db, cid, str(root))
-    read: list[str] = []
+    pickles = sorted(root.glob("fxgraph/*/*/*")) + sorted(root.glob("aotautograd/*/*"))
+    ino = Inotify()
+    (root / ".cachemgr-trash").mkdir()
+    ino.add_watch(str(root / ".cachemgr-trash"), IN_CREATE)
+    for d in {p.parent for p in pickles}:
+        ino.add_watch(str(d), IN_CLOSE_NOWRITE)
     with Pool(2) as pool:
-        p = scan.parse_pending(db, cid, str(root), pool=pool,
-                               reading=lambda entries: read.extend(k for k, _ in entries))
-    keys = {str(x.relative_to(root)) for x in (src, twin)}
-    assert len(keys & set(read)) == 1, sorted(keys & set(read))
+        p = scan.parse_pending(db, cid, str(root), pool=pool)
+    events = ino.read()  # the workers closed every file before they answered: all queued by now
+    ino.close()
+    assert [name for _, mask, _, name in events if mask & IN_CLOSE_NOWRITE and name] == []
+    assert len([e for e in events if e[1] & IN_CREATE]) == len(pickles) - 1  # the twin's content: read once
     assert p.from_content >= 1 and not p.corrupt
+    keys = {str(x.relative_to(root)) for x in (src, twin)}
     rows = [r for r in _index_of(tmp_path / "index.db")["entries"] if r[0] in keys]
     assert len(rows) == 2 and rows[0][8] and rows[0][8:] == rows[1][8:]  # graph key onwards: the same
 

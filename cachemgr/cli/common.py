@@ -47,7 +47,7 @@ class App:
             from cachemgr.index import Database
 
             # --db (flag, variable, file) names a database to use, not one to make a place for
-            self._db = Database(self.settings.db, create_folder=self.settings.sources["db"] == "default")
+            self._db = Database(self.settings.db, create_folder=self.settings.defaulted("db"))
         return self._db
 
     @property

@@ -5,6 +5,8 @@ from __future__ import annotations
 import click
 
 from cachemgr.cli.common import DURATION, SIZE, emit_json, json_option, pass_app
+from cachemgr.config import BY_NAME
+from cachemgr.units import format_duration, format_size
 
 
 @click.command()
@@ -80,16 +82,22 @@ def config_show(app, as_json: bool) -> None:
         return
     # plain aligned lines, never wrapped: paths and URLs are long and this output gets grepped
     click.echo(f"# config file: {s.config_file or 'none'}")
-    width = max(len(_show(v)) for v in values.values())
-    for k, v in values.items():
-        click.echo(f"{k:<15} {_show(v):<{width}}  {s.sources[k]}")
+    shown = {k: _show(v, BY_NAME[k].unit) for k, v in values.items()}
+    width = max(map(len, shown.values()))
+    for k, v in shown.items():
+        click.echo(f"{k:<15} {v:<{width}}  {s.sources[k]}")
 
 
-def _show(v) -> str:
+def _show(v, unit: str | None) -> str:  # noqa: ANN001 - any option's value
+    """An option's value as people write it: sizes in KiB/MiB/GiB, durations in s/m/h/d."""
     if v is None:
         return "-"
     if isinstance(v, list):
         return ",".join(map(str, v)) or "-"
+    if unit == "size":
+        return format_size(v)
+    if unit == "duration":
+        return format_duration(v)
     return str(v)
 
 

@@ -43,9 +43,9 @@ def run_scan(app, quiet_progress: bool = False, full: bool = False):
 
     s = app.settings
     root = s.cache_dir
-    if s.sources["cache_dir"] == "default" and not os.path.exists(root):
+    if s.defaulted("cache_dir") and not os.path.exists(root):
         # Inductor's default directory appears with the first compile: nothing to index yet.
-        # A directory the user named (flag, env, config) that is missing stays an error.
+        # A directory named for cachemgr (flag, CACHEMGR_ env, config) that is missing stays an error.
         click.echo(f"cachemgr: {root} does not exist yet (nothing compiled on this host); index is empty", err=True)
         return ScanResult(root)
     check_root(root)

@@ -9,8 +9,9 @@ The consumer waits for a quiet period (`debounce`) but never longer than `max_wa
 first event, then applies the batch with `index.live.apply_batch` in one transaction. A batch of
 more than `burst` paths becomes a rescan of the top-level folders it touched. Full and subtree
 rescans (the start-up scan, the scheduler's, the one after lost events) and the reading of
-pending entries run on the same thread, so index writes never race and the watcher can tell its
-own reads of entry files (parsing them) from the workload's.
+pending entries run on the same thread, so index writes never race. cachemgr reads entry files
+through a link in its trash folder (`describe.read_unseen`), which is never watched: no read of
+its own, in this process or in a CLI's, is taken for a hit.
 
 Events are lost when the kernel queue overflows (fs.inotify.max_queued_events): the consumer then
 watches every directory that has no watch (made while events were lost) and rescans the cache,
@@ -72,7 +73,6 @@ class Watcher:
         self._parse_queued = False
         self.parsed = threading.Event()  # set while no entry a scan left is waiting to be read
         self.parsed.set()
-        self._own: dict[str, list] = {}  # path -> [reads of ours not yet seen as events, when]
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -182,7 +182,6 @@ class Watcher:
             (dirs if kind == "d" else paths).add(rel)
 
     def _apply(self, paths: set, dirs: set, reads: list) -> None:
-        reads = self._drop_own(reads)
         try:
             if len(paths) + len(dirs) > self.burst:
                 tops = sorted({p.split("/", 1)[0] for p in paths | dirs})
@@ -193,7 +192,7 @@ class Watcher:
                 paths, dirs = set(), set()
             if not (paths or dirs or reads):
                 return
-            r = live.apply_batch(self.db, self.cache_id, self.root, paths, dirs, reads, self.pool, self._reading)
+            r = live.apply_batch(self.db, self.cache_id, self.root, paths, dirs, reads, self.pool)
         except CacheDirError:
             self.on_root_lost()  # the daemon's supervisor says so, once
             return
@@ -220,8 +219,7 @@ class Watcher:
     def _parse_step(self) -> None:
         self._parse_queued = False
         try:
-            p = scan.parse_pending(self.db, self.cache_id, self.root, limit=PARSE_STEP, pool=self.pool,
-                                   reading=self._reading)
+            p = scan.parse_pending(self.db, self.cache_id, self.root, limit=PARSE_STEP, pool=self.pool)
         except CachemgrError as e:
             log.error("parsing pending entries failed: %s (tried again at the next scan)", e)
             return
@@ -237,9 +235,6 @@ class Watcher:
         else:
             self.parsed.set()
         self.on_batch(p)
-
-    def _reading(self, entries: list[tuple[str, str]]) -> None:
-        self._mark_own(live.own_reads(entries))
 
     def _scan(self, subtree: str, future: Future | None, full: bool = False, why: str = "") -> None:
         try:
@@ -271,7 +266,7 @@ class Watcher:
     def _on_dir(self, rel: str) -> None:
         """A directory is watched from now on (tree watcher's thread, or a resync)."""
         if self.reads is not None and is_key_dir(rel):
-            self.reads.watch([rel])  # before its first entry is parsed: our own read is then seen, and discounted
+            self.reads.watch([rel])
 
     def _overflowed(self) -> None:
         """The kernel queue overflowed (reader thread): one rescan, queued behind the events in hand."""
@@ -295,33 +290,6 @@ class Watcher:
         if not self._limit_logged:
             self._limit_logged = True
             log.error(watch_limit_message(self.root))
-
-    # -- our own reads are not hits ----------------------------------------------------------------
-
-    def _mark_own(self, paths: list[str]) -> None:
-        """Reads of ours that the read watcher will report (only files in watched directories)."""
-        watched = self.reads.by_dir if self.reads else {}
-        now = time.monotonic()
-        for p in paths:
-            if p.rsplit("/", 1)[0] not in watched:
-                continue
-            slot = self._own.setdefault(p, [0, now])
-            slot[0] += 1
-            slot[1] = now
-
-    def _drop_own(self, reads: list[str]) -> list[str]:
-        if not self._own:
-            return reads
-        out = []
-        for p in reads:
-            slot = self._own.get(p)
-            if slot and slot[0] > 0:
-                slot[0] -= 1
-                continue
-            out.append(p)
-        cutoff = time.monotonic() - 60
-        self._own = {p: s for p, s in self._own.items() if s[0] > 0 and s[1] > cutoff}
-        return out
 
 
 # -- inotify watch limits ------------------------------------------------------------------------

@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from cachemgr import layout, safefs
 from cachemgr.errors import NotFound, RemoteError, UsageError
+from cachemgr.index.describe import read_unseen
 from cachemgr.index.store import Store
 
 KEY_VERSION = 1  # the `:c1` suffix: remote_cache.RedisRemoteCache's `version`
@@ -296,8 +298,10 @@ class Remote:
         """Publish local entries. Existing keys are kept unless `force` (another host's entry for
         the same key is as good as ours: same key, same inputs). A local file that is not a
         regular file or too large, and a key that holds something else than a value, are skipped."""
-        from cachemgr.index.describe import read_unseen
+        with safefs.Root(root) as r:
+            return self._push(r, items, host, force)
 
+    def _push(self, r: safefs.Root, items: list[PushItem], host: str, force: bool) -> PushResult:
         pushed, present, missing = [], [], []
         skipped: list[Skipped] = []
         nbytes = 0
@@ -310,7 +314,7 @@ class Remote:
                     skipped.append(Skipped(it.rkey, f"a Redis {taken[it.rkey]} is stored under this key; "
                                                     "left as it is (--force overwrites it)"))
                     continue
-                problem = _local_problem(os.path.join(root, it.path))
+                problem = _local_problem(os.path.join(r.path, it.path))
                 if problem == "missing":
                     missing.append(it.path)
                     continue
@@ -318,7 +322,7 @@ class Remote:
                     skipped.append(Skipped(it.rkey, f"local entry {it.path}: {problem}"))
                     continue
                 try:
-                    content = read_unseen(root, it.path)  # our read, not a hit
+                    content = read_unseen(r, layout.fs_path(it.path), MAX_PUSH)  # not a hit
                 except FileNotFoundError:
                     missing.append(it.path)
                     continue

@@ -94,9 +94,9 @@ class Describer:
         refs: list[tuple[str, str]] = []
         try:
             if kind == Kind.FXGRAPH:
-                p = parse.parse_fxgraph(root.read(layout.fs_path(key), parse.MAX_ENTRY_BYTES), graph_key=ref)
+                p = parse.parse_fxgraph(read_unseen(root, layout.fs_path(key), parse.MAX_ENTRY_BYTES), graph_key=ref)
             elif kind == Kind.AOTAUTOGRAD:
-                p = parse.parse_aotautograd(root.read(layout.fs_path(key), parse.MAX_ENTRY_BYTES))
+                p = parse.parse_aotautograd(read_unseen(root, layout.fs_path(key), parse.MAX_ENTRY_BYTES))
             elif kind == Kind.PRECOMPILE:
                 p = parse.parse_precompile(root.read(layout.fs_path(key), parse.MAX_ENTRY_BYTES))
             elif kind == Kind.AUTOTUNE:
@@ -134,34 +134,38 @@ def _kernel_source_ref(root: safefs.Root, key: str) -> str | None:
     return None
 
 
-def read_unseen(root: str, rel: str) -> bytes:
-    """Read a cache file as no workload does: through a hard link in cachemgr's trash folder, so
-    the daemon's read watch on the file's own directory sees no open and counts no hit (for
-    `remote push`, which reads every entry it publishes). A plain read where no link can be made."""
-    with safefs.Root(root) as r:
-        path = layout.fs_path(rel)
-        parent, name = safefs.split(path)
-        link = f"read-{os.getpid()}-{threading.get_ident()}"
+def read_unseen(r: safefs.Root, path: str, limit: int) -> bytes:
+    """Read an entry file as no workload does: through a hard link in cachemgr's trash folder.
+
+    A running daemon counts a read of an fxgraph or AOT entry as a cache hit when the file is
+    opened in its own directory (the read watch is on that directory, and the trash is never
+    watched). Every read of cachemgr's own (a scan's, a daemon's, `remote push`'s) goes this way,
+    so none is a hit, whichever process makes it. A plain read where no link can be made (a
+    read-only or full file system, no trash folder possible): that one may count as a hit."""
+    parent, name = safefs.split(path)
+    link = f"read-{os.getpid()}-{threading.get_ident()}"
+    try:
         try:
-            try:
-                os.mkdir(layout.TRASH_DIR, 0o700, dir_fd=r.fd)
-            except FileExistsError:
-                pass
             trash = r.dir_fd(layout.TRASH_DIR)
-            os.link(name, link, src_dir_fd=r.dir_fd(parent), dst_dir_fd=trash, follow_symlinks=False)
         except FileNotFoundError:
-            raise
-        except OSError:  # another file system, no write access, protected_hardlinks, odd trash
-            return r.read(path, parse.MAX_ENTRY_BYTES)
+            os.mkdir(layout.TRASH_DIR, 0o700, dir_fd=r.fd)
+            trash = r.dir_fd(layout.TRASH_DIR)
         try:
-            return r.read(f"{layout.TRASH_DIR}/{link}", parse.MAX_ENTRY_BYTES)
-        except FileNotFoundError:  # an eviction emptied the trash under us
-            return r.read(path, parse.MAX_ENTRY_BYTES)
-        finally:
-            try:
-                os.unlink(link, dir_fd=trash)
-            except FileNotFoundError:
-                pass
+            os.link(name, link, src_dir_fd=r.dir_fd(parent), dst_dir_fd=trash, follow_symlinks=False)
+        except FileExistsError:  # left by a killed reader of the same pid and thread id
+            os.unlink(link, dir_fd=trash)
+            os.link(name, link, src_dir_fd=r.dir_fd(parent), dst_dir_fd=trash, follow_symlinks=False)
+    except OSError:  # the entry is gone, the trash cannot be made, another file system: the plain read says
+        return r.read(path, limit)
+    try:
+        return r.read(f"{layout.TRASH_DIR}/{link}", limit)
+    except FileNotFoundError:  # an eviction emptied the trash under us
+        return r.read(path, limit)
+    finally:
+        try:
+            os.unlink(link, dir_fd=trash)
+        except FileNotFoundError:
+            pass
 
 
 _runs = iter(range(1, 1 << 62))

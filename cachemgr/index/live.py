@@ -13,9 +13,8 @@ batch, the reads were a miss. Other kinds count a hit per read of any of their f
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy import bindparam, insert, select, update
@@ -23,7 +22,15 @@ from sqlalchemy import bindparam, insert, select, update
 from cachemgr import layout, safefs
 from cachemgr.index.db import Database
 from cachemgr.index.scan import (
-    ENTRIES, EVENTS, KNOWN_COLUMNS, ParseResult, _chunks, at_or_below, check_root, once_more_on_race, parse_pending,
+    ENTRIES,
+    EVENTS,
+    KNOWN_COLUMNS,
+    ParseResult,
+    _chunks,
+    at_or_below,
+    check_root,
+    once_more_on_race,
+    parse_pending,
     sync,
 )
 from cachemgr.index.workers import Pool
@@ -43,20 +50,8 @@ class LiveResult:
     seconds: float = 0.0
 
 
-def own_reads(entries: Iterable[tuple[str, str]]) -> list[str]:
-    """The files `describe` reads for these (key, kind) entries: reads of ours, not hits."""
-    out = []
-    for key, kind in entries:
-        if kind in (Kind.FXGRAPH, Kind.AOTAUTOGRAD, Kind.AUTOTUNE):
-            out.append(layout.fs_path(key))
-        elif kind == Kind.CODE:
-            out.extend(layout.fs_path(k) for k in layout.kernel_sources(key))
-    return out
-
-
 def apply_batch(db: Database, cache_id: int, root: str, paths: Iterable[str] = (), dirs: Iterable[str] = (),
-                reads: Sequence[str] = (), pool: Pool | None = None,
-                reading: Callable[[list[tuple[str, str]]], None] | None = None) -> LiveResult:
+                reads: Sequence[str] = (), pool: Pool | None = None) -> LiveResult:
     """Reconcile the entries under `paths` (files) and `dirs` (whole subtrees), read the new and
     changed ones, then count `reads`.
 
@@ -64,11 +59,11 @@ def apply_batch(db: Database, cache_id: int, root: str, paths: Iterable[str] = (
     writer (a `cachemgr scan`) indexed some of the same new entries first, the write fails on a
     unique key, rolls back, and the batch is read again once.
     """
-    return once_more_on_race(_apply_batch, db, cache_id, root, list(paths), list(dirs), reads, pool, reading)
+    return once_more_on_race(_apply_batch, db, cache_id, root, list(paths), list(dirs), reads, pool)
 
 
 def _apply_batch(db: Database, cache_id: int, root: str, paths: list[str], dirs: list[str],
-                 reads: Sequence[str], pool: Pool | None, reading) -> LiveResult:  # noqa: ANN001
+                 reads: Sequence[str], pool: Pool | None) -> LiveResult:
     t0 = time.monotonic()
     check_root(root)
     classified = {c.key: c for c in map(layout.classify, {layout.key_of(p) for p in paths}) if c is not None}
@@ -91,7 +86,7 @@ def _apply_batch(db: Database, cache_id: int, root: str, paths: list[str], dirs:
                 ENTRIES.c.cache_id == cache_id, at_or_below(conn, ENTRIES.c.key, sub))))
     with db.engine.begin() as conn:
         diff = sync(conn, cache_id, disk, known, time.time())
-    parsed = (parse_pending(db, cache_id, root, keys=diff.to_read, pool=pool, reading=reading) if diff.to_read
+    parsed = (parse_pending(db, cache_id, root, keys=diff.to_read, pool=pool) if diff.to_read
               else ParseResult())
     hits = _hits(reads, new_dirs={k.rsplit("/", 1)[0] for k in diff.added})
     with db.engine.begin() as conn:

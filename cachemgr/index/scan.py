@@ -360,11 +360,9 @@ class ParseResult:
 
 def parse_pending(db: Database, cache_id: int, root: str, progress: Progress | None = None,
                   pool: Pool | None = None, keys: Iterable[str] | None = None,
-                  limit: int | None = None, reading: Callable[[list[tuple[str, str]]], None] | None = None
-                  ) -> ParseResult:
+                  limit: int | None = None) -> ParseResult:
     """Phase two: read pending entries (all of them, those of `keys`, or at most `limit`), a
-    chunk per transaction. `reading` hears the (key, kind) of each entry just before its files
-    are read (the daemon's read watch must not take our reads for hits).
+    chunk per transaction (entry pickles are read as no workload does: describe.read_unseen).
 
     Each entry file's content is read once: a parse result kept by content (`parsed_content`)
     is taken as it is, and of the pending entries that share a content name and size one is
@@ -383,7 +381,7 @@ def parse_pending(db: Database, cache_id: int, root: str, progress: Progress | N
     own = pool is None
     pool = pool or Pool(min(max(1, total // 8), Pool().size))
     try:
-        with _Reader(pool, root, reading) as reader:
+        with _Reader(pool, root) as reader:
             ahead: deque[_Chunk] = deque()
             for rows in _pending_rows(db, cache_id, wanted, total):
                 with db.engine.connect() as conn:
@@ -452,8 +450,8 @@ class _Reader:
     """Hands the pending entries of each chunk to the parse workers (one job per pickle, small
     entries in batches) through a Stream, and gathers their results."""
 
-    def __init__(self, pool: Pool, root: str, reading: Callable[[list[tuple[str, str]]], None] | None) -> None:
-        self.root, self.reading = root, reading
+    def __init__(self, pool: Pool, root: str) -> None:
+        self.root = root
         try:
             with safefs.Root(root) as r:
                 self.root_id: tuple[int, int] | None = r.id
@@ -490,8 +488,6 @@ class _Reader:
                     chunk.copies[r.id] = []
                 (reads if r.kind in PICKLED else light).append(r)
         self.earlier.update(first)
-        if self.reading and (reads or light):
-            self.reading([(r.key, r.kind) for r in reads + light])
         self._send(chunk, reads, light)
         return chunk
 
@@ -524,8 +520,6 @@ class _Reader:
             chunk.hits += n
             again.extend(r for r in chunk.later if r.id not in kept)
         if again:
-            if self.reading:
-                self.reading([(r.key, r.kind) for r in again])
             self._send(chunk, again, [])
             self._collect(chunk)
         read = {rid for rids in chunk.jobs.values() for rid in rids}
