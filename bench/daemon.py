@@ -78,8 +78,14 @@ def write_entry(src: Path, dst: Path, paths: list[str], i: int) -> str:
 
 def cachemgr(cache: Path, db: str, *args: str, **kw) -> subprocess.CompletedProcess:
     env = child_env()
-    return subprocess.run([sys.executable, "-m", "cachemgr", "--cache-dir", str(cache), "--db", db, "--host", HOST,
-                           *args], env=env, capture_output=True, text=True, check=True, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--cache-dir", str(cache), "--db", db, "--host", HOST, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        **kw,
+    )
 
 
 def proc_cpu(pid: int) -> float:
@@ -109,8 +115,11 @@ def main() -> None:
     ap.add_argument("--idle", type=float, default=60.0, help="seconds of idle measurement")
     ap.add_argument("--burst", type=int, default=1000, help="new entries written in one burst")
     ap.add_argument("--quick", action="store_true", help="10,000 files, 10 s idle, 200-entry burst")
-    ap.add_argument("--keep", help="build the cache tree in DIR/cache, or use the one there (bench/scan.py's), "
-                                   "and keep it (the burst's entries stay in it)")
+    ap.add_argument(
+        "--keep",
+        help="build the cache tree in DIR/cache, or use the one there (bench/scan.py's), "
+        "and keep it (the burst's entries stay in it)",
+    )
     a = ap.parse_args()
     if a.quick:
         a.files, a.idle, a.burst = 10_000, 10.0, 200
@@ -127,13 +136,16 @@ def run(a, work: Path) -> None:
     t0 = time.monotonic()
     if not cache.exists():
         build_tree(cache, a.files)
-    nfiles = len(subprocess.run(["find", str(cache), "-type", "f", "-printf", "."], capture_output=True,
-                                check=True).stdout)
+    nfiles = len(
+        subprocess.run(["find", str(cache), "-type", "f", "-printf", "."], capture_output=True, check=True).stdout
+    )
     copies = nfiles // sum(len(p) for p in entries.values()) + 2  # past every copy number the tree uses
-    print(f"cache: {nfiles:,} files (copies of the fixture's {len(entries)} entries, hard links), "
-          f"ready in {time.monotonic() - t0:.1f} s; {os.cpu_count()} cores; "
-          f"fs.inotify.max_user_watches {Path('/proc/sys/fs/inotify/max_user_watches').read_text().strip()}",
-          flush=True)
+    print(
+        f"cache: {nfiles:,} files (copies of the fixture's {len(entries)} entries, hard links), "
+        f"ready in {time.monotonic() - t0:.1f} s; {os.cpu_count()} cores; "
+        f"fs.inotify.max_user_watches {Path('/proc/sys/fs/inotify/max_user_watches').read_text().strip()}",
+        flush=True,
+    )
 
     dbfile = work / "index.db"
     db = f"sqlite:///{dbfile}"
@@ -151,8 +163,12 @@ def run(a, work: Path) -> None:
     env = child_env(NOTIFY_SOCKET=sock_path)
     log = open(work / "daemon.log", "w")
     t0 = time.monotonic()
-    d = subprocess.Popen([sys.executable, "-m", "cachemgr", "--cache-dir", str(cache), "--db", db, "--host", HOST,
-                          "daemon", "-v"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    d = subprocess.Popen(
+        [sys.executable, "-m", "cachemgr", "--cache-dir", str(cache), "--db", db, "--host", HOST, "daemon", "-v"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         sock.settimeout(600)
         while b"READY=1" not in sock.recv(4096):
@@ -165,16 +181,23 @@ def run(a, work: Path) -> None:
         time.sleep(a.idle)
         idle_cpu = (proc_cpu(d.pid) - c0) / (time.monotonic() - w0) * 100
         mem = proc_mem(d.pid)
-        print(f"idle: CPU {idle_cpu:.3f} % over {a.idle:.0f} s (target < 1 %), RSS {mem['VmRSS'] / 2**20:.1f} MiB, "
-              f"peak {mem['VmHWM'] / 2**20:.1f} MiB (target < 150 MB)", flush=True)
+        print(
+            f"idle: CPU {idle_cpu:.3f} % over {a.idle:.0f} s (target < 1 %), RSS {mem['VmRSS'] / 2**20:.1f} MiB, "
+            f"peak {mem['VmHWM'] / 2**20:.1f} MiB (target < 150 MB)",
+            flush=True,
+        )
 
         lag = burst(a, src, entries, cache, dbfile, copies)
         p50, p99, worst = pct(lag, 0.5), pct(lag, 0.99), max(lag)
         mem2 = proc_mem(d.pid)
-        print(f"burst of {len(lag)} entries: lag p50 {p50:.3f} s, p99 {p99:.3f} s (target < 2 s), max {worst:.3f} s; "
-              f"RSS after {mem2['VmRSS'] / 2**20:.1f} MiB, peak {mem2['VmHWM'] / 2**20:.1f} MiB")
-        print(f"ratios: lag p99 / warm scan {p99 / warm:.2f}x, lag p99 / cold scan {p99 / cold:.3f}x, "
-              f"idle CPU / target {idle_cpu / 1:.3f}, peak RSS / target {mem2['VmHWM'] / 150e6:.2f}")
+        print(
+            f"burst of {len(lag)} entries: lag p50 {p50:.3f} s, p99 {p99:.3f} s (target < 2 s), max {worst:.3f} s; "
+            f"RSS after {mem2['VmRSS'] / 2**20:.1f} MiB, peak {mem2['VmHWM'] / 2**20:.1f} MiB"
+        )
+        print(
+            f"ratios: lag p99 / warm scan {p99 / warm:.2f}x, lag p99 / cold scan {p99 / cold:.3f}x, "
+            f"idle CPU / target {idle_cpu / 1:.3f}, peak RSS / target {mem2['VmHWM'] / 150e6:.2f}"
+        )
 
         t0 = time.monotonic()
         d.send_signal(signal.SIGTERM)
@@ -207,7 +230,7 @@ def burst(a, src: Path, entries: dict[str, list[str]], cache: Path, dbfile: Path
             now = time.monotonic()
             pending = [k for k in list(written) if k not in seen]
             for i in range(0, len(pending), 500):
-                chunk = pending[i:i + 500]
+                chunk = pending[i : i + 500]
                 q = f"SELECT key FROM entries WHERE cache_id = ? AND key IN ({','.join('?' * len(chunk))})"
                 for (key,) in conn.execute(q, (cache_id, *chunk)):
                     seen.setdefault(key, now)

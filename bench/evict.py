@@ -86,16 +86,31 @@ def build(work: Path, files: int, fixture: Path | None) -> tuple[Path, Database,
                 row = dict(row)
                 row.pop("id")
                 key = renamed_key(row["key"], row["kind"], c)
-                row.update(cache_id=cid, key=key, dir=layout.home_dir(key, row["kind"]),
-                           ref=row["ref"] and tag(row["ref"], c), alias=row["alias"] and tag(row["alias"], c),
-                           graph_key=row["graph_key"] and tag(row["graph_key"], c), last_access=row["mtime"])
+                row.update(
+                    cache_id=cid,
+                    key=key,
+                    dir=layout.home_dir(key, row["kind"]),
+                    ref=row["ref"] and tag(row["ref"], c),
+                    alias=row["alias"] and tag(row["alias"], c),
+                    graph_key=row["graph_key"] and tag(row["graph_key"], c),
+                    last_access=row["mtime"],
+                )
                 new_rows.append(row)
             last = conn.execute(select(func.coalesce(func.max(e.c.id), 0))).scalar()
             insert_rows(conn, e, new_rows)
             ids = {k: i for i, k in conn.execute(select(e.c.id, e.c.key).where(e.c.id > last))}
-            insert_rows(conn, r, [
-                {"entry_id": ids[renamed_key(by_id[eid]["key"], by_id[eid]["kind"], c)], "kind": kind,
-                 "ref": tag(ref, c)} for eid, kind, ref in refs])
+            insert_rows(
+                conn,
+                r,
+                [
+                    {
+                        "entry_id": ids[renamed_key(by_id[eid]["key"], by_id[eid]["kind"], c)],
+                        "kind": kind,
+                        "ref": tag(ref, c),
+                    }
+                    for eid, kind, ref in refs
+                ],
+            )
     check = reconcile(db, cid, str(root))
     assert not (check.added or check.changed or check.removed), check.as_dict()
     return root, db, cid, copies * len(fixture_files)
@@ -106,8 +121,11 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=100_000)
     ap.add_argument("--quick", action="store_true", help="10,000 files")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
-    ap.add_argument("--fixture", default=None,
-                    help="the fixture .tgz (default: tests/fixtures/gpu/inductor-cache-h200-torch2.11.tgz)")
+    ap.add_argument(
+        "--fixture",
+        default=None,
+        help="the fixture .tgz (default: tests/fixtures/gpu/inductor-cache-h200-torch2.11.tgz)",
+    )
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     files = 10_000 if args.quick else args.files
@@ -119,8 +137,13 @@ def main() -> None:
         print(f"built {n:,} files x2 (hard links) and their index in {time.perf_counter() - t:.1f} s", flush=True)
 
         os.sync()
-        out = subprocess.run([sys.executable, "-c", EVICT, db.url, str(cid), str(root), str(n // 2)], env=child_env(),
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", EVICT, db.url, str(cid), str(root), str(n // 2)],
+            env=child_env(),
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         res = json.loads(out)
         assert res["skipped"] == 0, res["skipped"]
 
@@ -135,16 +158,30 @@ def main() -> None:
         left_ours, left_theirs = _files(root), _files(twin)
         assert left_ours == left_theirs, "both runs must leave the same files"
         ours = res["seconds"]
-        print(f"evicted {res['evicted']:,} entries, {res['freed_files']:,} files, {res['freed_bytes'] / 1e6:,.0f} MB "
-              f"({res['recreatable'] / 1e6:,.0f} MB recreatable); {len(left_ours):,} files left; "
-              f"{os.cpu_count()} cores")
-        print(f"cachemgr evict (plan + trash + index + unlink): {ours:.2f} s, peak RSS {res['rss'] / MB:.0f} MB "
-              "(target < 150 MB)")
+        print(
+            f"evicted {res['evicted']:,} entries, {res['freed_files']:,} files, {res['freed_bytes'] / 1e6:,.0f} MB "
+            f"({res['recreatable'] / 1e6:,.0f} MB recreatable); {len(left_ours):,} files left; "
+            f"{os.cpu_count()} cores"
+        )
+        print(
+            f"cachemgr evict (plan + trash + index + unlink): {ours:.2f} s, peak RSS {res['rss'] / MB:.0f} MB "
+            "(target < 150 MB)"
+        )
         print(f"find -delete over the same paths:               {theirs:.2f} s")
         print(f"ratio: {ours / theirs:.2f}x (target <= 2x)")
         if args.json:
-            Path(args.json).write_text(json.dumps({"files": n, "evicted_files": res["freed_files"], "seconds": ours,
-                                                   "find_delete": theirs, "rss": res["rss"]}, indent=1))
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "files": n,
+                        "evicted_files": res["freed_files"],
+                        "seconds": ours,
+                        "find_delete": theirs,
+                        "rss": res["rss"],
+                    },
+                    indent=1,
+                )
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

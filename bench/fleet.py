@@ -79,10 +79,22 @@ def index_into(url: str, root: str) -> dict:
             t0 = time.perf_counter()
             fleet_stats(conn, 86400)
             fstats = time.perf_counter() - t0
-            n, size = conn.execute(text("SELECT COUNT(*), SUM(bytes) FROM entries WHERE cache_id = :c"), {"c": cid}).one()
-            rows = sum(conn.execute(text(f"SELECT COUNT(*) FROM {t}")).scalar() for t in ("entry_refs", "entry_components"))
+            n, size = conn.execute(
+                text("SELECT COUNT(*), SUM(bytes) FROM entries WHERE cache_id = :c"), {"c": cid}
+            ).one()
+            rows = sum(
+                conn.execute(text(f"SELECT COUNT(*) FROM {t}")).scalar() for t in ("entry_refs", "entry_components")
+            )
         assert len(first.added) == n and again.unchanged == n and not again.added, (len(first.added), n)
-        return {"scan": scan, "rescan": rescan, "report": report, "fstats": fstats, "entries": int(n), "bytes": int(size), "side_rows": int(rows)}
+        return {
+            "scan": scan,
+            "rescan": rescan,
+            "report": report,
+            "fstats": fstats,
+            "entries": int(n),
+            "bytes": int(size),
+            "side_rows": int(rows),
+        }
     finally:
         db.close()
 
@@ -91,8 +103,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--entries", type=int, default=100_000)
     ap.add_argument("--quick", action="store_true", help="5,000 entries: a smoke run")
-    ap.add_argument("--pg", default=os.environ.get("CACHEMGR_BENCH_PG", "root@127.0.0.1:5432"),
-                    help="PostgreSQL server (user@host:port); a throwaway database is created there")
+    ap.add_argument(
+        "--pg",
+        default=os.environ.get("CACHEMGR_BENCH_PG", "root@127.0.0.1:5432"),
+        help="PostgreSQL server (user@host:port); a throwaway database is created there",
+    )
     ap.add_argument("--workdir", default=None, help="where to build the tree (default: a temp dir)")
     args = ap.parse_args()
     n = 5000 if args.quick else args.entries
@@ -107,7 +122,9 @@ def main() -> None:
         root = work / "cache"
         t0 = time.perf_counter()
         files = build_tree(src, root, n)
-        print(f"tree: {n} entries, {files} files (hard links to the fixture), built in {time.perf_counter() - t0:.1f} s")
+        print(
+            f"tree: {n} entries, {files} files (hard links to the fixture), built in {time.perf_counter() - t0:.1f} s"
+        )
         base, walked = parse_only(str(root))
         assert walked == n, walked
         print(f"walk + parse alone: {base:.2f} s")
@@ -115,14 +132,24 @@ def main() -> None:
         with psycopg.connect(admin, autocommit=True) as c:
             c.execute(f'CREATE DATABASE "{dbname}"')
         pg = index_into(f"postgresql+psycopg://{args.pg}/{dbname}", str(root))
-        assert (pg["entries"], pg["bytes"], pg["side_rows"]) == (sqlite["entries"], sqlite["bytes"], sqlite["side_rows"])
+        assert (pg["entries"], pg["bytes"], pg["side_rows"]) == (
+            sqlite["entries"],
+            sqlite["bytes"],
+            sqlite["side_rows"],
+        )
         print(f"\n{'':24}{'SQLite':>10}{'PostgreSQL':>12}{'ratio':>8}")
-        for what, key in (("first scan (s)", "scan"), ("rescan, unchanged (s)", "rescan"),
-                          ("fleet report (s)", "report"), ("stats --fleet (s)", "fstats")):
+        for what, key in (
+            ("first scan (s)", "scan"),
+            ("rescan, unchanged (s)", "rescan"),
+            ("fleet report (s)", "report"),
+            ("stats --fleet (s)", "fstats"),
+        ):
             print(f"{what:24}{sqlite[key]:10.2f}{pg[key]:12.2f}{pg[key] / sqlite[key]:8.2f}")
         db_sqlite, db_pg = max(sqlite["scan"] - base, 1e-9), max(pg["scan"] - base, 1e-9)
         print(f"{'database share (s)':24}{db_sqlite:10.2f}{db_pg:12.2f}{db_pg / db_sqlite:8.2f}")
-        print(f"\n{n} entries, {sqlite['side_rows']} ref/component rows, {sqlite['bytes'] / 2**20:.0f} MiB indexed in each")
+        print(
+            f"\n{n} entries, {sqlite['side_rows']} ref/component rows, {sqlite['bytes'] / 2**20:.0f} MiB indexed in each"
+        )
         ratio = pg["scan"] / sqlite["scan"]
         print(f"PostgreSQL / SQLite, first scan: {ratio:.2f}x (target <= 2x: {'met' if ratio <= 2 else 'NOT met'})")
     finally:

@@ -121,11 +121,14 @@ def main() -> None:
         import json
 
         corrupt = len(json.loads(out)["corrupt"])
-        print(f"scan: exit 0, {corrupt} corrupt entries reported; peak RSS {own / MB:.1f} MiB (bound 150 MiB), "
-              f"parse worker peak {worker / MB:.1f} MiB (bound: its start-up size + {WORKER_MEMORY // MB} MiB)")
+        print(
+            f"scan: exit 0, {corrupt} corrupt entries reported; peak RSS {own / MB:.1f} MiB (bound 150 MiB), "
+            f"parse worker peak {worker / MB:.1f} MiB (bound: its start-up size + {WORKER_MEMORY // MB} MiB)"
+        )
         os.unlink(f"{work}/state/index.db")
-        daemon = subprocess.Popen([*base, "daemon"], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True)
+        daemon = subprocess.Popen(
+            [*base, "daemon"], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         started = time.monotonic()
         lines: list[str] = []
 
@@ -137,8 +140,10 @@ def main() -> None:
         rest, _ = daemon.communicate(timeout=30)
         lines = rest.splitlines()
         ok = daemon.returncode == 0 and any("ready:" in x for x in lines)
-        print(f"daemon: {'ready and stopped cleanly' if ok else 'FAILED'}; peak RSS {own / MB:.1f} MiB "
-              f"(bound 150 MiB; the unit caps it at 512M), parse worker peak {worker / MB:.1f} MiB")
+        print(
+            f"daemon: {'ready and stopped cleanly' if ok else 'FAILED'}; peak RSS {own / MB:.1f} MiB "
+            f"(bound 150 MiB; the unit caps it at 512M), parse worker peak {worker / MB:.1f} MiB"
+        )
         if not ok:
             print("\n".join(lines[-20:]))
     finally:

@@ -30,6 +30,7 @@ REPO = HERE.parent
 
 # -- the model (imported by the worker as factory "prewarm:resnet18") --------------------------
 
+
 def resnet18(width: int = 64, classes: int = 1000):
     import torch
     from torch import nn
@@ -54,8 +55,9 @@ def resnet18(width: int = 64, classes: int = 1000):
         def __init__(self) -> None:
             super().__init__()
             w = width
-            self.stem = nn.Sequential(nn.Conv2d(3, w, 7, 2, 3, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
-                                      nn.MaxPool2d(3, 2, 1))
+            self.stem = nn.Sequential(
+                nn.Conv2d(3, w, 7, 2, 3, bias=False), nn.BatchNorm2d(w), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+            )
             chans, layers, cin = [w, 2 * w, 4 * w, 8 * w], [], w
             for i, c in enumerate(chans):
                 layers += [Block(cin, c, 1 if i == 0 else 2), Block(c, c, 1)]
@@ -72,6 +74,7 @@ def resnet18(width: int = 64, classes: int = 1000):
 
 
 # -- the workload (a fresh process per measurement) ---------------------------------------------
+
 
 def workload(a) -> None:
     import torch
@@ -94,19 +97,29 @@ def workload(a) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
-    print(json.dumps({"first_calls_s": sum(times), "per_shape_s": times,
-                      "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
-                      "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
-                      "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"]}))
+    print(
+        json.dumps(
+            {
+                "first_calls_s": sum(times),
+                "per_shape_s": times,
+                "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+                "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
+                "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"],
+            }
+        )
+    )
 
 
 class _Null:
-    def __enter__(self): return self
+    def __enter__(self):
+        return self
 
-    def __exit__(self, *a): return False
+    def __exit__(self, *a):
+        return False
 
 
 # -- the driver ---------------------------------------------------------------------------------
+
 
 def env_for(cache: Path | None, spool: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "CACHEMGR_"))}
@@ -118,8 +131,19 @@ def env_for(cache: Path | None, spool: Path) -> dict[str, str]:
 
 
 def run_workload(a, cache: Path, spool: Path, device: str | None = None, batches: str | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--workload", "--device", device or a.device, "--width", str(a.width),
-           "--image", str(a.image), "--batches", batches or a.batches]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--workload",
+        "--device",
+        device or a.device,
+        "--width",
+        str(a.width),
+        "--image",
+        str(a.image),
+        "--batches",
+        batches or a.batches,
+    ]
     out = subprocess.run(cmd, env=env_for(cache, spool), capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"workload failed:\n{out.stderr[-3000:]}")
@@ -127,8 +151,7 @@ def run_workload(a, cache: Path, spool: Path, device: str | None = None, batches
 
 
 def cachemgr(a, work: Path, cache: Path, *args: str, ok=(0,)) -> tuple[float, dict | None]:
-    cmd = [sys.executable, "-m", "cachemgr", "--cache-dir", str(cache), "--db", f"sqlite:///{work / 'idx.db'}",
-           *args]
+    cmd = [sys.executable, "-m", "cachemgr", "--cache-dir", str(cache), "--db", f"sqlite:///{work / 'idx.db'}", *args]
     t = time.perf_counter()
     out = subprocess.run(cmd, env=env_for(None, work / "spool"), capture_output=True, text=True, cwd=work)
     wall = time.perf_counter() - t
@@ -147,8 +170,8 @@ name = "resnet18"
 factory = "prewarm:resnet18"
 factory_kwargs = {{ width = {a.width} }}
 compile = {{ dynamic = false }}
-device = "{device.split(':')[0]}"
-{'autocast = "bfloat16"' if device.startswith('cuda') else ''}
+device = "{device.split(":")[0]}"
+{'autocast = "bfloat16"' if device.startswith("cuda") else ""}
 shapes = "recorded"
 """)
     return p
@@ -172,29 +195,44 @@ def single(a, work: Path) -> dict:
     m = write_manifest(work, a, a.device)
     cold = run_workload(a, work / "cold", work / "spool")  # also records the three shapes
     warm = repeated(a, work / "cold")
-    pre_s, pre_doc = cachemgr(a, work, work / "prewarmed", "prewarm", "--manifest", str(m), "--devices", a.device,
-                              "--json")
+    pre_s, pre_doc = cachemgr(
+        a, work, work / "prewarmed", "prewarm", "--manifest", str(m), "--devices", a.device, "--json"
+    )
     prewarmed = repeated(a, work / "prewarmed")
     exp_s, _ = cachemgr(a, work, work / "cold", "export", "--out", str(work / "cache.bundle"), "--json")
     imp_s, imp_doc = cachemgr(a, work, work / "imported", "import", str(work / "cache.bundle"), "--json")
     imported = repeated(a, work / "imported")
     rows = {"cold": cold, "prewarmed": prewarmed, "imported": imported, "warm": warm}
     w = warm["first_calls_s"]
-    print(f"resnet18 (width {a.width}, {a.image}x{a.image}) on {a.device}, batches {a.batches}; "
-          f"first calls of the three shapes, fresh process each (median of {a.repeat} for the warm kinds)")
+    print(
+        f"resnet18 (width {a.width}, {a.image}x{a.image}) on {a.device}, batches {a.batches}; "
+        f"first calls of the three shapes, fresh process each (median of {a.repeat} for the warm kinds)"
+    )
     print(f"{'cache':<12}{'first calls s':>14}{'x warm':>8}{'fx miss':>9}{'aot miss':>10}")
     for k, r in rows.items():
-        print(f"{k:<12}{r['first_calls_s']:>14.2f}{r['first_calls_s'] / w:>8.2f}{r['fxgraph_cache_miss']:>9}"
-              f"{r['autograd_cache_miss']:>10}  {' '.join(map(str, r.get('runs_s', [])))}")
+        print(
+            f"{k:<12}{r['first_calls_s']:>14.2f}{r['first_calls_s'] / w:>8.2f}{r['fxgraph_cache_miss']:>9}"
+            f"{r['autograd_cache_miss']:>10}  {' '.join(map(str, r.get('runs_s', [])))}"
+        )
     size = (work / "cache.bundle").stat().st_size
-    print(f"prewarm took {pre_s:.1f} s ({len([s for s in pre_doc['shapes'] if s['ok']])} shapes); export {exp_s:.1f} s; "
-          f"import {imp_s:.1f} s; bundle {size / 1e6:.1f} MB")
+    print(
+        f"prewarm took {pre_s:.1f} s ({len([s for s in pre_doc['shapes'] if s['ok']])} shapes); export {exp_s:.1f} s; "
+        f"import {imp_s:.1f} s; bundle {size / 1e6:.1f} MB"
+    )
     ok = all(misses(rows[k]) == 0 for k in ("prewarmed", "imported", "warm"))
-    print(f"target: prewarmed {rows['prewarmed']['first_calls_s'] / w:.2f}x and imported "
-          f"{rows['imported']['first_calls_s'] / w:.2f}x of warm (<= 1.2x), misses {'zero' if ok else 'NOT zero'}")
-    return {"scenarios": rows, "ratios": {k: r["first_calls_s"] / w for k, r in rows.items()},
-            "prewarm_s": pre_s, "export_s": exp_s, "import_s": imp_s, "bundle_bytes": size,
-            "config": vars(a)}
+    print(
+        f"target: prewarmed {rows['prewarmed']['first_calls_s'] / w:.2f}x and imported "
+        f"{rows['imported']['first_calls_s'] / w:.2f}x of warm (<= 1.2x), misses {'zero' if ok else 'NOT zero'}"
+    )
+    return {
+        "scenarios": rows,
+        "ratios": {k: r["first_calls_s"] / w for k, r in rows.items()},
+        "prewarm_s": pre_s,
+        "export_s": exp_s,
+        "import_s": imp_s,
+        "bundle_bytes": size,
+        "config": vars(a),
+    }
 
 
 def multi(a, work: Path, devices: list[str]) -> dict:
@@ -203,22 +241,31 @@ def multi(a, work: Path, devices: list[str]) -> dict:
     m = write_manifest(work, a, devices[0])
     cold = run_workload(a, work / "cold", work / "spool", device=devices[0], batches=batches)
     out: dict = {"batches": batches, "cold_first_calls_s": cold["first_calls_s"], "runs": {}}
-    print(f"resnet18 (width {a.width}, {a.image}x{a.image}), {len(batches.split(','))} shapes {batches}; "
-          f"cold workload on {devices[0]}: {cold['first_calls_s']:.1f} s")
+    print(
+        f"resnet18 (width {a.width}, {a.image}x{a.image}), {len(batches.split(','))} shapes {batches}; "
+        f"cold workload on {devices[0]}: {cold['first_calls_s']:.1f} s"
+    )
     print(f"{'prewarm with':<34}{'wall s':>8}  fresh-process check per GPU (first calls s / misses)")
-    for label, devs, extra in ((f"1 GPU ({devices[0]})", devices[:1], []),
-                               (f"{len(devices)} GPUs, shapes shared", devices, []),
-                               (f"{len(devices)} GPUs, --replicate", devices, ["--replicate"])):
+    for label, devs, extra in (
+        (f"1 GPU ({devices[0]})", devices[:1], []),
+        (f"{len(devices)} GPUs, shapes shared", devices, []),
+        (f"{len(devices)} GPUs, --replicate", devices, ["--replicate"]),
+    ):
         cache = work / f"pw-{len(devs)}-{'r' if extra else 's'}"
-        wall, doc = cachemgr(a, work, cache, "prewarm", "--manifest", str(m), "--devices", ",".join(devs), *extra,
-                             "--json", ok=(0, 8))
+        wall, doc = cachemgr(
+            a, work, cache, "prewarm", "--manifest", str(m), "--devices", ",".join(devs), *extra, "--json", ok=(0, 8)
+        )
         checks = {d: run_workload(a, cache, work / "spool-x", device=d, batches=batches) for d in devices}
         out["runs"][label] = {"wall_s": wall, "failures": doc and doc.get("failures"), "checks": checks}
-        print(f"{label:<34}{wall:>8.1f}  " + "  ".join(f"{d}: {c['first_calls_s']:.1f} s / {misses(c)}"
-                                                       for d, c in checks.items()))
+        print(
+            f"{label:<34}{wall:>8.1f}  "
+            + "  ".join(f"{d}: {c['first_calls_s']:.1f} s / {misses(c)}" for d, c in checks.items())
+        )
     one, shared = (out["runs"][k]["wall_s"] for k in list(out["runs"])[:2])
-    print(f"speed-up of sharing the shapes over {len(devices)} GPUs: {one / shared:.2f}x "
-          "(Inductor keys embed the device index: a GPU misses the shapes compiled on the other)")
+    print(
+        f"speed-up of sharing the shapes over {len(devices)} GPUs: {one / shared:.2f}x "
+        "(Inductor keys embed the device index: a GPU misses the shapes compiled on the other)"
+    )
     return out
 
 
@@ -241,8 +288,11 @@ def main() -> None:
     if a.quick:
         a.width, a.image = 8, 32
     if a.batches is None:
-        a.batches = ("1,2,3,4,5,6,7,8" if a.quick else "1,2,4,8,12,16,24,32") if a.devices else \
-            ("1,2,4" if a.quick else "1,8,32")
+        a.batches = (
+            ("1,2,3,4,5,6,7,8" if a.quick else "1,2,4,8,12,16,24,32")
+            if a.devices
+            else ("1,2,4" if a.quick else "1,8,32")
+        )
     work = Path(a.work or tempfile.mkdtemp(prefix="cachemgr-bench-prewarm-"))
     work.mkdir(parents=True, exist_ok=True)
     doc = multi(a, work, a.devices.split(",")) if a.devices else single(a, work)

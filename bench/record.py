@@ -63,17 +63,25 @@ def main() -> None:
         return statistics.median(r - b for r, b in zip(figures[rec_key], figures[bare_key], strict=True))
 
     doc = {
-        "backend": backend, "calls": calls, "rounds": a.rounds, "best_us": best, "median_us": med,
-        "module_overhead_us": overhead("recorded", "bare"), "function_overhead_us": overhead("recorded_fn", "bare_fn"),
-        "signature_check_us": med["observe"], "target_us": 5.0,
+        "backend": backend,
+        "calls": calls,
+        "rounds": a.rounds,
+        "best_us": best,
+        "median_us": med,
+        "module_overhead_us": overhead("recorded", "bare"),
+        "function_overhead_us": overhead("recorded_fn", "bare_fn"),
+        "signature_check_us": med["observe"],
+        "target_us": 5.0,
     }
     print(f"{'call':<28}{'best µs':>10}{'median µs':>12}")
     for k in figures:
         print(f"{k:<28}{best[k]:>10.2f}{med[k]:>12.2f}")
-    print(f"overhead of a seen signature, median of {a.rounds} rounds: module {doc['module_overhead_us']:.2f} µs/call "
-          f"({med['recorded'] / med['bare']:.3f}x bare), function {doc['function_overhead_us']:.2f} µs/call "
-          f"({med['recorded_fn'] / med['bare_fn']:.3f}x bare); signature check alone {med['observe']:.2f} µs "
-          f"(target < 5 µs)")
+    print(
+        f"overhead of a seen signature, median of {a.rounds} rounds: module {doc['module_overhead_us']:.2f} µs/call "
+        f"({med['recorded'] / med['bare']:.3f}x bare), function {doc['function_overhead_us']:.2f} µs/call "
+        f"({med['recorded_fn'] / med['bare_fn']:.3f}x bare); signature check alone {med['observe']:.2f} µs "
+        f"(target < 5 µs)"
+    )
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(doc, fh, indent=2)

@@ -169,9 +169,11 @@ def main() -> None:
     assert stats["files"] == nfiles, (stats["files"], nfiles)
     assert again["added"] == again["changed"] == again["removed"] == 0
     assert full["added"] == full["changed"] == full["removed"] == 0
-    print(f"tree: {stats['files']:,} files, {stats['entries']:,} entries, {find_bytes / MB:,.0f} MiB "
-          f"({stats['by_kind']['fxgraph']['files']:,} fxgraph files); index bytes == find bytes; "
-          f"{os.cpu_count()} cores")
+    print(
+        f"tree: {stats['files']:,} files, {stats['entries']:,} entries, {find_bytes / MB:,.0f} MiB "
+        f"({stats['by_kind']['fxgraph']['files']:,} fxgraph files); index bytes == find bytes; "
+        f"{os.cpu_count()} cores"
+    )
     print(f"{'measure':40} {'seconds':>8} {'x find':>7} {'peak RSS':>9}  target (16 cores / 2 cores)")
 
     def line(name: str, s: float | None, rss: int | None = None, note: str = "") -> None:
@@ -183,8 +185,12 @@ def main() -> None:
     for key, what in (("first", "shared content"), ("distinct", "distinct content")):
         f = fig[key]
         line(f"first scan, index usable ({what})", f["usable"], None, "<= 1.5x / 2x")
-        line(f"first scan, fully parsed ({what})", f["parsed"], f["rss"],
-             f"<= 2x / 4x, < 150 MB  ({f['added']:,} entries, {f['read']:,} read)")
+        line(
+            f"first scan, fully parsed ({what})",
+            f["parsed"],
+            f["rss"],
+            f"<= 2x / 4x, < 150 MB  ({f['added']:,} entries, {f['read']:,} read)",
+        )
     line("unchanged rescan", fig["rescan"]["seconds"], fig["rescan"]["rss"], "<= 1x")
     line("scan --full, unchanged", fig["full"]["seconds"], fig["full"]["rss"], "(stats every file)")
     line("stats --json", fig["stats"]["seconds"], fig["stats"]["rss"], "< 0.2 s")
@@ -192,8 +198,19 @@ def main() -> None:
     line("bare scandir walk (floor)", fig["walk"]["seconds"])
     line("  + sqlite insert per file", fig["walk_db"]["seconds"])
     if args.json:
-        Path(args.json).write_text(json.dumps({"files": nfiles, "bytes": find_bytes, "entries": stats["entries"],
-                                               "cores": os.cpu_count(), "find": t_find, **fig}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "files": nfiles,
+                    "bytes": find_bytes,
+                    "entries": stats["entries"],
+                    "cores": os.cpu_count(),
+                    "find": t_find,
+                    **fig,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -98,8 +98,10 @@ def check_room(dst: Path, files: int) -> None:
     need_inodes = files // 4 + 10_000
     free_bytes, free_inodes = st.f_bavail * st.f_frsize, st.f_favail
     if free_bytes < need_bytes or (st.f_files and free_inodes < need_inodes):
-        raise SystemExit(f"not enough room under {dst.parent} for {files:,} files: {free_bytes >> 20:,} MiB and "
-                         f"{free_inodes:,} inodes free, {need_bytes >> 20:,} MiB and {need_inodes:,} inodes needed")
+        raise SystemExit(
+            f"not enough room under {dst.parent} for {files:,} files: {free_bytes >> 20:,} MiB and "
+            f"{free_inodes:,} inodes free, {need_bytes >> 20:,} MiB and {need_inodes:,} inodes needed"
+        )
 
 
 def build_tree(dst: Path, files: int = 100_000) -> int:
@@ -138,7 +140,7 @@ def _entry_files(root: Path) -> Iterator[tuple[Path, str]]:
         base = root / top
         if not base.is_dir():
             continue
-        for folder in (base.glob("*/*") if depth == 2 else base.glob("*")):
+        for folder in base.glob("*/*") if depth == 2 else base.glob("*"):
             for name in os.listdir(folder):
                 if not name.startswith("."):
                     yield folder, name

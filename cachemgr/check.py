@@ -46,8 +46,13 @@ VERDICTS = (HIT, MISS, UNKNOWN)
 Comp = tuple[str, str | None]  # (hash, value); value None: not loaded (the graph code)
 
 # Components a graph decides (its code, inputs, role): the same workload computes them again.
-GRAPH_PREFIXES = ("example_inputs[", "inputs_to_check[", "fx_kwargs[", "user_defined_triton_source[",
-                  "var_to_hint_override[")
+GRAPH_PREFIXES = (
+    "example_inputs[",
+    "inputs_to_check[",
+    "fx_kwargs[",
+    "user_defined_triton_source[",
+    "var_to_hint_override[",
+)
 GRAPH_NAMES = frozenset({"gm", "cudagraph_override", "cudagraph_annotation"})
 # Present only for some graphs (a CPU graph's C++ thread count; a graph without tensor inputs'
 # device index): compared when the entry has them, never required of it.
@@ -70,8 +75,12 @@ def group_of(name: str) -> str:
         return Part.CODE
     if name.startswith(("example_inputs[", "inputs_to_check[")) or name == DEVICE:
         return Part.INPUTS
-    if name.startswith(("fx_kwargs[", "inductor_config")) or "pass" in name or "partitioner" in name \
-            or name in ("precompile_enabled", "provenance_tracking_level", "cache_key_tag"):
+    if (
+        name.startswith(("fx_kwargs[", "inductor_config"))
+        or "pass" in name
+        or "partitioner" in name
+        or name in ("precompile_enabled", "provenance_tracking_level", "cache_key_tag")
+    ):
         return Part.OPTIONS
     return Part.ENVIRONMENT
 
@@ -156,9 +165,18 @@ class Host:
         fp = report.get("fingerprint") or {}
         n = int(report.get("cuda_devices") or 0)
         devs = tuple(devices) if devices else ("cpu", *(f"cuda:{i}" for i in range(n)))
-        return cls(report.get("torch") or fp.get("torch") or "?", fp.get("torch_version_hash"),
-                   fp.get("system") or "?", tuple(cands), pristine, dict(report.get("env") or {}), n,
-                   tuple(_canonical_device(d) for d in devs), complete, tuple(report.get("errors") or ()))
+        return cls(
+            report.get("torch") or fp.get("torch") or "?",
+            fp.get("torch_version_hash"),
+            fp.get("system") or "?",
+            tuple(cands),
+            pristine,
+            dict(report.get("env") or {}),
+            n,
+            tuple(_canonical_device(d) for d in devs),
+            complete,
+            tuple(report.get("errors") or ()),
+        )
 
 
 def _parse(lines: Iterable[str]) -> dict[str, Comp]:
@@ -182,8 +200,14 @@ class Difference:
     why: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"group": self.group, "name": self.name, "cache": self.cache, "host": self.host,
-                "certain": self.certain, "why": self.why}
+        return {
+            "group": self.group,
+            "name": self.name,
+            "cache": self.cache,
+            "host": self.host,
+            "certain": self.certain,
+            "why": self.why,
+        }
 
 
 @dataclass(frozen=True)
@@ -198,8 +222,11 @@ class Prediction:
         """What makes it miss (certain differences), or why it is unknown; coarse names."""
         if self.verdict == HIT:
             return []
-        diffs = [d for d in self.differences if d.certain] if self.verdict == MISS else \
-            [d for d in self.differences if not d.certain]
+        diffs = (
+            [d for d in self.differences if d.certain]
+            if self.verdict == MISS
+            else [d for d in self.differences if not d.certain]
+        )
         names = list(dict.fromkeys(_coarse(d.name) for d in diffs))
         if not names:
             return [self.reason] if self.reason else []
@@ -214,17 +241,25 @@ class Prediction:
             return "its components differ"
         if names == ["device"]:
             return "its device is not where the workload runs here"
-        return (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]) + \
-            (" differ" if len(names) > 1 else " differs")
+        return (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]) + (
+            " differ" if len(names) > 1 else " differs"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         by: dict[str, list[dict]] = defaultdict(list)
         for d in self.differences:
             by[d.group].append(d.as_dict())
-        return {"key": self.graph.key, "graph_key": self.graph.graph_key, "verdict": self.verdict,
-                "cause": None if self.verdict == HIT else self.cause(), "options": self.options,
-                "reason": self.reason, "torch_version": self.graph.torch_version,
-                "groups": dict(by), "devices": self.graph.devices()}
+        return {
+            "key": self.graph.key,
+            "graph_key": self.graph.graph_key,
+            "verdict": self.verdict,
+            "cause": None if self.verdict == HIT else self.cause(),
+            "options": self.options,
+            "reason": self.reason,
+            "torch_version": self.graph.torch_version,
+            "groups": dict(by),
+            "devices": self.graph.devices(),
+        }
 
 
 def _coarse(name: str) -> str:
@@ -273,10 +308,23 @@ def predict(graph: Graph, host: Host) -> Prediction:
     if not graph.recorded:
         who = f"torch {graph.torch_version}" if graph.torch_version else "its torch"
         if graph.torch_version and "*" not in graph.torch_version and graph.torch_version != host.torch:
-            return Prediction(graph, MISS, (Difference(Part.ENVIRONMENT, "torch_version", graph.torch_version,
-                                                       host.torch, True, "as the bundle's header names it"),))
-        return Prediction(graph, UNKNOWN, reason=f"{who} records no hash components: what it was compiled for "
-                                                 "cannot be compared")
+            return Prediction(
+                graph,
+                MISS,
+                (
+                    Difference(
+                        Part.ENVIRONMENT,
+                        "torch_version",
+                        graph.torch_version,
+                        host.torch,
+                        True,
+                        "as the bundle's header names it",
+                    ),
+                ),
+            )
+        return Prediction(
+            graph, UNKNOWN, reason=f"{who} records no hash components: what it was compiled for cannot be compared"
+        )
     diffs: list[Difference] = []
     base = host.defaults.components
     # 1. host facts: the torch build, the system, the thread count, the device
@@ -290,20 +338,43 @@ def predict(graph: Graph, host: Host) -> Prediction:
         why = None
         if name == "cpp_runtime_thread_count":
             why = "torch.get_num_threads() here (cores, OMP_NUM_THREADS); unless the workload sets it"
-        diffs.append(Difference(group_of(name), name,
-                                _show(mine, name, graph.torch_version) if mine else "(absent)",
-                                _show(theirs, name, host.torch) if theirs else "(absent)", True, why))
+        diffs.append(
+            Difference(
+                group_of(name),
+                name,
+                _show(mine, name, graph.torch_version) if mine else "(absent)",
+                _show(theirs, name, host.torch) if theirs else "(absent)",
+                True,
+                why,
+            )
+        )
     for dev in graph.devices():
         if dev != "cpu" and dev not in host.devices:
             here = [d for d in host.devices if d != "cpu"]
-            diffs.append(Difference(Part.INPUTS, DEVICE, dev, ", ".join(here) or "no CUDA device", True,
-                                    "keys embed the device index" if here else "this host has no such device"))
+            diffs.append(
+                Difference(
+                    Part.INPUTS,
+                    DEVICE,
+                    dev,
+                    ", ".join(here) or "no CUDA device",
+                    True,
+                    "keys embed the device index" if here else "this host has no such device",
+                )
+            )
     # 2. what the workload may set at run time
     for name in sorted(WORKLOAD_SET & set(graph.components)):
         mine, theirs = graph.components[name], base.get(name)
         if theirs is None or mine[0] != theirs[0]:
-            diffs.append(Difference(Part.ENVIRONMENT, name, _show(mine, name), _show(theirs, name), False,
-                                    "a program may set it at run time; this is this host's default"))
+            diffs.append(
+                Difference(
+                    Part.ENVIRONMENT,
+                    name,
+                    _show(mine, name),
+                    _show(theirs, name),
+                    False,
+                    "a program may set it at run time; this is this host's default",
+                )
+            )
     # 3. options: the candidate that reproduces them, or the nearest
     names = _options_names(graph, host)
     scored = [(len(_option_diff(graph, c, names)), i, c) for i, c in enumerate(host.candidates)]
@@ -312,8 +383,9 @@ def predict(graph: Graph, host: Host) -> Prediction:
     if n_diff:
         options = _option_differences(graph, host, best, _option_diff(graph, best, names))
         if any(d.name == "torch_version" for d in diffs):  # another torch: its options are another set
-            options = [Difference(d.group, d.name, d.cache, d.host, False, "another torch build's option")
-                       for d in options]
+            options = [
+                Difference(d.group, d.name, d.cache, d.host, False, "another torch build's option") for d in options
+            ]
         diffs.extend(options)
     certain = [d for d in diffs if d.certain]
     if certain:
@@ -335,8 +407,14 @@ def _option_differences(graph: Graph, host: Host, cand: Candidate, names: list[s
         if mine is not None and theirs is None and n not in FX_MIRRORS:
             out.append(Difference(group_of(n), n, mine_v, None, False, f"torch {host.torch} computes no {n}"))
             continue
-        by_env = (host.pristine is not None and n in host.pristine and theirs is not None and mine is not None
-                  and host.pristine[n][0] != theirs[0] and host.pristine[n][0] == mine[0])
+        by_env = (
+            host.pristine is not None
+            and n in host.pristine
+            and theirs is not None
+            and mine is not None
+            and host.pristine[n][0] != theirs[0]
+            and host.pristine[n][0] == mine[0]
+        )
         if by_env:
             env_set.append(n)
         out.append(Difference(group_of(n), n, mine_v, theirs_v, False, None))
@@ -345,12 +423,20 @@ def _option_differences(graph: Graph, host: Host, cand: Candidate, names: list[s
         return [Difference(d.group, d.name, d.cache, d.host, True, d.why or why) for d in out]
     if env_set and len(env_set) == len(out):
         names_env = ", ".join(sorted(host.env)) or "its environment"
-        return [Difference(d.group, d.name, d.cache, d.host, True, f"this host sets it ({names_env})")
-                for d in out]
-    return [Difference(d.group, d.name, d.cache, d.host, d.certain,
-                       d.why or "compiled with options cachemgr does not know (torch.compile(options=...)?); "
-                                "give them in a --manifest, or record the model with cachemgr.record")
-            for d in out]
+        return [Difference(d.group, d.name, d.cache, d.host, True, f"this host sets it ({names_env})") for d in out]
+    return [
+        Difference(
+            d.group,
+            d.name,
+            d.cache,
+            d.host,
+            d.certain,
+            d.why
+            or "compiled with options cachemgr does not know (torch.compile(options=...)?); "
+            "give them in a --manifest, or record the model with cachemgr.record",
+        )
+        for d in out
+    ]
 
 
 def _unknown_reason(diffs: Sequence[Difference]) -> str:
@@ -358,8 +444,12 @@ def _unknown_reason(diffs: Sequence[Difference]) -> str:
     other = [d.name for d in diffs if d.group != Part.OPTIONS]
     parts = []
     if opts:
-        parts.append("compiled with options cachemgr does not know (" + ", ".join(opts[:4]) +
-                     (f" and {len(opts) - 4} more" if len(opts) > 4 else "") + ")")
+        parts.append(
+            "compiled with options cachemgr does not know ("
+            + ", ".join(opts[:4])
+            + (f" and {len(opts) - 4} more" if len(opts) > 4 else "")
+            + ")"
+        )
     if other:
         parts.append("settings a program may change at run time differ (" + ", ".join(other) + ")")
     return "; ".join(parts)
@@ -390,11 +480,12 @@ def summarize(predictions: Sequence[Prediction]) -> list[SummaryLine]:
     """One line per verdict and cause, each graph counted once: the lines add up to the graphs."""
     groups: dict[tuple[str, str | None], int] = defaultdict(int)
     for p in predictions:
-        cause = (f"compiled with the options of {p.options}" if p.options else None) if p.verdict == HIT \
-            else p.cause()
+        cause = (f"compiled with the options of {p.options}" if p.options else None) if p.verdict == HIT else p.cause()
         groups[(p.verdict, cause)] += 1
-    return sorted((SummaryLine(v, c, n) for (v, c), n in groups.items()),
-                  key=lambda s: (VERDICTS.index(s.verdict), -s.graphs, s.cause or ""))
+    return sorted(
+        (SummaryLine(v, c, n) for (v, c), n in groups.items()),
+        key=lambda s: (VERDICTS.index(s.verdict), -s.graphs, s.cause or ""),
+    )
 
 
 @dataclass(frozen=True)
@@ -408,14 +499,25 @@ class Report:
 
     def as_dict(self) -> dict[str, Any]:
         h = self.host
-        return {"source": self.source,
-                "host": {"torch": h.torch, "torch_version_hash": h.torch_version_hash, "system": h.system,
-                         "devices": list(h.devices), "option_sets": [c.label for c in h.candidates],
-                         "environment": dict(h.env), "manifest_complete": h.complete, "errors": list(h.errors)},
-                "graphs": len(self.predictions), "hit": self.count(HIT), "miss": self.count(MISS),
-                "unknown": self.count(UNKNOWN),
-                "summary": [s.as_dict() for s in summarize(self.predictions)],
-                "predictions": [p.as_dict() for p in self.predictions]}
+        return {
+            "source": self.source,
+            "host": {
+                "torch": h.torch,
+                "torch_version_hash": h.torch_version_hash,
+                "system": h.system,
+                "devices": list(h.devices),
+                "option_sets": [c.label for c in h.candidates],
+                "environment": dict(h.env),
+                "manifest_complete": h.complete,
+                "errors": list(h.errors),
+            },
+            "graphs": len(self.predictions),
+            "hit": self.count(HIT),
+            "miss": self.count(MISS),
+            "unknown": self.count(UNKNOWN),
+            "summary": [s.as_dict() for s in summarize(self.predictions)],
+            "predictions": [p.as_dict() for p in self.predictions],
+        }
 
 
 def check(graphs: Iterable[Graph], host: Host, source: str) -> Report:
@@ -476,17 +578,29 @@ def option_sets(manifest: Any | None, recorded: Sequence[Mapping[str, Any]] = ()
 
 def _option_set(label: str, kw: Mapping[str, Any]) -> dict[str, Any]:
     opts = kw.get("options")
-    return {"label": label, "mode": kw.get("mode") if isinstance(kw.get("mode"), str) else None,
-            "dynamic": kw.get("dynamic") if isinstance(kw.get("dynamic"), bool) else None,
-            "options": dict(opts) if isinstance(opts, Mapping) else {}}
+    return {
+        "label": label,
+        "mode": kw.get("mode") if isinstance(kw.get("mode"), str) else None,
+        "dynamic": kw.get("dynamic") if isinstance(kw.get("dynamic"), bool) else None,
+        "options": dict(opts) if isinstance(opts, Mapping) else {},
+    }
 
 
 # Variables that choose Inductor options at import (config.py reads them); the cache and remote
 # tier switches change no key.
-NOT_OPTIONS = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
-               "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE",
-               "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "TORCHINDUCTOR_REDIS_URL", "TORCHINDUCTOR_REDIS_HOST",
-               "TORCHINDUCTOR_REDIS_PORT", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_WORKER_START")
+NOT_OPTIONS = (
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TORCHINDUCTOR_FX_GRAPH_CACHE",
+    "TORCHINDUCTOR_AUTOGRAD_CACHE",
+    "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE",
+    "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE",
+    "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE",
+    "TORCHINDUCTOR_REDIS_URL",
+    "TORCHINDUCTOR_REDIS_HOST",
+    "TORCHINDUCTOR_REDIS_PORT",
+    "TORCHINDUCTOR_COMPILE_THREADS",
+    "TORCHINDUCTOR_WORKER_START",
+)
 
 
 def option_variables(environ: Mapping[str, str]) -> dict[str, str]:
@@ -495,6 +609,22 @@ def option_variables(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 __all__ = [
-    "HIT", "MISS", "UNKNOWN", "Candidate", "Difference", "Graph", "Host", "Prediction", "Report", "SummaryLine",
-    "check", "graph_of", "graphs_from_store", "group_of", "option_sets", "option_variables", "predict", "summarize",
+    "HIT",
+    "MISS",
+    "UNKNOWN",
+    "Candidate",
+    "Difference",
+    "Graph",
+    "Host",
+    "Prediction",
+    "Report",
+    "SummaryLine",
+    "check",
+    "graph_of",
+    "graphs_from_store",
+    "group_of",
+    "option_sets",
+    "option_variables",
+    "predict",
+    "summarize",
 ]

@@ -87,6 +87,7 @@ def _number(v: Any) -> float:
 
 def _duration(low: float = 0.0, high: float = MAX_DURATION) -> Callable[[Any], float]:
     """Seconds, from '14d' / '6h' / '30m' / '45s' / a plain number of seconds; low <= d <= high."""
+
     def parse(v: Any) -> float:
         d = _number(v) if not isinstance(v, str) else parse_duration(_text(v))
         if not math.isfinite(d):
@@ -96,6 +97,7 @@ def _duration(low: float = 0.0, high: float = MAX_DURATION) -> Callable[[Any], f
         if d > high:
             raise ValueError(f"must be at most {'10 years' if high == MAX_DURATION else f'{high:g}s'}")
         return d
+
     return parse
 
 
@@ -204,6 +206,7 @@ def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
         if v is None or (isinstance(v, str) and v.strip().lower() in ("", "none", "off")):
             return None
         return parse(v)
+
     return optional
 
 
@@ -222,33 +225,85 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("cache_dir", _path, _default_cache_dir, "TorchInductor cache directory to manage",
-           read_from=("TORCHINDUCTOR_CACHE_DIR",)),
-    Option("db", _nonempty, lambda env: f"sqlite:///{state_dir(env) / 'index.db'}",
-           "index database URL (SQLite or PostgreSQL)", read_from=("STATE_DIRECTORY", "XDG_STATE_HOME")),
+    Option(
+        "cache_dir",
+        _path,
+        _default_cache_dir,
+        "TorchInductor cache directory to manage",
+        read_from=("TORCHINDUCTOR_CACHE_DIR",),
+    ),
+    Option(
+        "db",
+        _nonempty,
+        lambda env: f"sqlite:///{state_dir(env) / 'index.db'}",
+        "index database URL (SQLite or PostgreSQL)",
+        read_from=("STATE_DIRECTORY", "XDG_STATE_HOME"),
+    ),
     Option("host", _host, _default_host, "host name recorded on every row (fleet tier)"),
-    Option("spool_dir", _path, lambda env: str(state_dir(env) / "spool"),
-           "where cachemgr.record appends recorded shapes", read_from=("STATE_DIRECTORY", "XDG_STATE_HOME")),
+    Option(
+        "spool_dir",
+        _path,
+        lambda env: str(state_dir(env) / "spool"),
+        "where cachemgr.record appends recorded shapes",
+        read_from=("STATE_DIRECTORY", "XDG_STATE_HOME"),
+    ),
     Option("max_size", _optional(_size), lambda env: None, "size cap, e.g. 20GiB", unit="size"),
     Option("low_water", _fraction, lambda env: 0.9, "evict down to this fraction of max_size / max_files"),
-    Option("max_age", _optional(_duration()), lambda env: None, "evict entries not accessed for this long, e.g. 14d",
-           unit="duration"),
+    Option(
+        "max_age",
+        _optional(_duration()),
+        lambda env: None,
+        "evict entries not accessed for this long, e.g. 14d",
+        unit="duration",
+    ),
     Option("max_files", _optional(_count), lambda env: None, "file-count cap (inode quotas)"),
-    Option("min_free", _optional(_min_free), lambda env: None, "free-space floor on the cache's file system, 10% or 50GiB"),
+    Option(
+        "min_free", _optional(_min_free), lambda env: None, "free-space floor on the cache's file system, 10% or 50GiB"
+    ),
     Option("policy", _policy, lambda env: "lru", "eviction policy: lru or cost"),
-    Option("grace", _duration(), lambda env: 60.0, "never delete files younger than this (since write or last access)",
-           unit="duration"),
+    Option(
+        "grace",
+        _duration(),
+        lambda env: 60.0,
+        "never delete files younger than this (since write or last access)",
+        unit="duration",
+    ),
     # an interval of 0 would spin
     Option("evict_interval", _duration(1.0), lambda env: 300.0, "daemon: run eviction this often", unit="duration"),
-    Option("scan_interval", _duration(1.0), lambda env: 3600.0,
-           "daemon: reconcile the whole tree this often (heals lost events)", unit="duration"),
-    Option("debounce", _duration(0.0, MAX_BATCH_WAIT), lambda env: 0.3,
-           "daemon: quiet period before applying a batch of file events", unit="duration"),
-    Option("max_wait", _duration(0.01, MAX_BATCH_WAIT), lambda env: 1.0,
-           "daemon: apply a batch at the latest after this long", unit="duration"),
-    Option("metrics", _metrics, lambda env: "off", "daemon: Prometheus endpoint HOST:PORT (a bare PORT binds 127.0.0.1), or off"),
-    Option("redis_url", _optional(_nonempty), lambda env: env.get("TORCHINDUCTOR_REDIS_URL") or None,
-           "Redis of the shared remote cache (fleet tier)", read_from=("TORCHINDUCTOR_REDIS_URL",)),
+    Option(
+        "scan_interval",
+        _duration(1.0),
+        lambda env: 3600.0,
+        "daemon: reconcile the whole tree this often (heals lost events)",
+        unit="duration",
+    ),
+    Option(
+        "debounce",
+        _duration(0.0, MAX_BATCH_WAIT),
+        lambda env: 0.3,
+        "daemon: quiet period before applying a batch of file events",
+        unit="duration",
+    ),
+    Option(
+        "max_wait",
+        _duration(0.01, MAX_BATCH_WAIT),
+        lambda env: 1.0,
+        "daemon: apply a batch at the latest after this long",
+        unit="duration",
+    ),
+    Option(
+        "metrics",
+        _metrics,
+        lambda env: "off",
+        "daemon: Prometheus endpoint HOST:PORT (a bare PORT binds 127.0.0.1), or off",
+    ),
+    Option(
+        "redis_url",
+        _optional(_nonempty),
+        lambda env: env.get("TORCHINDUCTOR_REDIS_URL") or None,
+        "Redis of the shared remote cache (fleet tier)",
+        read_from=("TORCHINDUCTOR_REDIS_URL",),
+    ),
     Option("keep_torch", _keep_torch, lambda env: [], "torch versions that purge --stale must keep"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
@@ -285,12 +340,17 @@ class Settings:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("sources", "config_file")}
 
 
-def load(config_file: str | None = None, flags: Mapping[str, Any] | None = None,
-         environ: Mapping[str, str] | None = None) -> Settings:
+def load(
+    config_file: str | None = None, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
     """Resolve every option. `config_file` None means /etc/cachemgr/config.toml if it exists."""
     environ = os.environ if environ is None else environ
     raw: dict[str, tuple[Any, str]] = {}
-    path = config_file or environ.get("CACHEMGR_CONFIG") or (DEFAULT_CONFIG_FILE if os.path.exists(DEFAULT_CONFIG_FILE) else None)
+    path = (
+        config_file
+        or environ.get("CACHEMGR_CONFIG")
+        or (DEFAULT_CONFIG_FILE if os.path.exists(DEFAULT_CONFIG_FILE) else None)
+    )
     if path:
         for k, v in _read_toml(path).items():
             if k not in BY_NAME:

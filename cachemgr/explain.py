@@ -39,11 +39,19 @@ from cachemgr.index.store import CompileEvent, GraphEntry, Store
 from cachemgr.vocab import Event, Kind
 
 GROUPS = ("code", "inputs", "options", "environment", "other", "entry")  # entry: fields outside the key
-ENVIRONMENT = {"torch_version", "cuda_matmul_settings", "deterministic_algorithms_settings", "default_dtype",
-               "cache_key_tag", "cpp_runtime_thread_count"}
+ENVIRONMENT = {
+    "torch_version",
+    "cuda_matmul_settings",
+    "deterministic_algorithms_settings",
+    "default_dtype",
+    "cache_key_tag",
+    "cpp_runtime_thread_count",
+}
 # A forward and its backward, or an inference graph and a training forward, are other graphs.
-GRAPH_ROLES = {"fx_kwargs[is_backward]": ("a backward", "a forward"),
-               "fx_kwargs[is_inference]": ("an inference", "a training")}
+GRAPH_ROLES = {
+    "fx_kwargs[is_backward]": ("a backward", "a forward"),
+    "fx_kwargs[is_inference]": ("an inference", "a training"),
+}
 NEW_GRAPH_RATIO = 0.5  # below this line similarity the nearest code is another graph, not an edit
 NEAREST = 3
 
@@ -55,8 +63,12 @@ def group_of(name: str) -> str:
         return "inputs"
     if name in ENVIRONMENT or name.startswith("system_info["):
         return "environment"
-    if name.startswith(("fx_kwargs[", "inductor_config")) or "pass" in name or "partitioner" in name \
-            or name in ("precompile_enabled", "provenance_tracking_level"):
+    if (
+        name.startswith(("fx_kwargs[", "inductor_config"))
+        or "pass" in name
+        or "partitioner" in name
+        or name in ("precompile_enabled", "provenance_tracking_level")
+    ):
         return "options"
     return "other"
 
@@ -94,7 +106,7 @@ def parse_input(value: str, truncated_at: int = 200) -> dict[str, str]:
     value = value or ""
     if not value.startswith("TensorMetadata("):
         return {"scalar": value.strip().strip("(),").strip("'\"") or "?"}
-    body = value[len("TensorMetadata("):]
+    body = value[len("TensorMetadata(") :]
     complete = len(value) < truncated_at
     if complete and body.endswith(")"):
         body = body[:-1]
@@ -121,8 +133,10 @@ def input_text(fields: dict[str, str]) -> str:
     """One input, short: 'float32[8, 16] stride (16, 1) cpu' or the scalar."""
     if "scalar" in fields:
         return fields["scalar"]
-    return f"{fields.get('dtype', '?')}{fields.get('shape', '[?]')} stride {fields.get('stride', '?')} " \
-           f"{fields.get('device', '?')}"
+    return (
+        f"{fields.get('dtype', '?')}{fields.get('shape', '[?]')} stride {fields.get('stride', '?')} "
+        f"{fields.get('device', '?')}"
+    )
 
 
 def changed_fields(a: dict[str, str], b: dict[str, str]) -> list[str]:
@@ -181,8 +195,14 @@ class Change:
         return f"{self.name} changed"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"group": self.group, "name": self.name, "a": self.a, "b": self.b, "fields": list(self.fields),
-                "derived": self.derived}
+        return {
+            "group": self.group,
+            "name": self.name,
+            "a": self.a,
+            "b": self.b,
+            "fields": list(self.fields),
+            "derived": self.derived,
+        }
 
 
 def entry_dict(e: GraphEntry, shorts: dict[str, str]) -> dict[str, Any]:
@@ -232,11 +252,16 @@ class Diff:
 
     def as_dict(self, shorts: dict[str, str]) -> dict[str, Any]:
         return {
-            "a": entry_dict(self.a, shorts), "b": entry_dict(self.b, shorts), "same": self.same,
-            "not_recorded": self.not_recorded, "shared": self.shared,
-            "differ": len(self.changes), "causes": self.causes(),
+            "a": entry_dict(self.a, shorts),
+            "b": entry_dict(self.b, shorts),
+            "same": self.same,
+            "not_recorded": self.not_recorded,
+            "shared": self.shared,
+            "differ": len(self.changes),
+            "causes": self.causes(),
             "groups": {g: [c.as_dict() for c in cs] for g, cs in self.by_group().items()},
-            "code_diff": list(self.code_diff), "code_similarity": self.code_similarity,
+            "code_diff": list(self.code_diff),
+            "code_similarity": self.code_similarity,
         }
 
 
@@ -248,8 +273,12 @@ class Candidate:
     differ: int
 
     def as_dict(self, shorts: dict[str, str]) -> dict[str, Any]:
-        return {**entry_dict(self.entry, shorts), "same_code": self.same_code, "shared": self.shared,
-                "differ": self.differ}
+        return {
+            **entry_dict(self.entry, shorts),
+            "same_code": self.same_code,
+            "shared": self.shared,
+            "differ": self.differ,
+        }
 
 
 # Why a compile happened when no component change says it, as the summary words it after "N graphs".
@@ -295,9 +324,15 @@ class Miss:
     def as_dict(self, shorts: dict[str, str]) -> dict[str, Any]:
         ev = self.event
         return {
-            "key": ev.key, "graph_key": ev.graph_key, "short": shorts.get(ev.key, ev.key), "ts": ev.ts,
-            "mtime": self.entry.mtime if self.entry else None, "compile_seconds": ev.seconds,
-            "verdict": self.verdict, "recompile": self.recompiled, "causes": self.causes(),
+            "key": ev.key,
+            "graph_key": ev.graph_key,
+            "short": shorts.get(ev.key, ev.key),
+            "ts": ev.ts,
+            "mtime": self.entry.mtime if self.entry else None,
+            "compile_seconds": ev.seconds,
+            "verdict": self.verdict,
+            "recompile": self.recompiled,
+            "causes": self.causes(),
             "nearest": [c.as_dict(shorts) for c in self.nearest],
             "diff": self.diff.as_dict(shorts) if self.diff else None,
             "guards": {"nearest": self.guards[0], "this": self.guards[1]} if self.verdict == "guards" else None,
@@ -320,8 +355,13 @@ class SummaryLine:
         return f"{self.graphs} graph{s} recompiled because {self.cause}{secs}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"cause": self.cause, "graphs": self.graphs, "compile_seconds": round(self.seconds, 3),
-                "recompile": self.recompile, "text": self.text()}
+        return {
+            "cause": self.cause,
+            "graphs": self.graphs,
+            "compile_seconds": round(self.seconds, 3),
+            "recompile": self.recompile,
+            "text": self.text(),
+        }
 
 
 # -- comparing entries ---------------------------------------------------------------------------------
@@ -399,13 +439,20 @@ class Explainer:
         try:
             match = self.store.resolve(spec)
         except NotFound:
-            raise NotFound(f"no fxgraph entry {spec!r} in the index (only fxgraph entries have hash components; "
-                           "try: cachemgr ls --kind fxgraph)") from None
+            raise NotFound(
+                f"no fxgraph entry {spec!r} in the index (only fxgraph entries have hash components; "
+                "try: cachemgr ls --kind fxgraph)"
+            ) from None
         found = [self.by_key[e.key] for e in match.entries if e.key in self.by_key]
         if not found:
             e = match.entries[0]
-            why = (f"it is a {e.kind} entry; only fxgraph entries have hash components" if e.kind != Kind.FXGRAPH
-                   else "it is not parsed yet (run: cachemgr scan)" if not e.parsed else f"it is corrupt: {e.corrupt}")
+            why = (
+                f"it is a {e.kind} entry; only fxgraph entries have hash components"
+                if e.kind != Kind.FXGRAPH
+                else "it is not parsed yet (run: cachemgr scan)"
+                if not e.parsed
+                else f"it is corrupt: {e.corrupt}"
+            )
             raise UsageError(f"cannot compare {spec!r}: {why}")
         return max(found, key=lambda e: e.order), len(found)
 
@@ -454,8 +501,11 @@ class Explainer:
                 gm = (xa or "", xb or "")
             plain.append(Change(group_of(name), name, _show(xa, ha.get(name)), _show(xb, hb.get(name))))
         inputs, reshaped = _input_changes(_inputs(va), _inputs(vb), inputs_a, inputs_b)
-        dynamic = any(any(f.startswith("shape (dynamic)") for f in c.fields) or
-                      (c.a is None and c.b is not None and _SYMBOL.fullmatch(c.b or "")) for c in inputs)
+        dynamic = any(
+            any(f.startswith("shape (dynamic)") for f in c.fields)
+            or (c.a is None and c.b is not None and _SYMBOL.fullmatch(c.b or ""))
+            for c in inputs
+        )
         changes = []
         for c in plain + inputs:
             derived = c.derived
@@ -472,9 +522,19 @@ class Explainer:
             similarity = round(difflib.SequenceMatcher(None, la, lb, autojunk=False).ratio(), 3)
             code_diff = tuple(difflib.unified_diff(la, lb, "A", "B", n=1, lineterm=""))
         # the gm change's values: the whole code is in code_diff
-        changes = [Change(c.group, c.name, None if c.a is None else "(graph code)",
-                          None if c.b is None else "(graph code)", c.fields, c.derived) if c.name == "gm" else c
-                   for c in changes]
+        changes = [
+            Change(
+                c.group,
+                c.name,
+                None if c.a is None else "(graph code)",
+                None if c.b is None else "(graph code)",
+                c.fields,
+                c.derived,
+            )
+            if c.name == "gm"
+            else c
+            for c in changes
+        ]
         return Diff(a, b, shared, tuple(changes), code_diff, similarity, dynamic)
 
     def _unrecorded(self, a: GraphEntry, b: GraphEntry) -> Diff:
@@ -517,8 +577,7 @@ class Explainer:
 
     def misses(self, events: Iterable[CompileEvent], graphs: set[str] | None = None) -> list[Miss]:
         """Explain each compile (loaded entries are no compiles), of `graphs` only if given."""
-        return [self.explain(ev) for ev in events
-                if not ev.loaded and (graphs is None or ev.graph_key in graphs)]
+        return [self.explain(ev) for ev in events if not ev.loaded and (graphs is None or ev.graph_key in graphs)]
 
     def shorts(self, misses: Sequence[Miss] = (), diffs: Sequence[Diff] = ()) -> dict[str, str]:
         """Short keys of every entry these name."""
@@ -527,9 +586,15 @@ class Explainer:
         return self.store.short_keys({e.key: e for e in named}.values())
 
 
-UNRECORDED_FIELDS = (("torch version", "torch_version"), ("torch build (hash)", "torch_version_hash"),
-                     ("system", "system_hash"), ("signature", "signature"), ("options hash", "options_hash"),
-                     ("device types", "device_types"), ("guards", "guards"))
+UNRECORDED_FIELDS = (
+    ("torch version", "torch_version"),
+    ("torch build (hash)", "torch_version_hash"),
+    ("system", "system_hash"),
+    ("signature", "signature"),
+    ("options hash", "options_hash"),
+    ("device types", "device_types"),
+    ("guards", "guards"),
+)
 
 
 def _torch(e: Any) -> str:
@@ -542,15 +607,23 @@ def _inputs(values: dict[str, str]) -> list[str]:
     return [values[n] or "" for n in sorted((n for n in values if n.startswith("example_inputs[")), key=_natural)]
 
 
-def _input_changes(all_a: list[str], all_b: list[str], da: dict[int, str], db: dict[int, str]
-                   ) -> tuple[list[Change], bool]:
+def _input_changes(
+    all_a: list[str], all_b: list[str], da: dict[int, str], db: dict[int, str]
+) -> tuple[list[Change], bool]:
     """Input changes; True when inputs were added or removed (the rest renumbered)."""
     if len(all_a) == len(all_b):
         out = []
         for i in sorted(set(da) | set(db)):
             fa, fb = parse_input(da.get(i, "")), parse_input(db.get(i, ""))
-            out.append(Change("inputs", f"example_inputs[{i}]", input_text(fa), input_text(fb),
-                              tuple(changed_fields(fa, fb) or ["beyond the stored value"])))
+            out.append(
+                Change(
+                    "inputs",
+                    f"example_inputs[{i}]",
+                    input_text(fa),
+                    input_text(fb),
+                    tuple(changed_fields(fa, fb) or ["beyond the stored value"]),
+                )
+            )
         return out, False
     # Different lengths: align the two lists by what each input is.
     pa, pb = [parse_input(v) for v in all_a], [parse_input(v) for v in all_b]
@@ -561,8 +634,15 @@ def _input_changes(all_a: list[str], all_b: list[str], da: dict[int, str], db: d
         for i, j in pairs:
             if all_a[i] != all_b[j]:
                 name = f"example_inputs[{j}]" + ("" if i == j else f" (was [{i}])")
-                out.append(Change("inputs", name, input_text(pa[i]), input_text(pb[j]),
-                                  tuple(changed_fields(pa[i], pb[j]) or ["beyond the stored value"])))
+                out.append(
+                    Change(
+                        "inputs",
+                        name,
+                        input_text(pa[i]),
+                        input_text(pb[j]),
+                        tuple(changed_fields(pa[i], pb[j]) or ["beyond the stored value"]),
+                    )
+                )
         for i in range(i1 + len(pairs), i2):
             out.append(Change("inputs", f"example_inputs[{i}] (A only)", input_text(pa[i]), None, ("removed",)))
         for j in range(j1 + len(pairs), j2):
@@ -590,8 +670,13 @@ def summarize(misses: Sequence[Miss]) -> list[SummaryLine]:
     groups: dict[str, list[Miss]] = defaultdict(list)
     for m in misses:
         groups[m.cause()].append(m)
-    return sorted((SummaryLine(c, len(ms), sum(m.event.seconds or 0.0 for m in ms), ms[0].recompiled)
-                   for c, ms in groups.items()), key=lambda s: (-s.graphs, -s.seconds, s.cause))
+    return sorted(
+        (
+            SummaryLine(c, len(ms), sum(m.event.seconds or 0.0 for m in ms), ms[0].recompiled)
+            for c, ms in groups.items()
+        ),
+        key=lambda s: (-s.graphs, -s.seconds, s.cause),
+    )
 
 
 @dataclass(frozen=True)
@@ -615,14 +700,26 @@ class Activity:
 
     def as_dict(self) -> dict[str, Any]:
         ratio = self.hit_ratio
-        return {"window_seconds": self.window, "hits": self.hits, "compiles": self.compiles,
-                "recompiles": self.recompiles, "loaded": self.loaded,
-                "hit_ratio": None if ratio is None else round(ratio, 4),
-                "compile_seconds": round(self.compile_seconds, 3), "evictions": self.evictions}
+        return {
+            "window_seconds": self.window,
+            "hits": self.hits,
+            "compiles": self.compiles,
+            "recompiles": self.recompiles,
+            "loaded": self.loaded,
+            "hit_ratio": None if ratio is None else round(ratio, 4),
+            "compile_seconds": round(self.compile_seconds, 3),
+            "evictions": self.evictions,
+        }
 
 
-def activity(store: Store, window: float | None = None, after_id: int = 0, upto_id: int | None = None,
-             misses: Sequence[Miss] | None = None, since: float | None = None) -> Activity:
+def activity(
+    store: Store,
+    window: float | None = None,
+    after_id: int = 0,
+    upto_id: int | None = None,
+    misses: Sequence[Miss] | None = None,
+    since: float | None = None,
+) -> Activity:
     """The activity of the last `window` seconds (or since the epoch time `since`, or of the
     events in (after_id, upto_id]). `misses`: the compiles of that range, already explained."""
     if since is None and window is not None:
@@ -632,9 +729,16 @@ def activity(store: Store, window: float | None = None, after_id: int = 0, upto_
     compiles = [ev for ev in events if not ev.loaded]
     if misses is None:
         misses = Explainer(store).misses(compiles) if compiles else []
-    return Activity(window, counts.get(Event.HIT, 0), len(compiles), sum(1 for m in misses if m.recompiled),
-                    len(events) - len(compiles), sum(ev.seconds or 0.0 for ev in compiles),
-                    counts.get(Event.EVICT, 0), tuple(ev.seconds for ev in compiles if ev.seconds is not None))
+    return Activity(
+        window,
+        counts.get(Event.HIT, 0),
+        len(compiles),
+        sum(1 for m in misses if m.recompiled),
+        len(events) - len(compiles),
+        sum(ev.seconds or 0.0 for ev in compiles),
+        counts.get(Event.EVICT, 0),
+        tuple(ev.seconds for ev in compiles if ev.seconds is not None),
+    )
 
 
 def since_epoch(window: float | None) -> float:
@@ -642,8 +746,20 @@ def since_epoch(window: float | None) -> float:
 
 
 __all__ = [
-    "Activity", "Candidate", "Change", "Diff", "Explainer", "Miss", "SummaryLine", "activity", "changed_fields",
-    "group_of", "input_text", "parse_input", "since_epoch", "summarize",
+    "Activity",
+    "Candidate",
+    "Change",
+    "Diff",
+    "Explainer",
+    "Miss",
+    "SummaryLine",
+    "activity",
+    "changed_fields",
+    "group_of",
+    "input_text",
+    "parse_input",
+    "since_epoch",
+    "summarize",
 ]
 
 
@@ -666,12 +782,18 @@ class Split:
     def text(self) -> str:
         s = "" if self.graphs == 1 else "s"
         shown = "; ".join(f"{h}: {v}" for h, v in self.values[:4]) + ("; ..." if len(self.values) > 4 else "")
-        return (f"{self.graphs} graph{s} split between {len(self.hosts)} hosts because {self.component} differs "
-                f"({shown})")
+        return (
+            f"{self.graphs} graph{s} split between {len(self.hosts)} hosts because {self.component} differs ({shown})"
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"component": self.component, "graphs": self.graphs, "hosts": list(self.hosts),
-                "values": [{"host": h, "value": v} for h, v in self.values], "text": self.text()}
+        return {
+            "component": self.component,
+            "graphs": self.graphs,
+            "hosts": list(self.hosts),
+            "values": [{"host": h, "value": v} for h, v in self.values],
+            "text": self.text(),
+        }
 
 
 def fragmentation(store: Store) -> list[Split]:
@@ -688,8 +810,7 @@ def fragmentation(store: Store) -> list[Split]:
     for e in entries.values():
         if "code" in e["sets"]:
             groups[(e["sets"]["code"], e["sets"].get("inputs", -1))].append(e)
-    split = [g for g in groups.values()
-             if len({e["host"] for e in g}) > 1 and len({e["graph_key"] for e in g}) > 1]
+    split = [g for g in groups.values() if len({e["host"] for e in g}) > 1 and len({e["graph_key"] for e in g}) > 1]
     ids = {e["sets"][p] for g in split for e in g for p in FRAGMENT_PARTS if p in e["sets"]}
     sets = store.component_sets(ids, values=True)
     counts: dict[str, int] = defaultdict(int)
@@ -712,8 +833,10 @@ def fragmentation(store: Store) -> list[Split]:
                 hosts[name].update(by_host)
                 for h, v in shown[name].items():
                     values[name].setdefault(h, v)
-    return sorted((Split(n, c, tuple(sorted(hosts[n])), tuple(sorted(values[n].items()))) for n, c in counts.items()),
-                  key=lambda s: (-s.graphs, s.component))
+    return sorted(
+        (Split(n, c, tuple(sorted(hosts[n])), tuple(sorted(values[n].items()))) for n, c in counts.items()),
+        key=lambda s: (-s.graphs, s.component),
+    )
 
 
 __all__ += ["Split", "fragmentation"]

@@ -45,7 +45,7 @@ def torch_key_of(torch_dir: str) -> tuple[str, bytes]:
         version = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", f.read(), re.M).group(1)  # type: ignore[union-attr]
     with open(os.path.join(torch_dir, "_inductor", "codecache.py")) as f:
         src = f.read()
-    body = src[src.index("def torch_key()"):]
+    body = src[src.index("def torch_key()") :]
     listed = re.search(r"extra_files = \((.*?)\)", body, re.S)
     extra = re.findall(r'"([^"]+)"', listed.group(1)) if listed else []
     h = hashlib.sha256(version.encode())
@@ -121,8 +121,9 @@ class Keep:
     def unresolved(self) -> list[str]:
         """Versions to keep whose builds' hashes are unknown (and whose entries record one)."""
         known = {v for v in self.hashes.values()}
-        return [k for k in self.versions if not k.startswith(FAMILY_ONLY)
-                and not any(version_matches(v, k) for v in known)]
+        return [
+            k for k in self.versions if not k.startswith(FAMILY_ONLY) and not any(version_matches(v, k) for v in known)
+        ]
 
     def is_stale(self, version: str | None, version_hash: str | None) -> bool | None:
         """True: written by a build not kept. False: kept. None: cannot tell (no version at all)."""
@@ -146,8 +147,13 @@ def learn(keep: Keep, pairs: list[tuple[str | None, str | None]]) -> None:
             keep.hashes.setdefault(h, version)
 
 
-def keep_for(rows, versions: list[str], recent: set[str] | None = None, known: dict[str, str] | None = None,
-             installed: Build | None = None) -> Keep:
+def keep_for(
+    rows,
+    versions: list[str],
+    recent: set[str] | None = None,
+    known: dict[str, str] | None = None,
+    installed: Build | None = None,
+) -> Keep:
     """What `purge --stale` keeps: the `versions` given, else the torch installed here and those
     used recently (`recent`); hashes resolved from `known` fingerprints, the installed torch, and
     entries that record a version beside their hash. `rows` need .torch_version, .torch_version_hash."""

@@ -227,8 +227,12 @@ def is_container(rel: str) -> bool:
 
 
 def iter_dirs(
-    root: str | safefs.Root, subtree: str = "", known: dict[str, int] | None = None, keep_paths: bool = True,
-    state: DirWalk | None = None, units: list[str] | None = None,
+    root: str | safefs.Root,
+    subtree: str = "",
+    known: dict[str, int] | None = None,
+    keep_paths: bool = True,
+    state: DirWalk | None = None,
+    units: list[str] | None = None,
 ) -> Iterator[Listing]:
     """Walk `root` (or `root/subtree`), reading only directories whose mtime differs from `known`,
     and yield each directory read with the entries whose home it is. `state` collects every
@@ -288,8 +292,14 @@ def walk_units(root: safefs.Root, units: list[str]) -> tuple[list[Listing], DirW
 
 
 class _Walker:
-    def __init__(self, out: DirWalk, children: dict[str, list[str]], known: dict[str, int], keep_paths: bool,
-                 units: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        out: DirWalk,
+        children: dict[str, list[str]],
+        known: dict[str, int],
+        keep_paths: bool,
+        units: list[str] | None = None,
+    ) -> None:
         self.out, self.children, self.known, self.keep_paths, self.units = out, children, known, keep_paths, units
         self.racy_after = time.time_ns() - RACY_NS
 
@@ -341,8 +351,7 @@ class _Walker:
             return
         yield from self.visit(fd, key, kernel)
 
-    def _list(self, fd: int, rel: str, kernel: DiskEntry | None,
-              entries: dict[str, DiskEntry]) -> list[str] | None:
+    def _list(self, fd: int, rel: str, kernel: DiskEntry | None, entries: dict[str, DiskEntry]) -> list[str] | None:
         """Add the regular files of directory `rel` to their entries (the kernel's, or those in
         `entries`); return the key names of its subdirectories, or None when it cannot be listed.
         Both in name order: entries come in key order, so the index's B-trees fill at their ends
@@ -437,8 +446,20 @@ def stat_entry(root: safefs.Root, c: Classified) -> DiskEntry | None:
 # -- is this an Inductor cache? ---------------------------------------------------------------------
 
 # Top-level folders Inductor, Triton and torch make under the cache dir (beside <2ch>/ module folders).
-OWN_FOLDERS = frozenset({"fxgraph", "aotautograd", "triton", LOCKS_DIR, "precompiled_headers", "aoti_eager",
-                         "autoheuristic", "cache", "dynamo", "gcc"})
+OWN_FOLDERS = frozenset(
+    {
+        "fxgraph",
+        "aotautograd",
+        "triton",
+        LOCKS_DIR,
+        "precompiled_headers",
+        "aoti_eager",
+        "autoheuristic",
+        "cache",
+        "dynamo",
+        "gcc",
+    }
+)
 _CHILDREN = {"fxgraph": _TWO_CHAR, "aotautograd": _AOT_KEY, "triton": _DEVICE}  # what these folders hold
 
 
@@ -484,8 +505,10 @@ def _not_inductors(r: safefs.Root, name: str) -> str | None:
     except OSError:
         return f"{shown}/ cannot be read"
     if _TWO_CHAR.match(name):
-        if children and not any((c := classify(f"{name}/{key_of(n)}")) is not None
-                                and c.kind in (Kind.CODE, Kind.AUTOTUNE) for n in children):
+        if children and not any(
+            (c := classify(f"{name}/{key_of(n)}")) is not None and c.kind in (Kind.CODE, Kind.AUTOTUNE)
+            for n in children
+        ):
             return f"{shown}/ holds no generated modules"
         return None
     if name not in OWN_FOLDERS:

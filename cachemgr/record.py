@@ -53,6 +53,7 @@ def spool_dir() -> str:
 
 # -- signatures --------------------------------------------------------------------------------
 
+
 def _key(obj: Any) -> Any:
     """The per-call signature of one argument: cheap, hashable, exact enough to tell compiles apart."""
     if isinstance(obj, _Tensor):
@@ -76,8 +77,14 @@ def call_key(args: tuple, kwargs: dict, grad: bool) -> tuple:
 def _spec(obj: Any) -> Any:
     """A JSON description of one argument that prewarm can rebuild (see prewarm.worker)."""
     if isinstance(obj, _Tensor):
-        return {"t": "tensor", "shape": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch."),
-                "device": str(obj.device), "requires_grad": bool(obj.requires_grad), "stride": list(obj.stride())}
+        return {
+            "t": "tensor",
+            "shape": list(obj.shape),
+            "dtype": str(obj.dtype).removeprefix("torch."),
+            "device": str(obj.device),
+            "requires_grad": bool(obj.requires_grad),
+            "stride": list(obj.stride()),
+        }
     if obj is None:
         return {"t": "none"}
     t = type(obj)
@@ -98,6 +105,7 @@ def input_spec(args: tuple, kwargs: dict, grad: bool) -> dict:
 
 def signature_text(spec: dict) -> str:
     """A short human line for one input spec: `(f32[8,32], i64[8]) grad` ."""
+
     def one(s: dict) -> str:
         t = s["t"]
         if t == "tensor":
@@ -122,8 +130,17 @@ def signature_text(spec: dict) -> str:
     return "(" + ", ".join(parts) + ")" + ("" if spec.get("grad", True) else " no_grad")
 
 
-_DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64",
-                "int32": "i32", "int8": "i8", "uint8": "u8", "bool": "b8"}
+_DTYPE_SHORT = {
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float64": "f64",
+    "int64": "i64",
+    "int32": "i32",
+    "int8": "i8",
+    "uint8": "u8",
+    "bool": "b8",
+}
 
 
 def signature_hash(spec: dict, options: dict) -> str:
@@ -134,6 +151,7 @@ def signature_hash(spec: dict, options: dict) -> str:
 
 def jsonable_options(kwargs: dict) -> dict:
     """torch.compile kwargs as JSON; what cannot be (a callable backend) becomes its name."""
+
     def conv(v: Any) -> Any:
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
@@ -147,6 +165,7 @@ def jsonable_options(kwargs: dict) -> dict:
 
 
 # -- the spool writer --------------------------------------------------------------------------
+
 
 class Spool:
     """Appends JSON lines to this process's own file in the spool directory.
@@ -179,8 +198,9 @@ class Spool:
         except LineError as e:
             raise ValueError(f"the ingester would refuse this signature: {e}") from None
         if len(line) > MAX_LINE:
-            raise ValueError(f"the signature is {len(line)} bytes, over the {MAX_LINE // 1024} KiB a spool line "
-                             "may hold")
+            raise ValueError(
+                f"the signature is {len(line)} bytes, over the {MAX_LINE // 1024} KiB a spool line may hold"
+            )
         self.append(doc, line)
 
     def append(self, doc: dict, line: bytes | None = None) -> None:
@@ -227,6 +247,7 @@ def _default_spool() -> Spool:
 
 # -- the recorder ------------------------------------------------------------------------------
 
+
 class Recorder:
     """The state behind one recorded model: the seen set and what a new signature writes."""
 
@@ -256,12 +277,20 @@ class Recorder:
 
     def _new(self, args: tuple, kwargs: dict, grad: bool) -> None:
         spec = input_spec(args, kwargs, grad)
-        self.spool.append_checked({
-            "v": SPOOL_VERSION, "model": self.name, "kind": self.kind, "ts": time.time(),
-            "host": socket.gethostname(), "pid": os.getpid(),
-            "signature_hash": signature_hash(spec, self.options), "signature": signature_text(spec),
-            "spec": spec, "options": self.options,
-        })
+        self.spool.append_checked(
+            {
+                "v": SPOOL_VERSION,
+                "model": self.name,
+                "kind": self.kind,
+                "ts": time.time(),
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "signature_hash": signature_hash(spec, self.options),
+                "signature": signature_text(spec),
+                "spec": spec,
+                "options": self.options,
+            }
+        )
 
 
 def compile(model: Any = None, *, name: str, spool: Spool | None = None, **torch_compile_kwargs: Any) -> Any:
@@ -308,6 +337,7 @@ def _recorded_class(base: type) -> type:
     forward pre-hook (which sends nn.Module down its slow path) and it runs outside dynamo."""
     cls = _CLASSES.get(base)
     if cls is None:
+
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             self._cachemgr_recorder.observe(args, kwargs)
             return base.__call__(self, *args, **kwargs)
@@ -316,4 +346,3 @@ def _recorded_class(base: type) -> type:
         globals()[cls.__name__] = cls  # picklable by name
         _CLASSES[base] = cls
     return cls
-

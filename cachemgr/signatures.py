@@ -15,17 +15,41 @@ import re
 
 # torch dtype name -> the short name every signature uses (a new torch dtype falls back to its own name)
 DTYPES = {
-    "float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
-    "float8_e4m3fn": "f8e4m3fn", "float8_e4m3fnuz": "f8e4m3fnuz", "float8_e5m2": "f8e5m2",
-    "float8_e5m2fnuz": "f8e5m2fnuz", "float8_e8m0fnu": "f8e8m0fnu",
-    "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64",
-    "uint8": "u8", "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "b8",
-    "complex32": "c32", "complex64": "c64", "complex128": "c128",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float32": "f32",
+    "float64": "f64",
+    "float8_e4m3fn": "f8e4m3fn",
+    "float8_e4m3fnuz": "f8e4m3fnuz",
+    "float8_e5m2": "f8e5m2",
+    "float8_e5m2fnuz": "f8e5m2fnuz",
+    "float8_e8m0fnu": "f8e8m0fnu",
+    "int8": "i8",
+    "int16": "i16",
+    "int32": "i32",
+    "int64": "i64",
+    "uint8": "u8",
+    "uint16": "u16",
+    "uint32": "u32",
+    "uint64": "u64",
+    "bool": "b8",
+    "complex32": "c32",
+    "complex64": "c64",
+    "complex128": "c128",
 }
 LONG = {v: k for k, v in DTYPES.items()}
 # torch's other spellings of the same dtypes (torch.float is torch.float32, ...)
-ALIASES = {"float": "float32", "double": "float64", "half": "float16", "int": "int32", "long": "int64",
-           "short": "int16", "cfloat": "complex64", "cdouble": "complex128", "chalf": "complex32"}
+ALIASES = {
+    "float": "float32",
+    "double": "float64",
+    "half": "float16",
+    "int": "int32",
+    "long": "int64",
+    "short": "int16",
+    "cfloat": "complex64",
+    "cdouble": "complex128",
+    "chalf": "complex32",
+}
 
 
 def short_dtype(name: str) -> str:

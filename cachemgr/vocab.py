@@ -32,7 +32,7 @@ LOSS = {
     Kind.AOTAUTOGRAD: "AOT tracing and partitioning again (its graphs still hit while they stay)",
     Kind.TRITON: "nothing while a graph bundling it stays (a hit writes it again); else a Triton compile",
     Kind.CODE: "a module: nothing (a hit writes it again); a C++ build: a g++ run; a torch 2.5/2.6 prefix header: "
-               "a crash of the hits that include it (kept while any does)",
+    "a crash of the hits that include it (kept while any does)",
     Kind.AUTOTUNE: "one autotuning run of its kernel",
     Kind.LOCK: "nothing while it is not held",
     Kind.PRECOMPILE: "the whole compile of one function (dynamo, AOT and Inductor): it serves a warm start alone",

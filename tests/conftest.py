@@ -45,8 +45,13 @@ def subprocess_env(cache_dir: Path | str | None = None, **extra: str) -> dict[st
 
 def run_program(cache_dir: Path, *args: str, timeout: float = 600, **env: str) -> dict:
     """Run the test workload in a fresh process; return its counters line."""
-    out = subprocess.run([sys.executable, str(PROGRAMS / "compile_models.py"), *args],
-                         env=subprocess_env(cache_dir, **env), capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, str(PROGRAMS / "compile_models.py"), *args],
+        env=subprocess_env(cache_dir, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -129,8 +134,13 @@ class Cli:
         return json.loads(self(*args, "--json", code=code).stdout)
 
     def proc(self, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "cachemgr", *self.base(), *args], capture_output=True,
-                              text=True, timeout=timeout, env={**subprocess_env(), **(env or {})})
+        return subprocess.run(
+            [sys.executable, "-m", "cachemgr", *self.base(), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**subprocess_env(), **(env or {})},
+        )
 
 
 class Result:

@@ -55,9 +55,31 @@ def victim_tree(root: Path, dirs: int = 64, files: int = 3) -> Path:
 def find_totals(root: Path) -> tuple[int, int]:
     """(files, bytes) as `find` counts them, leaving out what cachemgr never indexes: dot-names
     (writes in progress, its own trash) and Triton's tmp.* directories."""
-    out = subprocess.run(["find", str(root), "-name", ".*", "-prune", "-o", "-name", "tmp.*", "-prune", "-o",
-                          "-name", "*.tmp*", "-prune", "-o", "-type", "f", "-printf", "%s\\n"],
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [
+            "find",
+            str(root),
+            "-name",
+            ".*",
+            "-prune",
+            "-o",
+            "-name",
+            "tmp.*",
+            "-prune",
+            "-o",
+            "-name",
+            "*.tmp*",
+            "-prune",
+            "-o",
+            "-type",
+            "f",
+            "-printf",
+            "%s\\n",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return len(out), sum(map(int, out))
 
 
@@ -65,6 +87,7 @@ def fake_entry(state: dict, module: str = FX_MODULE, name: str = FX_CLASS, build
     """A pickle shaped as torch writes an entry (a class instance made with NEWOBJ, then BUILD
     with its state), naming `module.name` without needing it importable. Without `build`, the
     object never gets a state (NEWOBJ alone)."""
+
     def short(s: str) -> bytes:
         b = s.encode()
         return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
@@ -78,8 +101,14 @@ def fake_entry(state: dict, module: str = FX_MODULE, name: str = FX_CLASS, build
 
 def fxgraph_state(key: str, **extra) -> dict:
     """A minimal but well-formed CompiledFxGraph state."""
-    return {"_fx_graph_cache_key": key, "cache_key": "c" + "q" * 51, "guards_expr": None,
-            "_time_taken_ns": 1_500_000_000, "_fx_graph_cache_debug_lines": [], **extra}
+    return {
+        "_fx_graph_cache_key": key,
+        "cache_key": "c" + "q" * 51,
+        "guards_expr": None,
+        "_time_taken_ns": 1_500_000_000,
+        "_fx_graph_cache_debug_lines": [],
+        **extra,
+    }
 
 
 def memo_bomb() -> bytes:
@@ -89,7 +118,7 @@ def memo_bomb() -> bytes:
 
 def many_classes(n: int = 200_000) -> bytes:
     """A pickle naming `n` distinct classes (each a stand-in class object for a naive reader)."""
-    parts = [b"\x80\x04(" ]  # MARK
+    parts = [b"\x80\x04("]  # MARK
     for i in range(n):
         mod, name = b"m", f"C{i}".encode()
         parts.append(b"\x8c" + bytes([len(mod)]) + mod + b"\x8c" + bytes([len(name)]) + name + b"\x93")

@@ -20,8 +20,11 @@ ENV = {"PYTHONPATH": os.pathsep.join((str(Path(__file__).resolve().parent.parent
 
 def scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def test_stats_explain_and_metrics_agree(tmp_path, db_url):
@@ -42,9 +45,11 @@ def test_stats_explain_and_metrics_agree(tmp_path, db_url):
     try:
         daemon.wait_message("READY=1")
         daemon.wait_log(f"metrics on http://127.0.0.1:{port}/metrics")
-        torch_counts = [compile_variant(cache, "base"),  # a compile
-                        compile_variant(cache, "base"),  # a hit
-                        compile_variant(cache, "option")]  # a recompile: the same graph, another option
+        torch_counts = [
+            compile_variant(cache, "base"),  # a compile
+            compile_variant(cache, "base"),  # a hit
+            compile_variant(cache, "option"),
+        ]  # a recompile: the same graph, another option
         assert [(c["fxgraph_cache_miss"], c["fxgraph_cache_hit"]) for c in torch_counts] == [(1, 0), (0, 1), (1, 0)]
         cli = Cli(cache, db_url)
         r = cli.proc("import", str(bundle), timeout=600, env=ENV)  # a load: no compile
@@ -53,6 +58,7 @@ def test_stats_explain_and_metrics_agree(tmp_path, db_url):
         def settled():
             a = cli.json("stats")["activity"]
             return a["compiles"] == 2 and a["loaded"] == 1 and a["hits"] >= 1 and a
+
         stats = wait_until(settled, timeout=60)
         summary = cli.json("explain", "--summary")
         m = wait_until(lambda: (m := scrape(port))["cachemgr_loaded_total"] == 1 and m, timeout=30)
@@ -67,8 +73,11 @@ def test_stats_explain_and_metrics_agree(tmp_path, db_url):
     assert stats["hits"] == m["cachemgr_cache_hits_total"] >= 1  # torch: 1 hit (a read per lookup)
     assert stats["hit_ratio"] == pytest.approx(m["cachemgr_cache_hit_ratio"], abs=1e-4)
     assert m["cachemgr_compile_seconds_count"] == 2 and m["cachemgr_compile_seconds_sum"] == pytest.approx(
-        stats["compile_seconds"], abs=1e-3)
+        stats["compile_seconds"], abs=1e-3
+    )
     assert {s["cause"]: s["graphs"] for s in summary["summary"]} == {
-        "compiled for the first time in this cache": 1, "inductor_config[epilogue_fusion] changed": 1}
+        "compiled for the first time in this cache": 1,
+        "inductor_config[epilogue_fusion] changed": 1,
+    }
     text = " ".join(cli("stats").stdout.split())
     assert f"2 compiles (1 recompile), {stats['hits']} hit" in text and ", 1 loaded: hit ratio" in text

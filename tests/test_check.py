@@ -79,8 +79,13 @@ compile = { options = %s }
 
 def run_traced(program: list[str], cache_dir: Path, trace: Path, **env: str) -> tuple[dict, set[str], int]:
     """Run a workload in a fresh process: (its counters, the keys torch hit, how many it missed)."""
-    out = subprocess.run([sys.executable, *program], capture_output=True, text=True, timeout=1200,
-                         env=subprocess_env(cache_dir, TORCH_TRACE=str(trace), **env))
+    out = subprocess.run(
+        [sys.executable, *program],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=subprocess_env(cache_dir, TORCH_TRACE=str(trace), **env),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     line = json.loads(out.stdout.strip().splitlines()[-1])
     counters = line.get("counters", {}).get("inductor") if "counters" in line else line
@@ -96,10 +101,14 @@ def outcome(trace: Path) -> tuple[set[str], int]:
         lines = f.read_text(errors="replace").splitlines()
         for i, line in enumerate(lines):
             for kind in ("hit", "miss"):
-                if f'{{"artifact": {{"name": "fx_graph_cache_{kind}"' in line and not line.startswith("\t") \
-                        and i + 1 < len(lines) and lines[i + 1].startswith("\t"):
+                if (
+                    f'{{"artifact": {{"name": "fx_graph_cache_{kind}"' in line
+                    and not line.startswith("\t")
+                    and i + 1 < len(lines)
+                    and lines[i + 1].startswith("\t")
+                ):
                     body = []  # the payload: the lines after the artifact's, each after a tab
-                    for nxt in lines[i + 1:]:
+                    for nxt in lines[i + 1 :]:
                         if not nxt.startswith("\t"):
                             break
                         body.append(nxt[1:])
@@ -128,9 +137,14 @@ def compare(case: str, report: dict, hits: set[str], counters: dict, exact: bool
         if exact:
             assert p["verdict"] != "unknown", f"{case}: {p['graph_key']} unknown: {p['cause']}"
     assert counters["fxgraph_cache_hit"] == len(hits) >= seen["hit"]
-    row = {"case": case, "graphs": report["graphs"], "predicted": {v: report[v] for v in ("hit", "miss", "unknown")},
-           "seen": seen, "counters": {k: counters.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")},
-           "causes": [s["text"] for s in report["summary"]]}
+    row = {
+        "case": case,
+        "graphs": report["graphs"],
+        "predicted": {v: report[v] for v in ("hit", "miss", "unknown")},
+        "seen": seen,
+        "counters": {k: counters.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")},
+        "causes": [s["text"] for s in report["summary"]],
+    }
     table = os.environ.get("CACHEMGR_CHECK_TABLE")
     if table:
         with open(table, "a") as f:
@@ -144,8 +158,14 @@ def causes(report: dict) -> list[str]:
 
 def named(report: dict, verdict: str) -> set[str]:
     """The component names the predictions of a verdict differ in."""
-    return {d["name"] for p in report["predictions"] if p["verdict"] == verdict
-            for ds in p["groups"].values() for d in ds if d["certain"] or verdict != "miss"}
+    return {
+        d["name"]
+        for p in report["predictions"]
+        if p["verdict"] == verdict
+        for ds in p["groups"].values()
+        for d in ds
+        if d["certain"] or verdict != "miss"
+    }
 
 
 # -- the cases ------------------------------------------------------------------------------------------
@@ -157,8 +177,10 @@ def test_same_host_every_graph_hits(fixture_cache, tmp_path, db_url):
     cli = Cli(root, db_url)
     report = predict(cli, "--manifest", str(tmp_path / "m.toml"))
     assert (report["graphs"], report["hit"]) == (8, 8), causes(report)
-    assert causes(report) == ["7 graphs will hit", "1 graph will hit (compiled with the options of model "
-                                                   "opt_fn_no_epilogue)"]
+    assert causes(report) == [
+        "7 graphs will hit",
+        "1 graph will hit (compiled with the options of model opt_fn_no_epilogue)",
+    ]
     # without the manifest the option set of one graph is not known: unknown, never a guessed hit
     bare = predict(cli)
     assert (bare["hit"], bare["unknown"]) == (7, 1)
@@ -166,8 +188,10 @@ def test_same_host_every_graph_hits(fixture_cache, tmp_path, db_url):
     assert p["groups"]["options"][0]["name"] == "inductor_config[epilogue_fusion]"
     assert (p["groups"]["options"][0]["cache"], p["groups"]["options"][0]["host"]) == ("False", "True")
     counters, hits, misses = run_traced([str(MAKE_CACHE)], root, tmp_path / "trace")
-    counters = {"fxgraph_cache_hit": counters.get("fxgraph_cache_hit", 0),
-                "fxgraph_cache_miss": counters.get("fxgraph_cache_miss", 0)}
+    counters = {
+        "fxgraph_cache_hit": counters.get("fxgraph_cache_hit", 0),
+        "fxgraph_cache_miss": counters.get("fxgraph_cache_miss", 0),
+    }
     assert misses == 0 and counters == {"fxgraph_cache_hit": 8, "fxgraph_cache_miss": 0}
     compare("same host (torch-2.13.0-cpu fixture, manifest)", report, hits, counters)
     compare("same host, no manifest", bare, hits, counters, exact=False)
@@ -206,10 +230,15 @@ def test_a_changed_inductor_option_misses_the_changed_graphs_named(workload_cach
     (p,) = [p for p in changed["predictions"] if p["verdict"] == "miss"]
     diffs = {d["name"]: d for d in p["groups"]["options"]}
     assert set(diffs) == {"inductor_config[epilogue_fusion]"}  # nearest: the defaults (mlp's and infer's)
-    assert (diffs["inductor_config[epilogue_fusion]"]["cache"], diffs["inductor_config[epilogue_fusion]"]["host"]) \
-        == ("False", "True")
-    counters, hits, misses = run_traced([str(WORKLOAD), "mlp", "--scaled-options",
-                                         '{"epilogue_fusion": true, "shape_padding": false}'], root, tmp_path / "t")
+    assert (diffs["inductor_config[epilogue_fusion]"]["cache"], diffs["inductor_config[epilogue_fusion]"]["host"]) == (
+        "False",
+        "True",
+    )
+    counters, hits, misses = run_traced(
+        [str(WORKLOAD), "mlp", "--scaled-options", '{"epilogue_fusion": true, "shape_padding": false}'],
+        root,
+        tmp_path / "t",
+    )
     assert misses == 1 == counters["fxgraph_cache_miss"]
     compare("changed inductor option (manifest: scaled's options)", changed, hits, counters)
 
@@ -222,8 +251,9 @@ def test_an_option_this_hosts_environment_sets_is_named(workload_cache, tmp_path
     cli = Cli(root, db_url)
     report = predict(cli, "--manifest", str(tmp_path / "same.toml"), env=env)
     assert report["miss"] == report["graphs"], causes(report)
-    assert causes(report) == [f"{report['graphs']} graphs will miss because inductor_config[max_autotune_pointwise] "
-                              "differs"]
+    assert causes(report) == [
+        f"{report['graphs']} graphs will miss because inductor_config[max_autotune_pointwise] differs"
+    ]
     assert report["host"]["environment"] == env
     # without the manifest: the graph compiled with options of its own differs in one more option,
     # which a per-call option may explain: unknown, never a hit
@@ -256,8 +286,9 @@ def test_a_format_without_components_is_unknown_never_a_hit(name, fixture_cache,
     report = predict(Cli(root, db_url))
     assert report["unknown"] == report["graphs"] == 8
     family = name.split("-")[1].rsplit(".", 1)[0]
-    assert causes(report) == [f"8 graphs unknown: torch {family}.* records no hash components: what it was "
-                              "compiled for cannot be compared"]
+    assert causes(report) == [
+        f"8 graphs unknown: torch {family}.* records no hash components: what it was compiled for cannot be compared"
+    ]
     counters, hits, _ = run_traced([str(MAKE_CACHE)], root, tmp_path / "trace")
     counters = {k: counters.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
     assert counters["fxgraph_cache_hit"] == 0
@@ -362,12 +393,18 @@ def test_import_checks_first(fixture_cache, tmp_path, db_url):
     target = Cli(tmp_path / "empty", db_url)
     r = target.proc("import", str(ours), "--check-only", timeout=900, env=ENV)
     assert r.returncode == 0, r.stderr
-    assert "check: 7 of 8 graphs will hit here (1 graph unknown: compiled with options cachemgr does not know" \
-        in r.stdout and "check only: nothing written" in r.stdout
+    assert (
+        "check: 7 of 8 graphs will hit here (1 graph unknown: compiled with options cachemgr does not know" in r.stdout
+        and "check only: nothing written" in r.stdout
+    )
     assert not (tmp_path / "empty").exists()
     r = target.proc("import", str(other), timeout=900, env=ENV)
-    assert r.returncode == 9 and "none of its 8 graphs would hit here (8 graphs will miss because torch_version " \
-        "differs): refusing to import it" in r.stderr, r.stderr
+    assert (
+        r.returncode == 9
+        and "none of its 8 graphs would hit here (8 graphs will miss because torch_version "
+        "differs): refusing to import it"
+        in r.stderr
+    ), r.stderr
     assert not (tmp_path / "empty" / "fxgraph").exists()
 
     # a partial bundle: refused, or imported with --allow-partial
@@ -408,8 +445,10 @@ def test_each_fixture_version_gets_its_adapter_and_its_hashes():
     assert adapters.name_for("2.4.1") is None and adapters.name_for("3.0.0") == "torch_2_6_plus"
     live = adapters.load(torch.__version__).fingerprint(torch)
     fp = json.loads((FIXTURES / "caches" / "torch-2.13.0-cpu.json").read_text())["fingerprint"]["2.13.0+cpu"]
-    assert (live["torch_version_hash"], live["system_component"]) == (fp["torch_version_hash"],
-                                                                      fp["system_info_hash_hash"])
+    assert (live["torch_version_hash"], live["system_component"]) == (
+        fp["torch_version_hash"],
+        fp["system_info_hash_hash"],
+    )
     assert live["torch_key"] == fp["torch_key_hex"] and live["system"] == "no GPU"
     gpu = json.loads((FIXTURES / "gpu" / "torch-2.11-h200-triton.json").read_text())["fingerprint"]
     assert component_hash(gpu["system_info"]["hash"]) == gpu["system_info_hash_component"]
@@ -462,8 +501,10 @@ def test_explain_summary_names_what_splits_the_fleet(workload_cache, tmp_path):
         assert s["values"] == [{"host": "gpu-a", "value": "False"}, {"host": "gpu-b", "value": "True"}]
         text = Cli(a, url, host="gpu-a").proc("explain", "--summary", "--since", "30d", timeout=300, env=ENV).stdout
         text = " ".join(text.split())  # wrapped to the terminal's width
-        assert f"{s['graphs']} graphs split between 2 hosts because inductor_config[max_autotune_pointwise] " \
-               "differs (gpu-a: False; gpu-b: True)" in text
+        assert (
+            f"{s['graphs']} graphs split between 2 hosts because inductor_config[max_autotune_pointwise] "
+            "differs (gpu-a: False; gpu-b: True)" in text
+        )
     finally:
         with _admin() as c:
             c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

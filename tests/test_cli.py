@@ -9,28 +9,31 @@ import sqlite3
 import pytest
 
 
-@pytest.mark.parametrize("args,code,message", [
-    (["ls", "--larger-than", "12XB"], 2, "invalid size '12XB'"),
-    (["ls", "--larger-than", "99999999999999999999999TiB"], 2, "larger than 8 EiB"),
-    (["daemon", "--metrics", "99999"], 2, "(port 1-65535)"),
-    (["daemon", "--scan-interval", "0"], 2, "must be at least 1s"),
-    (["--host", "", "stats"], 2, "must not be empty"),
-    (["purge", "--keep-torch", "2.11.0", "--all"], 2, "give --stale too"),
-    (["prewarm", "--manifest", "m.toml", "--timeout", "0"], 2, "'--timeout'"),
-    (["ls", "--older-than", "soon"], 2, "invalid duration 'soon'"),
-    (["ls", "--kind", "bogus"], 2, "'bogus' is not one of"),
-    (["stats", "--window", "1y"], 2, "invalid duration"),
-    (["show", "nosuchkey"], 3, "no entry 'nosuchkey'"),
-    (["pin", "nosuchkey"], 3, "no entry 'nosuchkey'"),
-    (["unpin", "nosuchkey"], 3, "'nosuchkey' is not pinned"),
-    (["ls", "--graph", "fnosuchgraph"], 3, "no entry 'fnosuchgraph'"),
-    (["ls", "--graph", "f", "--model", "m"], 2, "give --graph or --model, not both"),
-    (["explain", "--model", "nosuch"], 3, "no recorded shapes for model 'nosuch'"),
-    (["purge", "--model", "nosuch", "--yes"], 3, "no recorded shapes for model 'nosuch'"),
-    (["purge", "--all", "-q"], 2, "give --yes or --dry-run too"),
-    (["stats", "--fleet", "--by", "model"], 2, "--by model is per cache"),
-    (["frobnicate"], 2, "No such command"),
-])
+@pytest.mark.parametrize(
+    "args,code,message",
+    [
+        (["ls", "--larger-than", "12XB"], 2, "invalid size '12XB'"),
+        (["ls", "--larger-than", "99999999999999999999999TiB"], 2, "larger than 8 EiB"),
+        (["daemon", "--metrics", "99999"], 2, "(port 1-65535)"),
+        (["daemon", "--scan-interval", "0"], 2, "must be at least 1s"),
+        (["--host", "", "stats"], 2, "must not be empty"),
+        (["purge", "--keep-torch", "2.11.0", "--all"], 2, "give --stale too"),
+        (["prewarm", "--manifest", "m.toml", "--timeout", "0"], 2, "'--timeout'"),
+        (["ls", "--older-than", "soon"], 2, "invalid duration 'soon'"),
+        (["ls", "--kind", "bogus"], 2, "'bogus' is not one of"),
+        (["stats", "--window", "1y"], 2, "invalid duration"),
+        (["show", "nosuchkey"], 3, "no entry 'nosuchkey'"),
+        (["pin", "nosuchkey"], 3, "no entry 'nosuchkey'"),
+        (["unpin", "nosuchkey"], 3, "'nosuchkey' is not pinned"),
+        (["ls", "--graph", "fnosuchgraph"], 3, "no entry 'fnosuchgraph'"),
+        (["ls", "--graph", "f", "--model", "m"], 2, "give --graph or --model, not both"),
+        (["explain", "--model", "nosuch"], 3, "no recorded shapes for model 'nosuch'"),
+        (["purge", "--model", "nosuch", "--yes"], 3, "no recorded shapes for model 'nosuch'"),
+        (["purge", "--all", "-q"], 2, "give --yes or --dry-run too"),
+        (["stats", "--fleet", "--by", "model"], 2, "--by model is per cache"),
+        (["frobnicate"], 2, "No such command"),
+    ],
+)
 def test_bad_input_is_one_line(fixture_cache, cli_for, args, code, message):
     cli = cli_for(fixture_cache())
     cli("scan")
@@ -43,8 +46,10 @@ def test_bad_input_is_one_line(fixture_cache, cli_for, args, code, message):
 
 def test_missing_cache_dir(tmp_path, cli_for):
     r = cli_for(tmp_path / "nope").proc("scan")
-    assert r.returncode == 4 and r.stderr.strip() == (f"cachemgr: error: cache directory {tmp_path / 'nope'} does not "
-                                                      "exist (set --cache-dir or TORCHINDUCTOR_CACHE_DIR)")
+    assert r.returncode == 4 and r.stderr.strip() == (
+        f"cachemgr: error: cache directory {tmp_path / 'nope'} does not "
+        "exist (set --cache-dir or TORCHINDUCTOR_CACHE_DIR)"
+    )
 
 
 def test_bad_db_url(fixture_cache, cli_for):
@@ -63,8 +68,9 @@ def test_a_database_failure_mid_command_is_one_line(gpu_cache, cli_for, db_url):
     cli("scan")
     path = db_url.split(":///", 1)[1]
     with sqlite3.connect(path) as c:
-        c.execute("CREATE TRIGGER refuse BEFORE INSERT ON entries BEGIN "
-                  "SELECT RAISE(ABORT, 'disk quota exceeded'); END")
+        c.execute(
+            "CREATE TRIGGER refuse BEFORE INSERT ON entries BEGIN SELECT RAISE(ABORT, 'disk quota exceeded'); END"
+        )
     (gpu_cache / "zz").mkdir()
     (gpu_cache / "zz" / ("cz" + "q" * 50 + ".py")).write_text("# a new generated module\n")
     r = cli.proc("scan")
@@ -141,8 +147,12 @@ def test_default_cache_dir_not_created_yet_is_empty(tmp_path):
     assert __import__("json").loads(r.stdout)["added"] == 0
     assert not (tmp_path / f"torchinductor_{__import__('getpass').getuser()}").exists()  # nothing created
     # a directory the user named and mistyped is still an error
-    r = subprocess.run([sys.executable, "-m", "cachemgr", "--cache-dir", str(tmp_path / "typo"), "scan"], env=env,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--cache-dir", str(tmp_path / "typo"), "scan"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 4
 
 
@@ -155,7 +165,7 @@ def test_readme_lists_every_setting():
     from cachemgr import config
 
     text = (REPO / "README.md").read_text()
-    section = text[text.index("## Settings"):]
+    section = text[text.index("## Settings") :]
     section = section[: section.index("\n## ", 1)]
     listed = re.findall(r"^\| `(\w+)`", section, re.MULTILINE)
     assert sorted(listed) == sorted(o.name for o in config.OPTIONS) and len(set(listed)) == len(listed)
@@ -167,8 +177,14 @@ def test_bare_command_prints_its_help():
 
     from conftest import subprocess_env
 
-    r = subprocess.run([sys.executable, "-m", "cachemgr"], capture_output=True, text=True, env=subprocess_env(),
-                       timeout=60, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "cachemgr"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 0 and r.stdout.startswith("Usage: cachemgr") and "scan" in r.stdout and r.stderr == ""
 
 
@@ -214,8 +230,13 @@ def test_default_state_folder_is_created(fixture_cache, tmp_path):
     from conftest import subprocess_env
 
     env = subprocess_env(XDG_STATE_HOME=str(tmp_path / "xdg"))
-    r = subprocess.run([sys.executable, "-m", "cachemgr", "--cache-dir", str(fixture_cache()), "scan"], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--cache-dir", str(fixture_cache()), "scan"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "xdg" / "cachemgr" / "index.db").is_file()
 
@@ -237,8 +258,11 @@ def test_shell_completion(fixture_cache, cli_for):
     cli("scan")
     assert "_CACHEMGR_COMPLETE=bash_complete" in cli("completion", "bash").stdout
     short = cli.json("ls", "--kind", "fxgraph")[0]["short"]
-    env = subprocess_env(_CACHEMGR_COMPLETE="bash_complete", COMP_WORDS=f"cachemgr {' '.join(cli.base())} show "
-                         + short[:5], COMP_CWORD=str(len(cli.base()) + 2))
+    env = subprocess_env(
+        _CACHEMGR_COMPLETE="bash_complete",
+        COMP_WORDS=f"cachemgr {' '.join(cli.base())} show " + short[:5],
+        COMP_CWORD=str(len(cli.base()) + 2),
+    )
     r = subprocess.run([sys.executable, "-m", "cachemgr"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and f"plain,{short}" in r.stdout.splitlines(), r.stdout + r.stderr
     env["COMP_WORDS"] = "cachemgr st"

@@ -27,8 +27,16 @@ HOST = "testhost"
 class Daemon:
     """One `cachemgr daemon` process and the notify socket it talks to."""
 
-    def __init__(self, cache_dir: Path, db_url: str, *flags: str, watchdog_usec: int | None = None,
-                 prefix: tuple[str, ...] = (), env: dict | None = None, config: Path | None = None) -> None:
+    def __init__(
+        self,
+        cache_dir: Path,
+        db_url: str,
+        *flags: str,
+        watchdog_usec: int | None = None,
+        prefix: tuple[str, ...] = (),
+        env: dict | None = None,
+        config: Path | None = None,
+    ) -> None:
         self.sockdir = tempfile.mkdtemp(prefix="nt")  # short: AF_UNIX paths are limited to 108 bytes
         self.sock_path = os.path.join(self.sockdir, "notify")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -43,8 +51,12 @@ class Daemon:
         base = ["--cache-dir", str(cache_dir), "--db", db_url, "--host", HOST]
         if config:
             base += ["--config", str(config)]
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "cachemgr", *base, "daemon", "-v", *flags],
-                                     env=subprocess_env(**extra), stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "cachemgr", *base, "daemon", "-v", *flags],
+            env=subprocess_env(**extra),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_message(self, wanted: str, timeout: float = 60, since: int = 0) -> list[str]:
         """Read datagrams until one (from index `since` on) carries `wanted`, e.g. 'READY=1';
@@ -134,6 +146,7 @@ def an_fxgraph(cache: Path) -> Path:
 
 # -- systemd protocol and signals ------------------------------------------------------------------
 
+
 def test_ready_then_watchdog_then_sigterm(tmp_path, start):
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -174,15 +187,24 @@ def test_sighup_reloads_config(tmp_path, start):
 
 # -- indexing what torch writes and reads ----------------------------------------------------------
 
+
 def test_real_compile_is_indexed_live_and_hits_counted(tmp_path, start, cli_for):
     cache = tmp_path / "cache"
     cache.mkdir()
     cli = cli_for(cache, host=HOST)
     d = start(cache)
-    prog = subprocess.Popen([sys.executable, str(PROGRAMS / "compile_models.py")], env=subprocess_env(cache),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen_while_running = wait_until(lambda: prog.poll() is None and any(
-        r["kind"] == "fxgraph" for r in cli.json("ls")) or prog.poll() is not None, timeout=600, step=0.2)
+    prog = subprocess.Popen(
+        [sys.executable, str(PROGRAMS / "compile_models.py")],
+        env=subprocess_env(cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seen_while_running = wait_until(
+        lambda: prog.poll() is None and any(r["kind"] == "fxgraph" for r in cli.json("ls")) or prog.poll() is not None,
+        timeout=600,
+        step=0.2,
+    )
     assert prog.poll() is None and seen_while_running is True, "no fxgraph entry in ls while torch was compiling"
     out, err = prog.communicate(timeout=600)
     assert prog.returncode == 0, err[-3000:]
@@ -199,6 +221,7 @@ def test_real_compile_is_indexed_live_and_hits_counted(tmp_path, start, cli_for)
     def hits_raised():
         rows = cli.json("ls", "--kind", "fxgraph")
         return sum(r["hit_count"] for r in rows) > sum(before.values()) and rows
+
     rows = wait_until(hits_raised, timeout=30)
     hit_entries = [r for r in rows if r["hit_count"] > before.get(r["key"], 0)]
     # one hit per graph lookup: not more hit entries than torch counted hits
@@ -268,14 +291,23 @@ def test_metrics_endpoint(tmp_path, start, cpu_cache_master):
 
     def scrape() -> dict[str, float]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line and not line.startswith("#")}
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+
     m = wait_until(lambda: (m := scrape()).get("cachemgr_cache_hits_total") == 1 and m, timeout=30)
     assert m['cachemgr_entries{kind="fxgraph"}'] == sum(1 for _ in (cache / "fxgraph").rglob("*") if _.is_file())
     assert m['cachemgr_bytes{kind="fxgraph"}'] > 0
     assert m["cachemgr_compiles_total"] == 0 and m["cachemgr_cache_hit_ratio"] == 1.0
-    for name in ("cachemgr_recompilations_total", "cachemgr_compile_seconds_count", "cachemgr_freed_bytes_total",
-                 "cachemgr_evicted_entries_total", "cachemgr_scan_duration_seconds"):
+    for name in (
+        "cachemgr_recompilations_total",
+        "cachemgr_compile_seconds_count",
+        "cachemgr_freed_bytes_total",
+        "cachemgr_evicted_entries_total",
+        "cachemgr_scan_duration_seconds",
+    ):
         assert name in m, name
     # a new entry feeds the compile-time histogram
     new = cache / "fxgraph" / src.parent.parent.name / src.parent.name / "zzzznewentry"
@@ -287,6 +319,7 @@ def test_metrics_endpoint(tmp_path, start, cpu_cache_master):
 
 
 # -- eviction --------------------------------------------------------------------------------------
+
 
 def fill(dst: Path, src: Path, copies: int) -> None:
     """`copies` copies of a real cache's fxgraph entries under new graph keys (new entries, same bytes)."""
@@ -312,6 +345,7 @@ def test_crossing_max_size_evicts_without_a_command(tmp_path, start, cli_for, cp
     def settled():
         st = cli.json("stats")
         return st["bytes"] <= cap and index_keys(cli) == disk_keys(cache) and st
+
     st = wait_until(settled, timeout=60)
     assert st["bytes"] > 0 and st["activity"]["evictions"] > 0
     assert d.stop() == 0
@@ -336,6 +370,7 @@ def test_kill9_during_eviction_then_restart_index_matches_disk(tmp_path, start, 
 
 
 # -- a cache directory that is missing, removed or unreadable --------------------------------------
+
 
 def test_a_directory_that_is_no_cache_is_refused_at_start(tmp_path, start):
     home = tmp_path / "home"
@@ -400,13 +435,20 @@ def test_unreadable_cache_dir_then_readable(tmp_path, start, cli_for):
 
 # -- config show -----------------------------------------------------------------------------------
 
+
 def test_config_show_sources_and_precedence(tmp_path, cli_for):
     cfg = tmp_path / "config.toml"
     cfg.write_text('max_size = "10GiB"\npolicy = "cost"\nevict_interval = "10m"\n')
     cache = tmp_path / "c"
     cli = cli_for(cache)
-    p = cli.proc("--config", str(cfg), "config", "show", "--json",
-                 env={"CACHEMGR_POLICY": "lru", "CACHEMGR_DEBOUNCE": "1s", "CACHEMGR_DB": "postgresql://u:pw@h/d"})
+    p = cli.proc(
+        "--config",
+        str(cfg),
+        "config",
+        "show",
+        "--json",
+        env={"CACHEMGR_POLICY": "lru", "CACHEMGR_DEBOUNCE": "1s", "CACHEMGR_DB": "postgresql://u:pw@h/d"},
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     o = doc["options"]
@@ -568,6 +610,7 @@ def test_hits_counted_in_a_key_directory_with_an_odd_name(tmp_path, start, cli_f
 
 
 # -- a notify socket nobody reads ------------------------------------------------------------------
+
 
 def test_a_notify_socket_nobody_reads_never_blocks_the_daemon(tmp_path, start):
     """sd_notify to a full socket queue is dropped, not waited on: reloads and stop still work."""

@@ -23,7 +23,7 @@ HOUR = 3600
 def age_files(root: Path, seconds: float, paths=None) -> None:
     """Set atime and mtime of every regular file (or of `paths`) to `seconds` ago."""
     t = time.time() - seconds
-    for p in (paths if paths is not None else root.rglob("*")):
+    for p in paths if paths is not None else root.rglob("*"):
         p = Path(p)
         if p.is_file() and not p.is_symlink():
             os.utime(p, (t, t))
@@ -40,14 +40,16 @@ def disk(root: Path) -> dict[str, int]:
 
 def find_bytes(root: Path) -> int:
     """What `find` sees: every regular file, trash included (the trash must be empty after a run)."""
-    out = subprocess.run(["find", str(root), "-type", "f", "-printf", "%s\\n"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["find", str(root), "-type", "f", "-printf", "%s\\n"], capture_output=True, text=True, check=True
+    )
     return sum(int(x) for x in out.stdout.split())
 
 
 def assert_index_matches_disk(cli, root: Path) -> None:
     rows = {e["key"]: e for e in cli.json("ls")}
     on_disk = {e.key: e for e in layout.walk(str(root))}
-    assert set(rows) == set(on_disk), (set(rows) ^ set(on_disk))
+    assert set(rows) == set(on_disk), set(rows) ^ set(on_disk)
     for k, e in on_disk.items():
         assert rows[k]["bytes"] == e.bytes and rows[k]["files"] == e.files, k
     assert cli.json("stats")["bytes"] == sum(disk(root).values())
@@ -168,7 +170,11 @@ def test_min_free(aged_gpu, cli_for, db_url):
 
 def test_no_limit_is_a_usage_error(aged_cpu, cli_for):
     r = cli_for(aged_cpu).proc("evict")
-    assert r.returncode == 2 and r.stderr.startswith("cachemgr: error: no limit to evict to") and "Traceback" not in r.stderr
+    assert (
+        r.returncode == 2
+        and r.stderr.startswith("cachemgr: error: no limit to evict to")
+        and "Traceback" not in r.stderr
+    )
 
 
 # -- policies --------------------------------------------------------------------------------------
@@ -194,11 +200,17 @@ def test_cost_keeps_the_expensive_graph_where_lru_does_not(aged_cpu, db_url):
     # the dearest graph is the least recently used: lru takes it first, cost keeps it. (Access
     # times only move forward in the index: every other group is used more recently instead.)
     dear = {e.key for u in [dearest, *(u for u in first if u.reason in ("orphan", "recreatable"))] for e in u.entries}
-    age_files(aged_cpu, HOUR / 2, [p for p in aged_cpu.rglob("*") if not any(
-        p.relative_to(aged_cpu).as_posix().startswith(k) for k in dear)])
+    age_files(
+        aged_cpu,
+        HOUR / 2,
+        [p for p in aged_cpu.rglob("*") if not any(p.relative_to(aged_cpu).as_posix().startswith(k) for k in dear)],
+    )
     reconcile(db, cid, str(aged_cpu), full=True)  # (times set by hand move no directory mtime)
-    recreatable = sum(u.bytes for u in plan(rows, Limits(max_size=0, grace=0), "lru", time.time()).units
-                      if u.reason in ("orphan", "recreatable"))
+    recreatable = sum(
+        u.bytes
+        for u in plan(rows, Limits(max_size=0, grace=0), "lru", time.time()).units
+        if u.reason in ("orphan", "recreatable")
+    )
     total = sum(r.bytes for r in load_rows(db, cid, str(aged_cpu)))
     limits = Limits(max_size=total - recreatable - 1, low_water=1.0)  # one graph group must go
     lru = evict(db, cid, str(aged_cpu), limits, "lru", dry_run=True)
@@ -248,7 +260,8 @@ def test_grace_and_transient_files(aged_cpu, cli_for):
     r = cli.json("evict", "--max-size", "0")
     assert fresh.exists() and tmp.exists() and (tdir / "k.cubin").exists()
     assert {"key": str(fresh.relative_to(aged_cpu)), "reason": "grace"} in r["skipped"] or any(
-        s["reason"] == "grace" for s in r["skipped"])
+        s["reason"] == "grace" for s in r["skipped"]
+    )
     assert_index_matches_disk(cli, aged_cpu)
     left = {k for k in disk(aged_cpu)}
     assert str(fresh.relative_to(aged_cpu)) in left
@@ -281,12 +294,21 @@ with FileLock(sys.argv[1]):
 def test_held_lock_keeps_its_entry(aged_cpu, cli_for):
     cli = cli_for(aged_cpu)
     cli("scan")
-    built = [e for e in cli.json("ls", "--kind", "code") if (aged_cpu / layout.LOCKS_DIR / (e["key"].split("/")[1] + ".lock")).exists()]
+    built = [
+        e
+        for e in cli.json("ls", "--kind", "code")
+        if (aged_cpu / layout.LOCKS_DIR / (e["key"].split("/")[1] + ".lock")).exists()
+    ]
     assert built, "Inductor locks each C++ build under locks/<c-hash>.lock"
     target = built[0]
     lock = aged_cpu / layout.LOCKS_DIR / (target["key"].split("/")[1] + ".lock")
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(lock)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         r = cli.json("evict", "--max-size", "0")
@@ -351,8 +373,10 @@ def test_executor_refuses_paths_leaving_the_root(aged_cpu, db_url, tmp_path):
     db = Database(db_url)
     cid = db.cache_id("testhost", str(aged_cpu))
     old = time.time() - HOUR
-    rows = [Row(10**6 + i, key, "other", None, None, 7, 1, old, old) for i, key in
-            enumerate([f"../{victim.name}", str(victim), f"{folder}/escape/victim.txt"])]
+    rows = [
+        Row(10**6 + i, key, "other", None, None, 7, 1, old, old)
+        for i, key in enumerate([f"../{victim.name}", str(victim), f"{folder}/escape/victim.txt"])
+    ]
     p = plan(rows, Limits(max_size=0), "lru", time.time())
     assert len(p.units) == 3
     r = carry_out(db, cid, str(aged_cpu), p, rows, grace=0)
@@ -374,8 +398,7 @@ def test_a_directory_that_is_no_cache_is_never_emptied(tmp_path, cli_for, db_url
     age_files(home, 30 * 86400)
     before = disk(home)
     cli = cli_for(home)
-    for args in (["evict", "--max-size", "0"], ["evict", "--max-size", "0", "--dry-run"],
-                 ["purge", "--all", "--yes"]):
+    for args in (["evict", "--max-size", "0"], ["evict", "--max-size", "0", "--dry-run"], ["purge", "--all", "--yes"]):
         r = cli(*args, code=7)
         assert "does not look like an Inductor cache directory" in r.stderr
         assert "notes.txt" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -414,8 +437,13 @@ def test_kill_9_mid_eviction_is_repaired_by_scan(stage, aged_gpu, cli_for, db_ur
     cli = cli_for(aged_gpu)
     cli("scan")
     before = disk(aged_gpu)
-    out = subprocess.run([sys.executable, "-c", CRASH, str(aged_gpu), db_url, stage], capture_output=True,
-                         text=True, env=subprocess_env(), timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", CRASH, str(aged_gpu), db_url, stage],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
     assert out.returncode == -signal.SIGKILL, out.stderr
     planned = set(out.stdout.split())
     trash = aged_gpu / layout.TRASH_DIR
@@ -441,8 +469,12 @@ def test_kill_9_at_any_moment(aged_gpu, cli_for):
     cli("scan")
     before = disk(aged_gpu)
     for delay in (0.3, 0.6, 0.9, 1.2):
-        p = subprocess.Popen([sys.executable, "-m", "cachemgr", *cli.base(), "evict", "--max-size", "0", "--grace", "0"],
-                             env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "cachemgr", *cli.base(), "evict", "--max-size", "0", "--grace", "0"],
+            env=subprocess_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(delay)
         p.send_signal(signal.SIGKILL)
         p.wait()
@@ -496,7 +528,9 @@ def test_purge_selectors(aged_gpu, cli_for):
     cli("scan")
     rows = cli.json("ls")
     r = cli.json("purge", "--kind", "triton", "--yes")
-    assert {e["kind"] for e in r["entries"]} == {"triton"} and r["evicted"] == len([e for e in rows if e["kind"] == "triton"])
+    assert {e["kind"] for e in r["entries"]} == {"triton"} and r["evicted"] == len(
+        [e for e in rows if e["kind"] == "triton"]
+    )
     assert len(cli.json("ls", "--kind", "fxgraph")) == 6
     r = cli.json("purge", "--orphans", "--yes")
     assert r["evicted"] > 0 and all(e["kind"] in ("code", "autotune", "triton") for e in r["entries"])
@@ -538,13 +572,16 @@ def test_purge_corrupt(aged_cpu, cli_for):
     assert [e["key"] for e in r["entries"]] == [str(bad.relative_to(aged_cpu))] and not bad.exists()
 
 
-
-
 @pytest.mark.parametrize("args", [["evict", "--max-size", "1MB"], ["purge", "--kind", "triton", "--yes"]])
 def test_evict_never_imports_torch(aged_gpu, db_url, args):
     base = ["--cache-dir", str(aged_gpu), "--db", db_url]
-    out = subprocess.run([sys.executable, "-c", NO_TORCH_PROGRAM, *base, *args], env=subprocess_env(),
-                         capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", NO_TORCH_PROGRAM, *base, *args],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
 
 
@@ -562,7 +599,15 @@ def test_evict_library_api(aged_gpu, db_url):
     reconcile(db, cid, str(aged_gpu))
     r = evict(db, cid, str(aged_gpu), limits)
     d = r.as_dict()
-    assert set(d) >= {"planned", "evicted", "freed_bytes", "remaining_bytes", "entries", "recreatable_freed_bytes", "skipped"}
+    assert set(d) >= {
+        "planned",
+        "evicted",
+        "freed_bytes",
+        "remaining_bytes",
+        "entries",
+        "recreatable_freed_bytes",
+        "skipped",
+    }
     assert d["remaining_bytes"] <= 9_000_000 and all(set(e) >= {"key", "bytes"} for e in d["entries"])
     with pytest.raises(Exception):
         r.planned = 0  # frozen

@@ -23,13 +23,24 @@ STEPS = "main:3,main:5,main:4,main:5,main:6,main:3,main:6"  # repeats of seeded,
 
 def test_compile_loop_survives_evict_max_size_0(tmp_path, cli_for):
     root = tmp_path / "inductor"
-    seed = subprocess.run([sys.executable, str(LOOP), "--steps", SEED], env=subprocess_env(root),
-                          capture_output=True, text=True, timeout=600)
+    seed = subprocess.run(
+        [sys.executable, str(LOOP), "--steps", SEED],
+        env=subprocess_env(root),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert seed.returncode == 0, seed.stderr[-3000:]
     age_files(root, HOUR)
     cli = cli_for(root)
-    loop = subprocess.Popen([sys.executable, str(LOOP), "--steps", STEPS, "--wait"], env=subprocess_env(root),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    loop = subprocess.Popen(
+        [sys.executable, str(LOOP), "--steps", STEPS, "--wait"],
+        env=subprocess_env(root),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     passes = evicted = 0
     try:
         assert loop.stdout.readline().strip() == "ready"

@@ -17,13 +17,26 @@ import pytest
 from conftest import PROGRAMS, subprocess_env
 
 # (variant, program args) in compile order; train-* compile a forward and a backward graph
-RUNS = [("base", ["base"]), ("option", ["option"]), ("dtype", ["dtype"]), ("stride", ["stride"]),
-        ("code", ["code"]), ("train-base", ["base", "--train"]), ("train-option", ["option", "--train"])]
+RUNS = [
+    ("base", ["base"]),
+    ("option", ["option"]),
+    ("dtype", ["dtype"]),
+    ("stride", ["stride"]),
+    ("code", ["code"]),
+    ("train-base", ["base", "--train"]),
+    ("train-option", ["option", "--train"]),
+]
 
 
 def compile_variant(cache_dir, *args: str) -> dict:
-    out = subprocess.run([sys.executable, str(PROGRAMS / "explain_variants.py"), *args],
-                         env=subprocess_env(cache_dir), capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run(
+        [sys.executable, str(PROGRAMS / "explain_variants.py"), *args],
+        env=subprocess_env(cache_dir),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -182,8 +195,12 @@ def test_explain_model_through_recorded_shapes(variants, cli_for, db_url):
 
     engine = create_engine(db_url)
     with engine.begin() as conn:  # what cachemgr.record writes: one row per call signature seen
-        conn.execute(text("INSERT INTO shapes (model, signature_hash, signature, spec, options, count, first_seen, "
-                          "last_seen) VALUES ('ranker', 'x', '(f64[8,16])', '[]', '{}', 1, 0, 0)"))
+        conn.execute(
+            text(
+                "INSERT INTO shapes (model, signature_hash, signature, spec, options, count, first_seen, "
+                "last_seen) VALUES ('ranker', 'x', '(f64[8,16])', '[]', '{}', 1, 0, 0)"
+            )
+        )
     engine.dispose()
     doc = cli.json("explain", "--since", "1d", "--model", "ranker")
     assert [m["key"] for m in doc["misses"]] == [runs["dtype"][0]["key"]]
@@ -236,8 +253,10 @@ def test_gpu_fixture_readable_in_80_columns(gpu_cache, cli_for):
 def test_parse_input_and_groups():
     from cachemgr.explain import changed_fields, group_of, parse_input
 
-    cut = ("TensorMetadata(dtype=torch.float32, shape=torch.Size([s33, 256]), stride=(256, 1), device=device("
-           "type='cuda', index=0), layout=torch.strided, memory_format=None, storage_offset=0, storage_bytes=None, ")
+    cut = (
+        "TensorMetadata(dtype=torch.float32, shape=torch.Size([s33, 256]), stride=(256, 1), device=device("
+        "type='cuda', index=0), layout=torch.strided, memory_format=None, storage_offset=0, storage_bytes=None, "
+    )
     f = parse_input(cut[:200])  # stored values are cut at 200 characters
     assert (f["dtype"], f["shape"], f["stride"], f["device"]) == ("float32", "[s33, 256]", "(256, 1)", "cuda:0")
     assert "storage_bytes" not in f  # the cut-off last field is dropped, not misread
@@ -245,10 +264,26 @@ def test_parse_input_and_groups():
     assert changed_fields(static, f) == ["shape (dynamic)"]
     assert changed_fields(dict(f, device="cuda:1"), f) == ["device"]
     assert parse_input("('s33',)") == {"scalar": "s33"}
-    names = ("gm", "example_inputs[3]", "fx_kwargs[is_backward]", "inductor_config[debug]", "torch_version",
-             "system_info[device]", "cuda_matmul_settings", "post_grad_custom_pre_pass")
-    assert [group_of(n) for n in names] == \
-        ["code", "inputs", "options", "options", "environment", "environment", "environment", "options"]
+    names = (
+        "gm",
+        "example_inputs[3]",
+        "fx_kwargs[is_backward]",
+        "inductor_config[debug]",
+        "torch_version",
+        "system_info[device]",
+        "cuda_matmul_settings",
+        "post_grad_custom_pre_pass",
+    )
+    assert [group_of(n) for n in names] == [
+        "code",
+        "inputs",
+        "options",
+        "options",
+        "environment",
+        "environment",
+        "environment",
+        "options",
+    ]
 
 
 def test_not_recorded_is_said_never_guessed(fixture_cache, cli_for):

@@ -62,7 +62,17 @@ def test_migrations_run_on_postgres(pg_url):
         assert compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata) == []
     db.close()
     tables = {t for (t,) in pg_query(pg_url, "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
-    assert {"alembic_version", "caches", "entries", "entry_refs", "entry_component_sets", "component_sets", "pins", "events", "shapes"} <= tables
+    assert {
+        "alembic_version",
+        "caches",
+        "entries",
+        "entry_refs",
+        "entry_component_sets",
+        "component_sets",
+        "pins",
+        "events",
+        "shapes",
+    } <= tables
     Database(pg_url).close()  # at head: a no-op
     assert pg_query(pg_url, "SELECT version_num FROM alembic_version") == [(HEAD_REVISION,)]
 
@@ -104,9 +114,16 @@ main(sys.argv[2:])
 
 def run_at_once(clis: list[Cli], *args: str) -> list[subprocess.CompletedProcess]:
     start = time.time() + 3
-    procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT, str(start), *c.base(), *args],
-                              env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for c in clis]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONCURRENT, str(start), *c.base(), *args],
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for c in clis
+    ]
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=300)
@@ -151,7 +168,9 @@ def test_two_hosts_index_concurrently(gpu_cache, cpu_cache, pg_url):
     assert fleet["bytes"] == find_bytes(gpu_cache) + find_bytes(cpu_cache)
     assert fleet["files"] == sum(c["files"] for c in fleet["caches"])
     # no lost or doubled rows: the database holds exactly each host's entries once
-    rows = dict(pg_query(pg_url, "SELECT c.host, count(*) FROM entries e JOIN caches c ON c.id = e.cache_id GROUP BY c.host"))
+    rows = dict(
+        pg_query(pg_url, "SELECT c.host, count(*) FROM entries e JOIN caches c ON c.id = e.cache_id GROUP BY c.host")
+    )
     assert rows == {"host-a": per_host["host-a"]["entries"], "host-b": per_host["host-b"]["entries"]}
     assert pg_query(pg_url, "SELECT count(*) FROM caches") == [(2,)]
     # ls --host shows one host's entries, from any host
@@ -194,7 +213,10 @@ def test_one_host_many_connections_share_its_cache_row(pg_url):
 
 def test_ls_host_unknown(cpu_cache, pg_url):
     r = Cli(cpu_cache, pg_url).proc("ls", "--host", "nope")
-    assert r.returncode == 3 and r.stderr.strip() == "cachemgr: error: no host 'nope' in the index (see: cachemgr stats --fleet)"
+    assert (
+        r.returncode == 3
+        and r.stderr.strip() == "cachemgr: error: no host 'nope' in the index (see: cachemgr stats --fleet)"
+    )
 
 
 def test_fleet_report(gpu_cache, cpu_cache, pg_url, tmp_path):
@@ -207,8 +229,11 @@ def test_fleet_report(gpu_cache, cpu_cache, pg_url, tmp_path):
     hosts = {"host-up": upgraded, "host-cpu": cpu_cache, "host-twin": twin}
     for host, root in hosts.items():
         Cli(root, pg_url, host=host)("scan")
-    pg_query(pg_url, "UPDATE entries SET hit_count = 3 WHERE kind = 'fxgraph' AND cache_id = "
-                     "(SELECT id FROM caches WHERE host = 'host-cpu')")
+    pg_query(
+        pg_url,
+        "UPDATE entries SET hit_count = 3 WHERE kind = 'fxgraph' AND cache_id = "
+        "(SELECT id FROM caches WHERE host = 'host-cpu')",
+    )
     cli = Cli(cpu_cache, pg_url, host="host-cpu")
     rep = cli.json("fleet", "report")
     by_host = {h["host"]: h for h in rep["hosts"]}
@@ -234,24 +259,35 @@ def test_fleet_report(gpu_cache, cpu_cache, pg_url, tmp_path):
         if e["kind"] in ("fxgraph", "aotautograd"):
             expected += e["bytes"]
         elif e["kind"] in ("triton", "code") and any(
-                k.startswith("fxgraph/") for k in gpu_only.json("show", e["key"])["referenced_by"]):
+            k.startswith("fxgraph/") for k in gpu_only.json("show", e["key"])["referenced_by"]
+        ):
             expected += e["bytes"]
     old = next(v for v in rep["torch_versions"] if v["torch_version"] != cpu_version)
     assert old["torch_version"].startswith("2.11") and not old["in_use"] and old["hosts"] == 1
     assert old["fxgraph_bytes"] == gpu_only.json("stats")["by_kind"]["fxgraph"]["bytes"]
     assert rep["stale_bytes"] == old["bytes"] == expected
     # a version named in keep_torch is not stale
-    kept = Cli(cpu_cache, pg_url, host="host-cpu").proc("fleet", "report", "--json",
-                                                          env={"CACHEMGR_KEEP_TORCH": old["torch_version"]})
+    kept = Cli(cpu_cache, pg_url, host="host-cpu").proc(
+        "fleet", "report", "--json", env={"CACHEMGR_KEEP_TORCH": old["torch_version"]}
+    )
     assert kept.returncode == 0 and json.loads(kept.stdout)["stale_bytes"] == 0, kept.stderr
     out = cli("fleet", "report").stdout
     assert "host-up" in out and "graphs on 2+ hosts" in out and "held by versions no host runs" in out
 
 
-@pytest.mark.parametrize("url,message", [
-    ("postgresql+psycopg://root@127.0.0.1:1/test", "cannot open the index postgresql+psycopg://root@127.0.0.1:1/test"),
-    ("postgresql+psycopg://nobody:secret@127.0.0.1:5432/test", "cannot open the index postgresql+psycopg://nobody:***@"),
-])
+@pytest.mark.parametrize(
+    "url,message",
+    [
+        (
+            "postgresql+psycopg://root@127.0.0.1:1/test",
+            "cannot open the index postgresql+psycopg://root@127.0.0.1:1/test",
+        ),
+        (
+            "postgresql+psycopg://nobody:secret@127.0.0.1:5432/test",
+            "cannot open the index postgresql+psycopg://nobody:***@",
+        ),
+    ],
+)
 @pytest.mark.parametrize("args", [["stats", "--fleet"], ["fleet", "report"], ["ls", "--host", "x"]])
 def test_postgres_unreachable_is_one_line(cpu_cache, url, message, args):
     r = Cli(cpu_cache, url).proc(*args)

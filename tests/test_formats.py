@@ -66,8 +66,14 @@ def cache_of(extracted, tmp_path):
     return copy
 
 
-GPU_NAMES = {"files": "total files", "bytes": "total bytes", "fxgraph": "fxgraph files",
-             "aotautograd": "aotautograd files", "triton_kernel_dirs": "triton kernel dirs", "cache/*": "cache/ files"}
+GPU_NAMES = {
+    "files": "total files",
+    "bytes": "total bytes",
+    "fxgraph": "fxgraph files",
+    "aotautograd": "aotautograd files",
+    "triton_kernel_dirs": "triton kernel dirs",
+    "cache/*": "cache/ files",
+}
 
 
 def _find(meta: dict, name: str) -> int:
@@ -125,8 +131,10 @@ def _rows(db_url: str) -> list[dict]:
     conn.row_factory = sqlite3.Row
     try:
         rows = [dict(r) for r in conn.execute("SELECT * FROM entries")]
-        refs = conn.execute("SELECT e.key, r.kind, r.ref, EXISTS (SELECT 1 FROM entries t WHERE t.kind = r.kind AND "
-                            "(t.ref = r.ref OR t.alias = r.ref)) FROM entry_refs r JOIN entries e ON e.id = r.entry_id")
+        refs = conn.execute(
+            "SELECT e.key, r.kind, r.ref, EXISTS (SELECT 1 FROM entries t WHERE t.kind = r.kind AND "
+            "(t.ref = r.ref OR t.alias = r.ref)) FROM entry_refs r JOIN entries e ON e.id = r.entry_id"
+        )
         by_key: dict[str, list] = {}
         for key, kind, ref, present in refs:
             by_key.setdefault(key, []).append((kind, ref, bool(present)))
@@ -280,7 +288,8 @@ def _twin_builds(root: Path, meta: dict) -> dict[tuple[str, str], str]:
     by_body: dict[str, list[str]] = {}
     for p in root.glob("??/c*.main.cpp"):
         by_body.setdefault(p.read_text(errors="replace").split("// Python bindings", 1)[0].strip(), []).append(
-            f"{p.parent.name}/{p.name.split('.')[0]}")
+            f"{p.parent.name}/{p.name.split('.')[0]}"
+        )
     out = {}
     for builds in by_body.values():
         if len(builds) < 2:

@@ -30,7 +30,7 @@ def _real_entries(root: Path) -> list[tuple[str, bytes]]:
 def _payload(canary: Path) -> bytes:
     """Opcodes that, run by a real unpickler, would call os.system and create `canary`."""
     cmd = f"touch {canary}".encode()
-    return (b"\x8c\x02os\x8c\x06system\x93" + b"\x8c" + bytes([len(cmd)]) + cmd + b"\x85R")  # TUPLE1, REDUCE
+    return b"\x8c\x02os\x8c\x06system\x93" + b"\x8c" + bytes([len(cmd)]) + cmd + b"\x85R"  # TUPLE1, REDUCE
 
 
 def mutate(data: bytes, ops: list[tuple[int, int, int]], payload: bytes) -> bytes:
@@ -61,10 +61,15 @@ def fuzz_root(gpu_cache_master, tmp_path_factory):
     return root, _real_entries(gpu_cache_master)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                    HealthCheck.too_slow])
-@given(pick=st.integers(min_value=0), ops=st.lists(
-    st.tuples(st.integers(0, 5), st.integers(min_value=0), st.integers(0, 1 << 20)), min_size=1, max_size=6))
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    pick=st.integers(min_value=0),
+    ops=st.lists(
+        st.tuples(st.integers(0, 5), st.integers(min_value=0), st.integers(0, 1 << 20)), min_size=1, max_size=6
+    ),
+)
 def test_mutated_entries_never_escape_the_reader(fuzz_root, pick, ops, tmp_path_factory):
     root, entries = fuzz_root
     kind, data = entries[pick % len(entries)]
@@ -75,8 +80,9 @@ def test_mutated_entries_never_escape_the_reader(fuzz_root, pick, ops, tmp_path_
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(blob)
     pool = _pool()
-    [(job, out)] = list(pool.run([Job(0, 1, str(root), kind, key, key.split("/")[-2])],
-                                 lambda job, why: describe.failed(why)))
+    [(job, out)] = list(
+        pool.run([Job(0, 1, str(root), kind, key, key.split("/")[-2])], lambda job, why: describe.failed(why))
+    )
     assert isinstance(out, describe.Described)
     assert isinstance(out.row.get("corrupt"), (str, type(None)))
     assert not canary.exists(), "a pickle ran code"
@@ -125,8 +131,11 @@ def _real_line() -> bytes:
 
 
 @settings(max_examples=400, deadline=None)
-@given(ops=st.lists(st.tuples(st.integers(0, 5), st.integers(min_value=0), st.integers(0, 1 << 20)),
-                    min_size=1, max_size=8))
+@given(
+    ops=st.lists(
+        st.tuples(st.integers(0, 5), st.integers(min_value=0), st.integers(0, 1 << 20)), min_size=1, max_size=8
+    )
+)
 def test_mutated_spool_lines_are_read_or_refused_with_a_reason(ops):
     """A mutated spool line is either a line the ingester takes or a LineError saying why: no
     other exception, whatever the bytes (the payload splice inserts a pickle call: never run)."""

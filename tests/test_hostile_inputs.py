@@ -29,8 +29,14 @@ PREWARM_ENV = {"PYTHONPATH": os.pathsep.join((str(REPO), str(PROGRAMS)))}
 
 
 def run(*argv: str, timeout: float = 120, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cachemgr", *argv], capture_output=True, text=True,
-                          timeout=timeout, env=subprocess_env(**(env or {})), **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "cachemgr", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(**(env or {})),
+        **kw,
+    )
 
 
 def one_error_line(r: subprocess.CompletedProcess, code: int, *parts: str) -> str:
@@ -44,15 +50,37 @@ def one_error_line(r: subprocess.CompletedProcess, code: int, *parts: str) -> st
 
 # -- 1. the spool ----------------------------------------------------------------------------------
 
+
 def spool_line(model: str = "good", batch: int = 2, **fields) -> bytes:
     """A line as cachemgr.record writes it."""
     from cachemgr.record import signature_hash, signature_text
 
-    spec = {"args": [{"t": "tensor", "shape": [batch, 4], "dtype": "float32", "device": "cpu",
-                      "requires_grad": False, "stride": [4, 1]}], "kwargs": {}, "grad": True}
-    doc = {"v": 1, "model": model, "kind": "module", "ts": time.time(), "host": "h", "pid": 1,
-           "signature_hash": signature_hash(spec, {}), "signature": signature_text(spec), "spec": spec,
-           "options": {}}
+    spec = {
+        "args": [
+            {
+                "t": "tensor",
+                "shape": [batch, 4],
+                "dtype": "float32",
+                "device": "cpu",
+                "requires_grad": False,
+                "stride": [4, 1],
+            }
+        ],
+        "kwargs": {},
+        "grad": True,
+    }
+    doc = {
+        "v": 1,
+        "model": model,
+        "kind": "module",
+        "ts": time.time(),
+        "host": "h",
+        "pid": 1,
+        "signature_hash": signature_hash(spec, {}),
+        "signature": signature_text(spec),
+        "spec": spec,
+        "options": {},
+    }
     doc.update(fields)
     return json.dumps(doc).encode() + b"\n"
 
@@ -79,13 +107,22 @@ POISON: dict[str, tuple[bytes, str]] = {
     "huge line": (spool_line(signature="x" * 200_000), "longer than 64 KiB"),
     "model not a string": (spool_line(model=["x"]), "model is not a non-empty string"),
     "model too long": (spool_line(model="m" * 300), "model longer than 255"),
-    "shape of bools": (spool_line(spec={"args": [{"t": "tensor", "shape": [True], "dtype": "float32"}],
-                                        "kwargs": {}}), "a tensor without an integer shape"),
-    "negative dim": (spool_line(spec={"args": [{"t": "tensor", "shape": [-1], "dtype": "float32"}],
-                                      "kwargs": {}}), "a tensor without an integer shape"),
-    "dtype that is a path": (spool_line(spec={"args": [{"t": "tensor", "shape": [1], "dtype": "../os.system"}],
-                                              "kwargs": {}}), "a tensor without an integer shape"),
-    "int that is a bool": (spool_line(spec={"args": [{"t": "int", "v": True}], "kwargs": {}}), "a int without its value"),
+    "shape of bools": (
+        spool_line(spec={"args": [{"t": "tensor", "shape": [True], "dtype": "float32"}], "kwargs": {}}),
+        "a tensor without an integer shape",
+    ),
+    "negative dim": (
+        spool_line(spec={"args": [{"t": "tensor", "shape": [-1], "dtype": "float32"}], "kwargs": {}}),
+        "a tensor without an integer shape",
+    ),
+    "dtype that is a path": (
+        spool_line(spec={"args": [{"t": "tensor", "shape": [1], "dtype": "../os.system"}], "kwargs": {}}),
+        "a tensor without an integer shape",
+    ),
+    "int that is a bool": (
+        spool_line(spec={"args": [{"t": "int", "v": True}], "kwargs": {}}),
+        "a int without its value",
+    ),
     "huge integer": (_with(GOOD, b'"ts": ', b'"ts": ' + b"9" * 5000 + b', "x": '), "not JSON"),
     "not an object": (b"[1, 2]\n", "missing model"),
 }
@@ -177,8 +214,12 @@ def test_spool_entries_that_are_no_regular_files_are_set_aside_without_blocking(
     r = cli.proc(*cfg, "scan", timeout=120)
     assert r.returncode == 0, r.stderr
     said = "\n".join(skipped_lines(r.stderr))
-    for name, reason in (("fifo", "not a regular file"), ("zero", "a symbolic link (never followed)"),
-                         ("dir", "not a regular file"), ("big", "314572800 bytes, over the 256 MiB")):
+    for name, reason in (
+        ("fifo", "not a regular file"),
+        ("zero", "a symbolic link (never followed)"),
+        ("dir", "not a regular file"),
+        ("big", "314572800 bytes, over the 256 MiB"),
+    ):
         assert f"{name}.jsonl.ingesting: {reason}" in said, said
     assert not [n for n in os.listdir(spool) if n.endswith((".jsonl", ".ingesting"))]
     assert os.readlink(next(spool.glob("zero.jsonl.ingesting.bad-*"))) == "/dev/zero"  # set aside, not followed
@@ -198,9 +239,17 @@ def test_a_huge_spool_line_is_read_in_bounded_memory(gpu_cache, tmp_path, db_url
     """128 MiB in one line (no newline until the end): skipped, and the scan's peak RSS is within
     32 MiB of the same scan with a small spool (the file is never held whole; a whole read and a
     split, as before, cost 256 MiB more)."""
+
     def scan(spool: Path, db: str) -> tuple[int, str]:
-        argv = [sys.executable, "-m", "cachemgr", *Cli(gpu_cache, db).base(), "--config",
-                str(config_for(tmp_path, spool)), "scan"]
+        argv = [
+            sys.executable,
+            "-m",
+            "cachemgr",
+            *Cli(gpu_cache, db).base(),
+            "--config",
+            str(config_for(tmp_path, spool)),
+            "scan",
+        ]
         code, rss, stderr = _rss_of(argv, subprocess_env())
         assert code == 0, stderr
         return rss, stderr
@@ -227,12 +276,28 @@ def test_bad_rows_an_older_ingest_stored_do_not_break_shapes(gpu_cache, tmp_path
 
     db = Database(db_url)
     now = time.time()
-    rows = [("deep", "[" * 5000 + "]" * 5000), ("surrogate", json.dumps({"args": [{"t": "str", "v": "\ud800"}]})),
-            ("nospec", "7"), ("notjson", "{")]
+    rows = [
+        ("deep", "[" * 5000 + "]" * 5000),
+        ("surrogate", json.dumps({"args": [{"t": "str", "v": "\ud800"}]})),
+        ("nospec", "7"),
+        ("notjson", "{"),
+    ]
     with db.engine.begin() as conn:
-        conn.execute(insert(Shape), [{"model": m, "signature_hash": f"{i:016x}", "signature": "(x)", "spec": spec,
-                                      "options": "{}", "first_seen": now, "last_seen": now}
-                                     for i, (m, spec) in enumerate(rows)])
+        conn.execute(
+            insert(Shape),
+            [
+                {
+                    "model": m,
+                    "signature_hash": f"{i:016x}",
+                    "signature": "(x)",
+                    "spec": spec,
+                    "options": "{}",
+                    "first_seen": now,
+                    "last_seen": now,
+                }
+                for i, (m, spec) in enumerate(rows)
+            ],
+        )
     db.close()
     spool = tmp_path / "spool"
     write_spool(spool, [GOOD])
@@ -257,8 +322,13 @@ with warnings.catch_warnings(record=True) as w:
     f(torch.randn(2), "y" * 100_000)
 print(json.dumps([str(x.message) for x in w]))
 """
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "spool")], capture_output=True, text=True,
-                         env=subprocess_env(), timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "spool")],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     warned = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(warned) == 2 and "control character" in warned[0] and "longer than 4096" in warned[1], warned
@@ -271,6 +341,7 @@ print(json.dumps([str(x.message) for x in w]))
 
 
 # -- 2. Redis values -------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def redis13():
@@ -373,9 +444,14 @@ def test_hostile_redis_values_are_skipped_items_with_reasons(redis13, tmp_path, 
     assert done.returncode == 0 and "freed" in done.stdout, done.stderr
     left = {k for k in r.scan_iter(match="pt2:*")}
     # every string value under a torch key went; what is not Inductor's (bad names, other types) stayed
-    assert left == {b"pt2:fx-graph-v1::\xff\xfe:c1", b"pt2:fx-graph-v1::\x1b[2J:c1",
-                    ("pt2:fx-graph-v1::" + "k" * 2000 + ":c1").encode(), b"pt2:nonsense",
-                    b"pt2:fx-graph-v1::flist:c1", b"pt2:autograd-experimental::ahash:c1"}
+    assert left == {
+        b"pt2:fx-graph-v1::\xff\xfe:c1",
+        b"pt2:fx-graph-v1::\x1b[2J:c1",
+        ("pt2:fx-graph-v1::" + "k" * 2000 + ":c1").encode(),
+        b"pt2:nonsense",
+        b"pt2:fx-graph-v1::flist:c1",
+        b"pt2:autograd-experimental::ahash:c1",
+    }
     assert not (tmp_path / ATTACK).exists()
 
 
@@ -388,8 +464,10 @@ def test_a_meta_key_of_the_wrong_type_is_ignored(redis13, tmp_path, db_url):
         res = run(*cli.base(), "remote", "--redis", url, *args, "--json")
         assert res.returncode == 0, res.stderr
     doc = json.loads(run(*cli.base(), "remote", "--redis", url, "stats", "--json").stdout)
-    assert doc["entries"] == 1 and {"key": "cachemgr:meta", "reason": "a Redis list, not cachemgr's hash: ignored"} \
-        in doc["skipped"]
+    assert (
+        doc["entries"] == 1
+        and {"key": "cachemgr:meta", "reason": "a Redis list, not cachemgr's hash: ignored"} in doc["skipped"]
+    )
 
 
 def test_push_skips_a_key_that_holds_another_type(redis13, gpu_cache, tmp_path, db_url):
@@ -402,8 +480,10 @@ def test_push_skips_a_key_that_holds_another_type(redis13, gpu_cache, tmp_path, 
     res = cli.proc("remote", "--redis", url, "push", "--json")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
-    assert {"key": taken, "reason": "a Redis list is stored under this key; left as it is (--force overwrites it)"} \
-        in doc["skipped"]
+    assert {
+        "key": taken,
+        "reason": "a Redis list is stored under this key; left as it is (--force overwrites it)",
+    } in doc["skipped"]
     assert r.type(taken) == b"list" and doc["pushed"] > 0 and taken not in doc["keys"]
     text = cli.proc("remote", "--redis", url, "push")
     assert text.returncode == 0 and "1 skipped" in text.stdout and f"skipped {taken}: a Redis list" in text.stderr
@@ -443,7 +523,7 @@ BAD_TOML = {  # a TOML line -> what the message must say beside key and source
     "policy = true": "'lru' or 'cost'",
     "metrics = false": "'off' or HOST:PORT",
     'host = ""': "must not be empty",
-    'min_free = true': "not true/false",
+    "min_free = true": "not true/false",
     "redis_url = [1]": "must be a string",
 }
 
@@ -458,11 +538,19 @@ def test_toml_values_go_through_the_same_checks_as_variables(line, tmp_path):
     one_error_line(run("--config", str(cfg), "config", "show"), 2, f"{key} from file {cfg}", BAD_TOML[line])
 
 
-@pytest.mark.parametrize("name,value,says", [
-    ("GRACE", "-100", "invalid duration"), ("EVICT_INTERVAL", "inf", "invalid duration"),
-    ("DEBOUNCE", "2h", "at most 3600s"), ("LOW_WATER", "nan", "(0, 1]"), ("LOW_WATER", "inf", "(0, 1]"),
-    ("MAX_FILES", "1.5", "whole number"), ("MAX_SIZE", "-5", "invalid size"), ("KEEP_TORCH", "a,,b", "empty version"),
-])
+@pytest.mark.parametrize(
+    "name,value,says",
+    [
+        ("GRACE", "-100", "invalid duration"),
+        ("EVICT_INTERVAL", "inf", "invalid duration"),
+        ("DEBOUNCE", "2h", "at most 3600s"),
+        ("LOW_WATER", "nan", "(0, 1]"),
+        ("LOW_WATER", "inf", "(0, 1]"),
+        ("MAX_FILES", "1.5", "whole number"),
+        ("MAX_SIZE", "-5", "invalid size"),
+        ("KEEP_TORCH", "a,,b", "empty version"),
+    ],
+)
 def test_variables_and_flags_meet_the_same_checks(name, value, says, tmp_path):
     r = run("config", "show", env={f"CACHEMGR_{name}": value})
     one_error_line(r, 2, f"{name.lower()} from env CACHEMGR_{name}", says)
@@ -484,8 +572,15 @@ def test_sighup_with_hostile_values_keeps_the_running_config(tmp_path, start):  
     cfg = tmp_path / "config.toml"
     cfg.write_text('evict_interval = "10m"\ndebounce = "0.3s"\n')
     d = start(cache, config=cfg)
-    for bad in ("evict_interval = inf", "debounce = nan", "debounce = inf", "grace = -100", "max_size = true",
-                "low_water = nan", "scan_interval = 1e400"):
+    for bad in (
+        "evict_interval = inf",
+        "debounce = nan",
+        "debounce = inf",
+        "grace = -100",
+        "max_size = true",
+        "low_water = nan",
+        "scan_interval = 1e400",
+    ):
         cfg.write_text(bad + "\n")
         n = len(d.messages)
         d.proc.send_signal(signal.SIGHUP)
@@ -500,6 +595,7 @@ def test_sighup_with_hostile_values_keeps_the_running_config(tmp_path, start):  
 
 
 # -- 4. one daemon per cache dir and index ---------------------------------------------------------
+
 
 def second_daemon(start, cache: Path, **kw):  # noqa: F811 - start: the fixture's function
     d = start(cache, wait_ready=False, **kw)
@@ -543,8 +639,9 @@ def test_a_second_daemon_with_another_state_dir_exits_10(tmp_path, start):  # no
     cache = tmp_path / "cache"
     cache.mkdir()
     first = start(cache)
-    line = second_daemon(start, cache, db=f"sqlite:///{tmp_path / 'other.db'}",
-                         env={"XDG_STATE_HOME": str(tmp_path / "other-state")})
+    line = second_daemon(
+        start, cache, db=f"sqlite:///{tmp_path / 'other.db'}", env={"XDG_STATE_HOME": str(tmp_path / "other-state")}
+    )
     assert f"(PID {first.proc.pid}) already serves cache dir {cache} (perhaps as another user)" in line
     assert first.stop() == 0
 
@@ -571,16 +668,21 @@ def test_reload_onto_a_cache_another_daemon_serves_keeps_the_running_config(tmp_
         d.proc.kill()
         d.proc.wait()
         d.log.truncate(0)
-        d.proc = subprocess.Popen([sys.executable, "-m", "cachemgr", "--db", db_url, "--host", "testhost", "--config",
-                                   str(cfg), "daemon"], env=subprocess_env(NOTIFY_SOCKET=d.sock_path),
-                                  stdout=d.log, stderr=subprocess.STDOUT)
+        d.proc = subprocess.Popen(
+            [sys.executable, "-m", "cachemgr", "--db", db_url, "--host", "testhost", "--config", str(cfg), "daemon"],
+            env=subprocess_env(NOTIFY_SOCKET=d.sock_path),
+            stdout=d.log,
+            stderr=subprocess.STDOUT,
+        )
         d.wait_message("READY=1")
         cfg.write_text(f'cache_dir = "{tmp_path / "a"}"\n')
         n = len(d.messages)
         d.proc.send_signal(signal.SIGHUP)
         d.wait_message("READY=1", since=n)
-        assert (f"reload failed, keeping the running config: another cachemgr daemon (PID {first.proc.pid}) "
-                f"already serves cache dir {tmp_path / 'a'}") in d.logs()
+        assert (
+            f"reload failed, keeping the running config: another cachemgr daemon (PID {first.proc.pid}) "
+            f"already serves cache dir {tmp_path / 'a'}"
+        ) in d.logs()
         assert f"STATUS=watching {tmp_path / 'b'}" in d.messages[-1]
         assert d.stop() == 0 and first.stop() == 0
     finally:
@@ -601,9 +703,13 @@ class Running:
     """A `cachemgr prewarm` process whose stderr is read line by line as it comes."""
 
     def __init__(self, cli: Cli, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "cachemgr", *cli.base(), "prewarm", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=subprocess_env(**PREWARM_ENV))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cachemgr", *cli.base(), "prewarm", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(**PREWARM_ENV),
+        )
         self.queue: queue.Queue = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -700,8 +806,9 @@ if __name__ == "__main__":
 def test_die_with_parent_as_a_pool_initializer_leaves_no_workers(tmp_path):
     """A SIGKILLed scan used to leave its parse workers running: with the initializer they go."""
     (tmp_path / "pool.py").write_text(POOL)
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "pool.py")], stdout=subprocess.PIPE, text=True,
-                            env=subprocess_env())
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "pool.py")], stdout=subprocess.PIPE, text=True, env=subprocess_env()
+    )
     try:
         pids = [int(x) for x in proc.stdout.readline().split()]
         assert pids and all(Path(f"/proc/{p}").exists() for p in pids)
@@ -720,26 +827,41 @@ def _alive(pid: int) -> bool:
 
 def test_die_with_parent_exits_when_the_parent_is_already_gone():
     """The race the kernel cannot see (the parent died before the prctl) is closed by the check."""
-    r = subprocess.run([sys.executable, "-c", "from cachemgr import procs; procs.die_with_parent(1); print('alive')"],
-                       capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", "from cachemgr import procs; procs.die_with_parent(1); print('alive')"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=60,
+    )
     assert r.returncode == 1 and r.stdout == ""
 
 
 # -- 6. prewarm checks what it can before torch, and says what it does -----------------------------
 
+
 def test_cuda_on_a_host_without_cuda_is_exit_2_before_any_worker(tmp_path, db_url):
     if os.path.exists("/proc/driver/nvidia/version"):
         pytest.skip("this host has an NVIDIA driver")
-    (tmp_path / "m.toml").write_text('[[model]]\nname = "g"\nfactory = "prewarm_models:mlp"\ndevice = "cuda"\n'
-                                     'shapes = [["f32[2,16]"]]\n')
+    (tmp_path / "m.toml").write_text(
+        '[[model]]\nname = "g"\nfactory = "prewarm_models:mlp"\ndevice = "cuda"\nshapes = [["f32[2,16]"]]\n'
+    )
     cli = Cli(tmp_path / "cache", db_url)
     r = run(*cli.base(), "prewarm", "--manifest", str(tmp_path / "m.toml"), env=PREWARM_ENV)
     one_error_line(r, 2, "model 'g': field 'device' 'cuda': this host has no CUDA device")
-    (tmp_path / "c.toml").write_text('[[model]]\nname = "c"\nfactory = "prewarm_models:mlp"\nshapes = [["f32[2,16]"]]\n')
+    (tmp_path / "c.toml").write_text(
+        '[[model]]\nname = "c"\nfactory = "prewarm_models:mlp"\nshapes = [["f32[2,16]"]]\n'
+    )
     r = run(*cli.base(), "prewarm", "--manifest", str(tmp_path / "c.toml"), "--devices", "cuda:0", env=PREWARM_ENV)
     one_error_line(r, 2, "--devices cuda:0: this host has no CUDA device")
-    r = run(*cli.base(), "prewarm", "--manifest", str(tmp_path / "c.toml"), env={**PREWARM_ENV, "CUDA_VISIBLE_DEVICES": ""},
-            timeout=600)  # a CPU model runs whatever CUDA_VISIBLE_DEVICES says
+    r = run(
+        *cli.base(),
+        "prewarm",
+        "--manifest",
+        str(tmp_path / "c.toml"),
+        env={**PREWARM_ENV, "CUDA_VISIBLE_DEVICES": ""},
+        timeout=600,
+    )  # a CPU model runs whatever CUDA_VISIBLE_DEVICES says
     assert r.returncode == 0, r.stderr[-2000:]
 
 
@@ -749,19 +871,34 @@ def test_a_factory_nowhere_to_import_is_exit_2_before_any_worker(tmp_path, db_ur
     pkg = tmp_path / "pkgs" / "sidefx"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
-    factories = {"gone": "no_such_pkg.models:build", "flat": "prewarm_models.nope:build", "side": "sidefx.missing:build"}
-    (tmp_path / "m.toml").write_text("".join(f'[[model]]\nname = "{name}"\nfactory = "{factory}"\nshapes = [["f32[2,3]"]]\n'
-                                             for name, factory in factories.items()))
+    factories = {
+        "gone": "no_such_pkg.models:build",
+        "flat": "prewarm_models.nope:build",
+        "side": "sidefx.missing:build",
+    }
+    (tmp_path / "m.toml").write_text(
+        "".join(
+            f'[[model]]\nname = "{name}"\nfactory = "{factory}"\nshapes = [["f32[2,3]"]]\n'
+            for name, factory in factories.items()
+        )
+    )
     env = {"PYTHONPATH": os.pathsep.join((PREWARM_ENV["PYTHONPATH"], str(tmp_path / "pkgs")))}
     r = run(*Cli(tmp_path / "cache", db_url).base(), "prewarm", "--manifest", str(tmp_path / "m.toml"), env=env)
-    one_error_line(r, 2, "model 'gone': field 'factory' 'no_such_pkg.models:build': cannot import module "
-                         "'no_such_pkg.models': no module named 'no_such_pkg'",
-                   "no module named 'prewarm_models.nope'", "no module named 'sidefx.missing'")
+    one_error_line(
+        r,
+        2,
+        "model 'gone': field 'factory' 'no_such_pkg.models:build': cannot import module "
+        "'no_such_pkg.models': no module named 'no_such_pkg'",
+        "no module named 'prewarm_models.nope'",
+        "no module named 'sidefx.missing'",
+    )
     assert not (tmp_path / "ran").exists()
 
 
 def test_manifest_shapes_with_empty_dims_are_refused(tmp_path, db_url):
-    (tmp_path / "m.toml").write_text('[[model]]\nname = "a"\nfactory = "prewarm_models:mlp"\nshapes = [["f32[8,,32]"]]\n')
+    (tmp_path / "m.toml").write_text(
+        '[[model]]\nname = "a"\nfactory = "prewarm_models:mlp"\nshapes = [["f32[8,,32]"]]\n'
+    )
     r = run(*Cli(tmp_path / "cache", db_url).base(), "prewarm", "--manifest", str(tmp_path / "m.toml"), env=PREWARM_ENV)
     one_error_line(r, 2, "field 'shapes[0][0]'", "whole numbers between the commas", "'f32[8,,32]'")
 
@@ -801,21 +938,39 @@ shapes = [["f32[8,3]"]]
     assert any("[8, 3] X [16, 32]" in f for f in doc["failures"])
 
     missing = tmp_path / "nope" / "x.bundle"
-    one_error_line(run(*cli.base(), "export", "--out", str(missing), env=PREWARM_ENV), 2,
-                   f"export --out {missing}: folder {missing.parent} does not exist")
+    one_error_line(
+        run(*cli.base(), "export", "--out", str(missing), env=PREWARM_ENV),
+        2,
+        f"export --out {missing}: folder {missing.parent} does not exist",
+    )
     out = tmp_path / "cache.bundle"
     r = run(*cli.base(), "export", "--out", str(out), env=PREWARM_ENV, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert re.fullmatch(rf"wrote {re.escape(str(out))}: [\d.]+ (B|KiB|MiB), \d+ inductor.*; torch \S+, Triton .*, GPU -\n",
-                        r.stdout), r.stdout
+    assert re.fullmatch(
+        rf"wrote {re.escape(str(out))}: [\d.]+ (B|KiB|MiB), \d+ inductor.*; torch \S+, Triton .*, GPU -\n", r.stdout
+    ), r.stdout
     r = run(*Cli(tmp_path / "other", db_url).base(), "import", str(out), env=PREWARM_ENV, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert re.fullmatch(rf"check: 1 of 1 graphs will hit here\nimported {re.escape(str(out))} into {re.escape(str(tmp_path / 'other'))}: \d+ inductor.*\n",
-                        r.stdout) and "{" not in r.stdout, r.stdout
+    assert (
+        re.fullmatch(
+            rf"check: 1 of 1 graphs will hit here\nimported {re.escape(str(out))} into {re.escape(str(tmp_path / 'other'))}: \d+ inductor.*\n",
+            r.stdout,
+        )
+        and "{" not in r.stdout
+    ), r.stdout
 
 
 def test_prewarm_target_redis_without_a_redis_is_a_usage_error(tmp_path, db_url):
-    (tmp_path / "m.toml").write_text('[[model]]\nname = "a"\nfactory = "prewarm_models:mlp"\nshapes = [["f32[2,16]"]]\n')
-    r = run(*Cli(tmp_path / "cache", db_url).base(), "prewarm", "--manifest", str(tmp_path / "m.toml"),
-            "--target", "redis", env=PREWARM_ENV)
+    (tmp_path / "m.toml").write_text(
+        '[[model]]\nname = "a"\nfactory = "prewarm_models:mlp"\nshapes = [["f32[2,16]"]]\n'
+    )
+    r = run(
+        *Cli(tmp_path / "cache", db_url).base(),
+        "prewarm",
+        "--manifest",
+        str(tmp_path / "m.toml"),
+        "--target",
+        "redis",
+        env=PREWARM_ENV,
+    )
     one_error_line(r, 2, "prewarm --target redis: no Redis is configured")

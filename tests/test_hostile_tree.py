@@ -148,8 +148,11 @@ def test_roots_that_are_no_cache_are_refused(tmp_path, cli_for, shape):
     age(root)
     before = snapshot(root)
     cli = cli_for(root)
-    for args in (["evict", "--max-size", "0", "--grace", "0"], ["purge", "--all", "--yes", "--grace", "0"],
-                 ["evict", "--max-size", "0", "--dry-run"]):
+    for args in (
+        ["evict", "--max-size", "0", "--grace", "0"],
+        ["purge", "--all", "--yes", "--grace", "0"],
+        ["evict", "--max-size", "0", "--dry-run"],
+    ):
         r = run(cli, *args)
         assert r.returncode == 7, r.stderr
         assert "does not look like an Inductor cache directory (" in r.stderr
@@ -200,8 +203,10 @@ def test_two_evictions_at_once_count_each_entry_once(gpu_cache, cli_for):
     from conftest import subprocess_env
 
     cmd = [sys.executable, "-m", "cachemgr", *cli.base(), "evict", "--max-size", "0", "--grace", "0", "--json"]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+        for _ in range(2)
+    ]
     docs = []
     for p in procs:
         out, err = p.communicate(timeout=300)
@@ -218,16 +223,19 @@ def test_two_evictions_at_once_count_each_entry_once(gpu_cache, cli_for):
 BAD_ENTRIES = {
     "newobj-no-build": lambda key: fake_entry({}, build=False),
     "time-10e400": lambda key: fake_entry(fxgraph_state(key, _time_taken_ns=10**400)),
-    "not-a-list": lambda key: fake_entry(fxgraph_state(key, _fx_graph_cache_debug_lines={"a": 1},
-                                                       _triton_bundle="oops", device_types=7)),
-    "surrogate": lambda key: fake_entry(fxgraph_state(key, guards_expr="L['x'] \ud800 <= 4",
-                                                      _fx_graph_cache_debug_lines=["[h\udfff] gm: \ud800"])),
+    "not-a-list": lambda key: fake_entry(
+        fxgraph_state(key, _fx_graph_cache_debug_lines={"a": 1}, _triton_bundle="oops", device_types=7)
+    ),
+    "surrogate": lambda key: fake_entry(
+        fxgraph_state(key, guards_expr="L['x'] \ud800 <= 4", _fx_graph_cache_debug_lines=["[h\udfff] gm: \ud800"])
+    ),
     "nul": lambda key: fake_entry(fxgraph_state(key, guards_expr="a\0b", cache_key="c\0d")),
     "memo-bomb": lambda key: memo_bomb(),
     "classes": lambda key: many_classes(),
     "slow-regex": lambda key: fake_entry(fxgraph_state(key, source_code=slow_source())),
-    "odd-aot": lambda key: fake_entry({"compiled_fw": 5, "compiled_bw": {"fx_graph_cache_key": ["x"]}},
-                                      AOT_MODULE, AOT_CLASS),
+    "odd-aot": lambda key: fake_entry(
+        {"compiled_fw": 5, "compiled_bw": {"fx_graph_cache_key": ["x"]}}, AOT_MODULE, AOT_CLASS
+    ),
 }
 
 
@@ -289,8 +297,12 @@ def test_bad_files_make_corrupt_rows_and_stop_nothing(cpu_cache, tmp_path, cli_f
     assert rows[rel["nul"]]["guards"] == "ab"
     assert any("%FF%FE" in k for k in rows), "a non-UTF-8 name is indexed under an escaped key"
     assert any("%1B" in k for k in rows)
-    for args in (["evict", "--max-size", "0", "--grace", "0", "--dry-run"], ["purge", "--corrupt", "--yes", "--grace", "0"],
-                 ["stats"], ["ls"]):
+    for args in (
+        ["evict", "--max-size", "0", "--grace", "0", "--dry-run"],
+        ["purge", "--corrupt", "--yes", "--grace", "0"],
+        ["stats"],
+        ["ls"],
+    ):
         r = run(cli, *args, timeout=600)
         assert r.returncode == 0, (args, r.stderr)
     assert not planted["memo-bomb"].exists(), "corrupt entries are purged"
@@ -331,8 +343,13 @@ def test_daemon_indexes_good_entries_beside_bad_ones(cpu_cache, tmp_path, cli_fo
 
     plant_bad_entries(cpu_cache)
     cli = cli_for(cpu_cache)
-    d = subprocess.Popen([sys.executable, "-m", "cachemgr", *cli.base(), "daemon", "--debounce", "0.1"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
+    d = subprocess.Popen(
+        [sys.executable, "-m", "cachemgr", *cli.base(), "daemon", "--debounce", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=subprocess_env(),
+    )
     try:
         deadline = time.time() + 120
         lines = []
@@ -389,8 +406,12 @@ def test_killed_scan_leaves_no_parse_workers(cpu_cache, cli_for):
         d.mkdir(parents=True)
         (d / ("b" * 51)).write_bytes(busy_pickle(30_000_000))
     cli = cli_for(cpu_cache)
-    p = subprocess.Popen([sys.executable, "-m", "cachemgr", *cli.base(), "scan"], env=subprocess_env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "cachemgr", *cli.base(), "scan"],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     workers: list[int] = []
     deadline = time.time() + 60
     while time.time() < deadline and not workers:

@@ -25,8 +25,9 @@ def disk_counts(root: Path) -> tuple[int, int]:
 
 
 def find_bytes(root: Path) -> int:
-    out = subprocess.run(["find", str(root), "-type", "f", "-printf", "%s\\n"], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        ["find", str(root), "-type", "f", "-printf", "%s\\n"], capture_output=True, text=True, check=True
+    )
     return sum(int(x) for x in out.stdout.split())
 
 
@@ -144,10 +145,10 @@ def test_parallel_parse_matches_serial(gpu_cache, tmp_path, monkeypatch):
     for key, d in serial.items():
         p = parallel[key]
         assert (p.row, p.refs) == (d.row, d.refs), key
-        assert {part: digest for part, (digest, _) in p.parts.items()} == \
-            {part: digest for part, (digest, _) in d.parts.items()}, key
+        assert {part: digest for part, (digest, _) in p.parts.items()} == {
+            part: digest for part, (digest, _) in d.parts.items()
+        }, key
     assert sum(e.kind == "fxgraph" for e in entries) == 6
-
 
 
 def _index_of(db_file: Path) -> dict:
@@ -155,14 +156,21 @@ def _index_of(db_file: Path) -> dict:
     conn = sqlite3.connect(db_file)
     try:
         return {
-            "entries": sorted(conn.execute(
-                "SELECT key, kind, ref, alias, dir, bytes, files, mtime, graph_key, signature_hash, options_hash, "
-                "guards, compile_seconds, torch_version_hash, corrupt, parse_state, content FROM entries")),
-            "refs": sorted(conn.execute(
-                "SELECT e.key, r.kind, r.ref FROM entry_refs r JOIN entries e ON e.id = r.entry_id")),
-            "sets": sorted(conn.execute(
-                "SELECT e.key, s.part, c.digest FROM entry_component_sets s "
-                "JOIN entries e ON e.id = s.entry_id JOIN component_sets c ON c.id = s.set_id")),
+            "entries": sorted(
+                conn.execute(
+                    "SELECT key, kind, ref, alias, dir, bytes, files, mtime, graph_key, signature_hash, options_hash, "
+                    "guards, compile_seconds, torch_version_hash, corrupt, parse_state, content FROM entries"
+                )
+            ),
+            "refs": sorted(
+                conn.execute("SELECT e.key, r.kind, r.ref FROM entry_refs r JOIN entries e ON e.id = r.entry_id")
+            ),
+            "sets": sorted(
+                conn.execute(
+                    "SELECT e.key, s.part, c.digest FROM entry_component_sets s "
+                    "JOIN entries e ON e.id = s.entry_id JOIN component_sets c ON c.id = s.set_id"
+                )
+            ),
             "dirs": sorted(p for (p,) in conn.execute("SELECT path FROM dirs")),
         }
     finally:
@@ -251,12 +259,19 @@ def test_parallel_parse_survives_an_unguarded_main(gpu_cache, tmp_path):
     re-run it in every worker and kill it): parse workers are plain `python -m` commands, unaffected."""
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED)
-    p = subprocess.run([sys.executable, str(script), str(gpu_cache)], capture_output=True, text=True, timeout=120,
-                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    p = subprocess.run(
+        [sys.executable, str(script), str(gpu_cache)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     described, with_graph_key, pickled = map(int, p.stdout.split()[-3:])
     assert described == pickled > 0
     assert with_graph_key == 6
+
 
 def test_a_scan_racing_another_writer_reads_again_instead_of_failing(gpu_cache, db_url, monkeypatch):
     """Another process indexes the same new entries between this scan's read and its write (two
@@ -280,8 +295,9 @@ def test_a_scan_racing_another_writer_reads_again_instead_of_failing(gpu_cache, 
     r = scan.reconcile(db, cid, str(gpu_cache))
     assert raced[0].added == 262 and not r.added and r.unchanged == 262
     with db.engine.connect() as conn:
-        n, total = conn.execute(sa_text("SELECT COUNT(*), SUM(bytes) FROM entries WHERE cache_id = :c"),
-                                {"c": cid}).one()
+        n, total = conn.execute(
+            sa_text("SELECT COUNT(*), SUM(bytes) FROM entries WHERE cache_id = :c"), {"c": cid}
+        ).one()
     assert (n, total) == (262, find_bytes(gpu_cache))
 
 
@@ -324,8 +340,11 @@ def test_an_unreadable_directory_keeps_its_entries_and_is_reported(gpu_cache, cl
             assert "0 removed" in r.stdout, r.stdout
             # the folder itself, or (a rescan that trusts its mtime) the key folders it hides
             assert f"cachemgr: warning: cannot read fxgraph/{victim.name}/" in r.stderr, r.stderr
-            doc = json.loads(subprocess.run([*cmd, "--json"], capture_output=True, text=True,
-                                            env=subprocess_env(), timeout=120).stdout)
+            doc = json.loads(
+                subprocess.run(
+                    [*cmd, "--json"], capture_output=True, text=True, env=subprocess_env(), timeout=120
+                ).stdout
+            )
             assert doc["unreadable"] and doc["removed"] == 0
             assert all(d.startswith(f"fxgraph/{victim.name}") for d in doc["unreadable"]), doc["unreadable"]
     finally:
@@ -343,8 +362,13 @@ def test_rescan_reconciles_changes(cpu_cache, cli_for):
     assert again["added"] == again["changed"] == again["removed"] == 0
     assert again["unchanged"] == first["added"]
     # An unchanged tree is answered from directory mtimes alone, without importing SQLAlchemy.
-    out = subprocess.run([sys.executable, "-c", SCAN_PROGRAM, *cli.base(), "scan", "--json"],
-                         capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", SCAN_PROGRAM, *cli.base(), "scan", "--json"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     *scanned, probe = out.stdout.strip().splitlines()
     assert json.loads("\n".join(scanned))["unchanged"] == first["added"]
@@ -481,8 +505,9 @@ def test_inspection_never_imports_torch(cpu_cache, db_url, args):
     subprocess.run([sys.executable, "-m", "cachemgr", *base, "scan"], env=env, check=True, capture_output=True)
     fx = next(cpu_cache.glob("fxgraph/*/*/*")).relative_to(cpu_cache).as_posix()
     args = [fx if a == "FXGRAPH" else a for a in args]  # an fxgraph entry: its parse is the torch-shaped part
-    out = subprocess.run([sys.executable, "-c", INSPECT_WITHOUT_TORCH, *base, *args], env=env,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", INSPECT_WITHOUT_TORCH, *base, *args], env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
 
 
@@ -491,8 +516,9 @@ def test_stats_fast_path_skips_sqlalchemy(cpu_cache, db_url):
     env = subprocess_env()
     subprocess.run([sys.executable, "-m", "cachemgr", *base, "scan"], env=env, check=True, capture_output=True)
     code = INSPECT_WITHOUT_TORCH.replace('"torch" not in', '"sqlalchemy" not in')
-    out = subprocess.run([sys.executable, "-c", code, *base, "stats", "--json"], env=env, capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, *base, "stats", "--json"], env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
 
 
@@ -525,11 +551,17 @@ def test_index_is_wal(cpu_cache, cli_for, db_url):
 
 
 def test_migrations_ship_in_the_wheel(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
-                          str(tmp_path), str(REPO)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0 and "hatchling" in out.stderr:
-        out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path), str(REPO)],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path), str(REPO)],
+            capture_output=True,
+            text=True,
+        )
     assert out.returncode == 0, out.stderr[-2000:]
     import zipfile
 
@@ -542,8 +574,10 @@ def test_migrations_ship_in_the_wheel(tmp_path):
     zipfile.ZipFile(whl).extractall(site)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(site)
-    code = ("import cachemgr, sys; from cachemgr.index.db import Database, migrations_dir; "
-            f"assert str(migrations_dir()).startswith({str(site)!r}), migrations_dir(); "
-            f"Database('sqlite:///{tmp_path}/w.db'); print('ok')")
+    code = (
+        "import cachemgr, sys; from cachemgr.index.db import Database, migrations_dir; "
+        f"assert str(migrations_dir()).startswith({str(site)!r}), migrations_dir(); "
+        f"Database('sqlite:///{tmp_path}/w.db'); print('ok')"
+    )
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert r.stdout.strip() == "ok", r.stderr

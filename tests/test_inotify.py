@@ -33,8 +33,9 @@ class Tree:
         self.seen: list[tuple[str, str]] = []
         self.dirs: list[str] = []
         self.overflows = self.limits = self.lost = 0
-        self.w = TreeWatcher(str(root), lambda k, r: self.items.put((k, r)), self.dirs.append,
-                             self._overflow, self._limit, self._lost)
+        self.w = TreeWatcher(
+            str(root), lambda k, r: self.items.put((k, r)), self.dirs.append, self._overflow, self._limit, self._lost
+        )
         self.w.start()
 
     def _overflow(self) -> None:

@@ -12,21 +12,39 @@ def graph(i: int, key: str, cost: float, hits: int = 0, used: float = NOW - 3600
     """An fxgraph entry and the C++ build only it uses (one eviction group)."""
     stem = f"c{key}"
     return [
-        Row(i, f"fxgraph/{key[:2]}/f{key}/e", "fxgraph", f"f{key}", None, size, 1, used, used, cost, f"f{key}",
-            hit_count=hits, refs=(("code", f"src-{key}"),)),
+        Row(
+            i,
+            f"fxgraph/{key[:2]}/f{key}/e",
+            "fxgraph",
+            f"f{key}",
+            None,
+            size,
+            1,
+            used,
+            used,
+            cost,
+            f"f{key}",
+            hit_count=hits,
+            refs=(("code", f"src-{key}"),),
+        ),
         Row(i + 1, f"{key[:2]}/{stem}", "code", stem, f"src-{key}", size, 2, used, used),
     ]
 
 
 def heads(p) -> list[str]:
-    return [u.entries[0].key.split("/")[2][1:] for u in p.units if u.reason == "size" and u.entries[0].kind == "fxgraph"]
+    return [
+        u.entries[0].key.split("/")[2][1:] for u in p.units if u.reason == "size" and u.entries[0].kind == "fxgraph"
+    ]
 
 
 def test_cost_policy_keeps_what_is_dear_per_byte_and_what_is_hit():
     rows = [*graph(1, "dear", cost=10.0), *graph(3, "cheap", cost=1.0), *graph(5, "popular", cost=1.0, hits=20)]
     # LRU would take the least recently used first, whatever it cost:
-    rows_lru = [*graph(1, "dear", 10.0, used=NOW - 9000), *graph(3, "cheap", 1.0, used=NOW - 60),
-                *graph(5, "popular", 1.0, hits=20, used=NOW - 300)]
+    rows_lru = [
+        *graph(1, "dear", 10.0, used=NOW - 9000),
+        *graph(3, "cheap", 1.0, used=NOW - 60),
+        *graph(5, "popular", 1.0, hits=20, used=NOW - 300),
+    ]
     limits = Limits(max_size=0, grace=0)
     assert heads(plan(rows_lru, limits, "lru", NOW)) == ["dear", "popular", "cheap"]
     # GreedyDual-Size-Frequency: H = L + (1 + hits) x seconds / bytes; the lowest goes first
@@ -63,8 +81,10 @@ def test_priority_is_clock_at_last_use_plus_frequency_cost_per_byte():
 def test_unparsed_entries_hold_what_they_might_name():
     """Scan phase one indexed an entry from its name only: it is kept, and so is every module or
     build it might use, until it is read."""
-    rows = [*graph(1, "known", 1.0), Row(9, "fxgraph/xx/fxx/e", "fxgraph", "fxx", None, MB, 1, NOW - 3600,
-                                         NOW - 3600, parsed=False)]
+    rows = [
+        *graph(1, "known", 1.0),
+        Row(9, "fxgraph/xx/fxx/e", "fxgraph", "fxx", None, MB, 1, NOW - 3600, NOW - 3600, parsed=False),
+    ]
     rows.append(Row(10, "ab/corphan", "code", "corphan", None, MB, 1, NOW - 3600, NOW - 3600))
     p = plan(rows, Limits(max_size=0, grace=0), "lru", NOW)
     taken = {e.key for e in p.entries}

@@ -70,8 +70,13 @@ class ConfCli(Cli):
 
 
 def workload(cache_dir: Path, spool: Path) -> dict:
-    out = subprocess.run([sys.executable, str(PROGRAMS / "prewarm_models.py")], capture_output=True, text=True,
-                         timeout=900, env=subprocess_env(cache_dir, CACHEMGR_SPOOL_DIR=str(spool)))
+    out = subprocess.run(
+        [sys.executable, str(PROGRAMS / "prewarm_models.py")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=subprocess_env(cache_dir, CACHEMGR_SPOOL_DIR=str(spool)),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -97,11 +102,20 @@ def world(tmp_path_factory):
 def test_fresh_process_of_the_workload_misses_nothing_after_prewarm(world):
     doc, ours = world["doc"], ("mlp", "head", "scorer")
     pre = {(r["model"], r["index"]): r for r in doc["shapes"]}
-    assert {k for k in pre if k[0] in ours} == {("mlp", 0), ("mlp", 1), ("mlp", 2),
-                                               ("head", 0), ("head", 1), ("head", 2), ("scorer", 0)}
+    assert {k for k in pre if k[0] in ours} == {
+        ("mlp", 0),
+        ("mlp", 1),
+        ("mlp", 2),
+        ("head", 0),
+        ("head", 1),
+        ("head", 2),
+        ("scorer", 0),
+    }
     assert all(pre[k]["ok"] and pre[k]["seconds"] > 0 for k in pre if k[0] in ours)
-    assert sum(r["counters"]["fxgraph_cache_miss"] for r in doc["shapes"] if r["model"] in ours) == \
-        world["first"]["fxgraph_cache_miss"]
+    assert (
+        sum(r["counters"]["fxgraph_cache_miss"] for r in doc["shapes"] if r["model"] in ours)
+        == world["first"]["fxgraph_cache_miss"]
+    )
     assert pre[("mlp", 0)]["counters"]["autograd_cache_saved"] >= 1  # train = true ran the backward
     ver = {r["model"]: r for r in doc["verify"]["shapes"] if r["model"] in ours}
     ver_rows = [r for r in doc["verify"]["shapes"] if r["model"] in ours]
@@ -122,8 +136,10 @@ def test_every_failure_is_named_and_the_rest_still_prewarmed(world):
     doc, err = world["doc"], world["stderr"]
     failures = "\n".join(doc["failures"])
     assert "model 'bad': field 'compile.mode': must be one of" in failures and "'fastest'" in failures
-    assert "model 'gone': field 'factory' 'no_such_pkg.models:build': cannot import module 'no_such_pkg.models'" \
+    assert (
+        "model 'gone': field 'factory' 'no_such_pkg.models:build': cannot import module 'no_such_pkg.models'"
         in failures
+    )
     assert "model 'broken'" in failures and "this factory is broken on purpose" in failures
     picky = {r["index"]: r for r in doc["shapes"] if r["model"] == "picky"}
     assert picky[0]["ok"] and picky[2]["ok"] and not picky[1]["ok"]
@@ -156,8 +172,9 @@ def test_export_then_import_into_an_empty_cache_is_warm(world, tmp_path, fixture
     assert "none of its 8 graphs would hit here (8 graphs will miss because torch_version differs)" in r.stderr
     assert "refusing to import it" in r.stderr
     fresh = ConfCli(tmp_path / "fresh2", cli.db_url, cli.config)
-    doc, err = proc_json(fresh, "prewarm", "--manifest", str(world["base"] / "m.toml"), "--model", "head",
-                         "--bundle", str(other), code=8)
+    doc, err = proc_json(
+        fresh, "prewarm", "--manifest", str(world["base"] / "m.toml"), "--model", "head", "--bundle", str(other), code=8
+    )
     assert "torch_version differs" in doc["failures"][0]
     assert [r["ok"] for r in doc["shapes"]] == [True, True, True]
 
@@ -171,8 +188,9 @@ compile = { backend = "eager", dynamic = false }
 shapes = [["f32[1,2]"], ["f32[2,2]"], ["f32[3,2]"], ["f32[4,2]"]]
 """)
     cli = Cli(tmp_path / "c", world["cli"].db_url)
-    doc, _ = proc_json(cli, "prewarm", "--manifest", str(tmp_path / "s.toml"), "--devices", "cpu,cpu",
-                       "--timeout", "20", code=8)
+    doc, _ = proc_json(
+        cli, "prewarm", "--manifest", str(tmp_path / "s.toml"), "--devices", "cpu,cpu", "--timeout", "20", code=8
+    )
     res = {r["index"]: r for r in doc["shapes"]}
     assert sorted(res) == [0, 1, 2, 3]
     assert not res[1]["ok"] and "timed out after 20 s" in res[1]["error"]
@@ -184,8 +202,9 @@ shapes = [["f32[1,2]"], ["f32[2,2]"], ["f32[3,2]"], ["f32[4,2]"]]
 
 def test_a_missing_bundle_or_a_manifest_with_nothing_to_run_is_named_before_any_worker_starts(tmp_path, db_url):
     (tmp_path / "m.toml").write_text(MANIFEST)
-    r = Cli(tmp_path / "c", db_url).proc("prewarm", "--manifest", str(tmp_path / "m.toml"),
-                                         "--bundle", str(tmp_path / "nope.bundle"))
+    r = Cli(tmp_path / "c", db_url).proc(
+        "prewarm", "--manifest", str(tmp_path / "m.toml"), "--bundle", str(tmp_path / "nope.bundle")
+    )
     assert r.returncode == 3 and r.stderr == f"cachemgr: error: bundle {tmp_path / 'nope.bundle'} does not exist\n"
     (tmp_path / "bad.toml").write_text('[[model]]\nname = "a"\nshapes = [["f32[2,x]"]]\n')
     r = Cli(tmp_path / "c", db_url).proc("prewarm", "--manifest", str(tmp_path / "bad.toml"))
@@ -193,21 +212,36 @@ def test_a_missing_bundle_or_a_manifest_with_nothing_to_run_is_named_before_any_
 
 
 def test_manifest_errors_name_model_and_field(tmp_path):
-    m = mf.parse({"model": [
-        {"name": "a", "factory": "pkg.mod:fn", "shapes": [["f32[2,x]"]]},
-        {"name": "b", "factory": "nocolon"},
-        {"name": "c", "factory": "p:f", "compile": {"dynamic": "sometimes"}},
-        {"name": "d", "factory": "p:f", "device": "tpu"},
-        {"name": "e", "factory": "p:f", "colour": "red"},
-        {"name": "ok", "factory": "p:f", "shapes": [["bf16[4,8]*", 3], {"args": [{"shape": [2], "dtype": "int64"}]}]},
-    ]}, "x.toml")
+    m = mf.parse(
+        {
+            "model": [
+                {"name": "a", "factory": "pkg.mod:fn", "shapes": [["f32[2,x]"]]},
+                {"name": "b", "factory": "nocolon"},
+                {"name": "c", "factory": "p:f", "compile": {"dynamic": "sometimes"}},
+                {"name": "d", "factory": "p:f", "device": "tpu"},
+                {"name": "e", "factory": "p:f", "colour": "red"},
+                {
+                    "name": "ok",
+                    "factory": "p:f",
+                    "shapes": [["bf16[4,8]*", 3], {"args": [{"shape": [2], "dtype": "int64"}]}],
+                },
+            ]
+        },
+        "x.toml",
+    )
     msgs = dict(m.errors)
     assert "model 'a': field 'shapes[0][0]': tensor spec must look like" in msgs["a"]
     assert "model 'b': field 'factory': required, 'package.module:function'" in msgs["b"]
     assert "field 'compile.dynamic'" in msgs["c"] and "field 'device'" in msgs["d"] and "field 'colour'" in msgs["e"]
     (ok,) = m.models
-    assert ok.shapes[0]["args"][0] == {"t": "tensor", "shape": [4, 8], "dtype": "bfloat16", "device": None,
-                                       "requires_grad": True, "stride": [8, 1]}
+    assert ok.shapes[0]["args"][0] == {
+        "t": "tensor",
+        "shape": [4, 8],
+        "dtype": "bfloat16",
+        "device": None,
+        "requires_grad": True,
+        "stride": [8, 1],
+    }
     assert ok.shapes[0]["args"][1] == {"t": "int", "v": 3}
     (tmp_path / "bad.toml").write_text("[[model]\nname=")
     with pytest.raises(mf.ManifestError, match="not valid TOML"):
@@ -219,13 +253,30 @@ def test_manifest_errors_name_model_and_field(tmp_path):
 def test_shapes_are_shared_in_order_and_automatic_dynamic_slices_lead_in_with_the_first():
     from cachemgr.prewarm import worker
 
-    m = mf.parse({"model": [
-        {"name": "auto", "factory": "p:f", "shapes": [[f"f32[{b},4]"] for b in (1, 2, 3, 4, 5)]},
-        {"name": "static", "factory": "p:f", "compile": {"dynamic": False}, "shapes": [["f32[1,4]"], ["f32[2,4]"]]},
-        {"name": "rec", "factory": "p:f"},
-    ]}, "x.toml")
-    recorded = [{"model": "rec", "signature_hash": "h1", "signature": "(f32[9])", "spec": {"args": [], "kwargs": {}},
-                 "options": {"mode": "max-autotune"}}]
+    m = mf.parse(
+        {
+            "model": [
+                {"name": "auto", "factory": "p:f", "shapes": [[f"f32[{b},4]"] for b in (1, 2, 3, 4, 5)]},
+                {
+                    "name": "static",
+                    "factory": "p:f",
+                    "compile": {"dynamic": False},
+                    "shapes": [["f32[1,4]"], ["f32[2,4]"]],
+                },
+                {"name": "rec", "factory": "p:f"},
+            ]
+        },
+        "x.toml",
+    )
+    recorded = [
+        {
+            "model": "rec",
+            "signature_hash": "h1",
+            "signature": "(f32[9])",
+            "spec": {"args": [], "kwargs": {}},
+            "options": {"mode": "max-autotune"},
+        }
+    ]
     plans, errors = worker.plan(m, recorded)
     assert errors == [] and [p.compile for p in plans] == [{}, {"dynamic": False}, {"mode": "max-autotune"}]
     jobs = worker.distribute(plans, ["cuda:0", "cuda:1"])
@@ -249,15 +300,24 @@ def test_target_redis_fills_pytorchs_remote_cache(world, tmp_path):
     cfg = tmp_path / "config.toml"
     cfg.write_text(world["cli"].config.read_text() + f'redis_url = "{url}"\n')
     cli = ConfCli(tmp_path / "local", world["cli"].db_url, cfg)
-    doc, _ = proc_json(cli, "prewarm", "--manifest", str(world["base"] / "m.toml"), "--model", "head",
-                       "--target", "redis", code=0)
+    doc, _ = proc_json(
+        cli, "prewarm", "--manifest", str(world["base"] / "m.toml"), "--model", "head", "--target", "redis", code=0
+    )
     assert [r["ok"] for r in doc["shapes"]] == [True, True, True]
     # a process with an empty local cache finds the head's graphs in Redis
-    out = subprocess.run([sys.executable, str(PROGRAMS / "prewarm_models.py")], capture_output=True, text=True,
-                         timeout=900, env=subprocess_env(tmp_path / "empty", CACHEMGR_SPOOL_DIR=str(tmp_path / "s"),
-                                                         TORCHINDUCTOR_REDIS_URL=url,
-                                                         TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
-                                                         TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1"))
+    out = subprocess.run(
+        [sys.executable, str(PROGRAMS / "prewarm_models.py")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=subprocess_env(
+            tmp_path / "empty",
+            CACHEMGR_SPOOL_DIR=str(tmp_path / "s"),
+            TORCHINDUCTOR_REDIS_URL=url,
+            TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
+            TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1",
+        ),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     counters = json.loads(out.stdout.strip().splitlines()[-1])
     assert counters["fxgraph_cache_hit"] == 3  # the three head shapes; mlp was never prewarmed

@@ -41,13 +41,24 @@ def test_module_records_each_distinct_signature_once(spool, tmp_path):
         m(torch.randn(2, 4))
     m(torch.randn(2, 4, requires_grad=True))
     lines = spool_lines(spool.directory)
-    assert [ln["signature"] for ln in lines] == ["(f32[2,4])", "(f32[3,4])", "(f32[5,4])", "(f32[2,4]) no_grad",
-                                                 "(f32[2,4]*)"]
+    assert [ln["signature"] for ln in lines] == [
+        "(f32[2,4])",
+        "(f32[3,4])",
+        "(f32[5,4])",
+        "(f32[2,4]) no_grad",
+        "(f32[2,4]*)",
+    ]
     assert {ln["model"] for ln in lines} == {"lin"} and lines[0]["options"] == {"backend": "eager"}
     assert len({ln["signature_hash"] for ln in lines}) == 5
     t = lines[0]["spec"]["args"][0]
-    assert t == {"t": "tensor", "shape": [2, 4], "dtype": "float32", "device": "cpu", "requires_grad": False,
-                 "stride": [4, 1]}
+    assert t == {
+        "t": "tensor",
+        "shape": [2, 4],
+        "dtype": "float32",
+        "device": "cpu",
+        "requires_grad": False,
+        "stride": [4, 1],
+    }
 
 
 def test_function_decorator_nested_inputs_and_scalars(spool):
@@ -62,8 +73,10 @@ def test_function_decorator_nested_inputs_and_scalars(spool):
     f((a,), {"b": b[:1]}, scale=2.0)
     lines = spool_lines(spool.directory)
     assert [ln["signature"] for ln in lines] == [
-        "([f32[3], f32[3]], {b: f64[2]}, scale=2.0)", "([f32[3], f32[3]], {b: f64[2]}, scale=3.0)",
-        "((f32[3]), {b: f64[1]}, scale=2.0)"]
+        "([f32[3], f32[3]], {b: f64[2]}, scale=2.0)",
+        "([f32[3], f32[3]], {b: f64[2]}, scale=3.0)",
+        "((f32[3]), {b: f64[1]}, scale=2.0)",
+    ]
     assert lines[0]["options"] == {"backend": "eager", "dynamic": False}
     assert f.__name__ == "f"
 
@@ -125,8 +138,14 @@ def test_lines_a_recorder_never_writes_are_skipped_and_the_rest_ingested(spool, 
     m = record.compile(torch.nn.Linear(4, 2), name="good", spool=spool, backend="eager")
     m(torch.randn(2, 4))
     base = {"model": "m", "signature_hash": "h", "spec": {"args": [], "kwargs": {}}}
-    hostile = [{**base, "ts": "abc"}, {**base, "model": ["x"]}, {**base, "spec": [1, 2]},
-               {**base, "spec": {"args": [{"t": "tensor", "shape": "big"}]}}, {**base, "options": 7}, [1, 2]]
+    hostile = [
+        {**base, "ts": "abc"},
+        {**base, "model": ["x"]},
+        {**base, "spec": [1, 2]},
+        {**base, "spec": {"args": [{"t": "tensor", "shape": "big"}]}},
+        {**base, "options": 7},
+        [1, 2],
+    ]
     with open(os.path.join(spool.directory, spool.name), "a") as f:
         f.writelines(json.dumps(h) + "\n" for h in hostile)
     os.mkdir(os.path.join(spool.directory, "dir.jsonl"))  # not a file, named like one
@@ -147,13 +166,25 @@ def test_shapes_cli_ingests_and_lists(spool, tmp_path, cli_for):
     m(torch.randn(6, 4))
     cli = cli_for(tmp_path / "cache")
     env_flag = ["--config", str(_config(tmp_path, spool.directory))]
-    res = subprocess.run([sys.executable, "-m", "cachemgr", *cli.base(), *env_flag, "shapes", "--model", "ranker",
-                          "--json"], capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "cachemgr", *cli.base(), *env_flag, "shapes", "--model", "ranker", "--json"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=REPO,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert [d["signature"] for d in doc] == ["(f32[2,4])", "(f32[6,4])"] and doc[0]["varied"] == ["args[0].0"]
-    res = subprocess.run([sys.executable, "-m", "cachemgr", *cli.base(), *env_flag, "shapes", "--model", "nope"],
-                         capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "cachemgr", *cli.base(), *env_flag, "shapes", "--model", "nope"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=REPO,
+        timeout=120,
+    )
     assert res.returncode == 0 and "no shapes recorded for model 'nope'" in res.stdout
 
 
@@ -165,8 +196,12 @@ def _config(tmp_path, spool_dir: str):
 
 def test_overhead_path_does_not_import_the_database():
     # recording in a workload must not pull in SQLAlchemy (the hot path never touches the index)
-    code = ("import torch, cachemgr.record as r, sys; m = r.compile(torch.nn.Linear(2,2), name='a', backend='eager',"
-            " spool=r.Spool('/tmp/cachemgr-test-spool-unused')); m(torch.randn(1,2)); print('sqlalchemy' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    code = (
+        "import torch, cachemgr.record as r, sys; m = r.compile(torch.nn.Linear(2,2), name='a', backend='eager',"
+        " spool=r.Spool('/tmp/cachemgr-test-spool-unused')); m(torch.randn(1,2)); print('sqlalchemy' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

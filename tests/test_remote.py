@@ -79,7 +79,9 @@ def test_key_and_value_are_torchs_own(tmp_path):
     content = bytes(range(256)) * 3
     import base64
 
-    torch_value = RemoteCacheJsonSerde().encode({"data": base64.b64encode(content).decode("ascii"), "time_taken_ms": 42})
+    torch_value = RemoteCacheJsonSerde().encode(
+        {"data": base64.b64encode(content).decode("ascii"), "time_taken_ms": 42}
+    )
     assert encode_value(content, 42) == torch_value and decode_value(torch_value) == content
 
 
@@ -93,7 +95,8 @@ def test_push_gives_a_fresh_host_remote_hits(cpu_cache, cli_for, redis_url, rcon
     fx_keys = {e["graph_key"] for e in a.json("ls", "--kind", "fxgraph")}
     assert pushed["pushed"] == len(fx_keys) + len(a.json("ls", "--kind", "aotautograd")) and pushed["present"] == 0
     assert {k for k in torch_keys(rconn) if k.startswith("pt2:fx-graph-v1::")} == {
-        f"pt2:fx-graph-v1::{k}:c1" for k in fx_keys}
+        f"pt2:fx-graph-v1::{k}:c1" for k in fx_keys
+    }
     # exactly what Inductor reads: the local entry file's bytes, base64 in JSON
     entry = a.json("ls", "--kind", "fxgraph")[0]
     doc = json.loads(rconn.get(f"pt2:fx-graph-v1::{entry['graph_key']}:c1"))
@@ -133,11 +136,14 @@ def test_push_one_graph(cpu_cache, cli_for, redis_url, rconn, tmp_path):
     meta = json.loads(rconn.hget("cachemgr:meta", f"pt2:fx-graph-v1::{key}:c1"))
     assert meta["source"] == str(newer.relative_to(cpu_cache))
     assert torch_keys(rconn) == sorted([f"pt2:fx-graph-v1::{key}:c1", f"pt2:autograd-experimental::{aot[0]}:c1"])
-    counters = run_program(tmp_path / "b", "--only", "infer", TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
-                           TORCHINDUCTOR_REDIS_URL=redis_url)
+    counters = run_program(
+        tmp_path / "b", "--only", "infer", TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1", TORCHINDUCTOR_REDIS_URL=redis_url
+    )
     assert counters["fxgraph_cache_hit"] == 1 and counters["fxgraph_cache_miss"] == 0, counters
     r = a.proc("remote", "--redis", redis_url, "push", "--graph", "fnosuchgraph")
-    assert r.returncode == 3 and r.stderr.startswith("cachemgr: error: no fxgraph or aotautograd entry for graph 'fnosuchgraph'")
+    assert r.returncode == 3 and r.stderr.startswith(
+        "cachemgr: error: no fxgraph or aotautograd entry for graph 'fnosuchgraph'"
+    )
 
 
 def test_push_aot_entries_with_their_graphs(tmp_path, cli_for, redis_url, rconn):
@@ -146,8 +152,14 @@ def test_push_aot_entries_with_their_graphs(tmp_path, cli_for, redis_url, rconn)
     compile with that same setting wrote. Here A compiles so (its Redis unreachable: torch
     itself writes nothing), cachemgr pushes, B hits in both tiers."""
     cache_a = tmp_path / "a"
-    counters = run_program(cache_a, "--only", "mlp", TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
-                           TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1", TORCHINDUCTOR_REDIS_URL="redis://127.0.0.1:1/0")
+    counters = run_program(
+        cache_a,
+        "--only",
+        "mlp",
+        TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
+        TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1",
+        TORCHINDUCTOR_REDIS_URL="redis://127.0.0.1:1/0",
+    )
     assert counters["autograd_cache_miss"] > 0 and torch_keys(rconn) == []
     a = cli_for(cache_a)
     a("scan")
@@ -158,8 +170,14 @@ def test_push_aot_entries_with_their_graphs(tmp_path, cli_for, redis_url, rconn)
     assert one["pushed"] >= 1 + len(needs)
     assert {f"pt2:fx-graph-v1::{k}:c1" for k in needs} <= set(torch_keys(rconn))
     a("remote", "--redis", redis_url, "push")
-    counters = run_program(tmp_path / "b", "--only", "mlp", TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
-                           TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1", TORCHINDUCTOR_REDIS_URL=redis_url)
+    counters = run_program(
+        tmp_path / "b",
+        "--only",
+        "mlp",
+        TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
+        TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1",
+        TORCHINDUCTOR_REDIS_URL=redis_url,
+    )
     assert counters["autograd_cache_hit"] == len(aot) and counters["autograd_cache_miss"] == 0, counters
     assert counters["fxgraph_cache_miss"] == 0, counters
     stats = remote_json(a, redis_url, "stats")
@@ -251,12 +269,21 @@ def test_remote_evict_keeps_young_keys(cpu_cache, cli_for, redis_url, rconn):
     assert plan["victims"] == [] and plan["kept_young"] == n  # just written: inside the grace period
 
 
-@pytest.mark.parametrize("url,message", [
-    ("redis://127.0.0.1:1/0", "cannot reach Redis at redis://127.0.0.1:1/0: Error 111 connecting to 127.0.0.1:1. Connection refused."),
-    ("redis://nobody:hunter2@127.0.0.1:6379/0", "Redis at redis://nobody:***@127.0.0.1:6379/0 refused our credentials: "
-                                                "invalid username-password pair or user is disabled."),
-    ("http://127.0.0.1:6379", "bad Redis URL http://127.0.0.1:6379: "),
-])
+@pytest.mark.parametrize(
+    "url,message",
+    [
+        (
+            "redis://127.0.0.1:1/0",
+            "cannot reach Redis at redis://127.0.0.1:1/0: Error 111 connecting to 127.0.0.1:1. Connection refused.",
+        ),
+        (
+            "redis://nobody:hunter2@127.0.0.1:6379/0",
+            "Redis at redis://nobody:***@127.0.0.1:6379/0 refused our credentials: "
+            "invalid username-password pair or user is disabled.",
+        ),
+        ("http://127.0.0.1:6379", "bad Redis URL http://127.0.0.1:6379: "),
+    ],
+)
 @pytest.mark.parametrize("args", [["stats"], ["push"], ["evict", "--max-age", "1d"]])
 def test_remote_failures_are_one_line(cpu_cache, cli_for, url, message, args):
     r = cli_for(cpu_cache).proc("remote", "--redis", url, *args)
@@ -274,7 +301,9 @@ def test_redis_url_from_inductors_env(cpu_cache, cli_for, redis_url):
     assert r.returncode == 0 and json.loads(r.stdout)["url"] == redis_url, r.stderr
     r = cli.proc("remote", "stats", "--json", env={"TORCHINDUCTOR_REDIS_HOST": host, "TORCHINDUCTOR_REDIS_PORT": "1"})
     assert r.returncode == 6 and f"redis://{host}:1/0" in r.stderr
-    r = cli.proc("remote", "stats", "--json", env={"CACHEMGR_REDIS_URL": redis_url, "TORCHINDUCTOR_REDIS_URL": "redis://x:1"})
+    r = cli.proc(
+        "remote", "stats", "--json", env={"CACHEMGR_REDIS_URL": redis_url, "TORCHINDUCTOR_REDIS_URL": "redis://x:1"}
+    )
     assert r.returncode == 0 and json.loads(r.stdout)["url"] == redis_url, r.stderr
 
 
@@ -304,26 +333,40 @@ def test_push_by_model(cpu_cache, cli_for, redis_url, rconn, db_url):
     db = Database(db_url)
     with db.engine.begin() as conn:
         # the call signature cachemgr.record writes for scaled(torch.randn(6, 5))
-        conn.execute(insert(Shape), [{"model": "ranker", "signature_hash": "0123456789abcdef",
-                                      "signature": "(f32[6,5])", "spec": "{}", "options": "{}",
-                                      "first_seen": time.time(), "last_seen": time.time()}])
+        conn.execute(
+            insert(Shape),
+            [
+                {
+                    "model": "ranker",
+                    "signature_hash": "0123456789abcdef",
+                    "signature": "(f32[6,5])",
+                    "spec": "{}",
+                    "options": "{}",
+                    "first_seen": time.time(),
+                    "last_seen": time.time(),
+                }
+            ],
+        )
     db.close()
     doc = json.loads(a("remote", "--redis", redis_url, "push", "--model", "ranker", "--json").stdout)
     aot = [k.split("/")[1] for k in a.json("show", scaled[0]["key"])["referenced_by"]]
     assert doc["pushed"] == 2 and torch_keys(rconn) == sorted(
-        [f"pt2:fx-graph-v1::{scaled[0]['graph_key']}:c1", f"pt2:autograd-experimental::{aot[0]}:c1"])
+        [f"pt2:fx-graph-v1::{scaled[0]['graph_key']}:c1", f"pt2:autograd-experimental::{aot[0]}:c1"]
+    )
 
 
-@pytest.mark.parametrize("args", [["remote", "stats"], ["remote", "evict", "--max-age", "1d"], ["fleet", "report"],
-                                  ["stats", "--fleet"]])
+@pytest.mark.parametrize(
+    "args", [["remote", "stats"], ["remote", "evict", "--max-age", "1d"], ["fleet", "report"], ["stats", "--fleet"]]
+)
 def test_fleet_commands_never_import_torch(cpu_cache, db_url, redis_url, args):
     base = ["--cache-dir", str(cpu_cache), "--db", db_url]
     env = subprocess_env()
     subprocess.run([sys.executable, "-m", "cachemgr", *base, "scan"], env=env, check=True, capture_output=True)
     if args[0] == "remote":
         args = ["remote", "--redis", redis_url, *args[1:]]
-    out = subprocess.run([sys.executable, "-c", INSPECT_WITHOUT_TORCH, *base, *args], env=env,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", INSPECT_WITHOUT_TORCH, *base, *args], env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
 
 

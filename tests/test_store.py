@@ -48,8 +48,15 @@ def test_both_drivers_give_the_same_answers(fixture_cache, cli_for, db_url, name
     assert quick is not None and quick.dialect == "sqlite"
     slow.add_pin(slow.entries(Filters(kind="fxgraph"))[0].key, "kept")
     assert slow.totals() == quick.totals()
-    for f in (Filters(), Filters(locks=True), Filters(kind="fxgraph", sort="cost"), Filters(sort="age", limit=5),
-              Filters(larger_than=10_000, sort="name"), Filters(pinned=True), Filters(older_than=0.0)):
+    for f in (
+        Filters(),
+        Filters(locks=True),
+        Filters(kind="fxgraph", sort="cost"),
+        Filters(sort="age", limit=5),
+        Filters(larger_than=10_000, sort="name"),
+        Filters(pinned=True),
+        Filters(older_than=0.0),
+    ):
         assert slow.entries(f) == quick.entries(f), f
     every = slow.entries(Filters(locks=True))
     assert slow.short_keys(every) == quick.short_keys(every)
@@ -96,7 +103,7 @@ def test_every_key_form_resolves(fixture_cache, cli_for, db_url):
     fx = [e for e in store.entries(Filters(kind="fxgraph")) if e.ref == graph]
     assert len(fx) == 2
     newest = min(fx, key=lambda e: (-e.mtime, e.key))  # the newest; a tie goes by key
-    for spec in (graph, graph[:10], fx[0].key[:len("fxgraph/xx/") + 12]):  # graph key, its prefix, a path prefix
+    for spec in (graph, graph[:10], fx[0].key[: len("fxgraph/xx/") + 12]):  # graph key, its prefix, a path prefix
         m = store.resolve(spec)
         assert set(m.entries) == set(fx) and m.ref == graph and m.graph == graph and m.entries[0] == newest
     e = fx[0]
@@ -148,10 +155,12 @@ def test_filters_match_a_python_filter(fixture_cache, cli_for, db_url):
     db, store, _ = scanned(cli_for, root, db_url)
     every = store.entries(Filters(locks=True, sort="name"))
     now = time.time()
-    assert [e.key for e in store.entries(Filters(kind="triton", larger_than=20_000, sort="name"))] == \
-        [e.key for e in every if e.kind == "triton" and e.bytes > 20_000]
-    assert [e.bytes for e in store.entries(Filters())] == sorted((e.bytes for e in every if e.kind != "lock"),
-                                                                 reverse=True)
+    assert [e.key for e in store.entries(Filters(kind="triton", larger_than=20_000, sort="name"))] == [
+        e.key for e in every if e.kind == "triton" and e.bytes > 20_000
+    ]
+    assert [e.bytes for e in store.entries(Filters())] == sorted(
+        (e.bytes for e in every if e.kind != "lock"), reverse=True
+    )
     idle = [e.key for e in every if e.last_access <= now - 60]
     assert sorted(e.key for e in store.entries(Filters(older_than=60, locks=True), now=now)) == sorted(idle)
     fx = [e for e in every if e.kind == "fxgraph"]
@@ -170,8 +179,11 @@ def test_model_usage_and_graphs(fixture_cache, cli_for, db_url):
     sig = next(e.signature for e in fx if e.signature and e.signature.startswith("f32[8, 256]"))
     path = db_url.split(":///", 1)[1]
     with sqlite3.connect(path) as c:  # what cachemgr.record writes: one row per call signature seen
-        c.execute("INSERT INTO shapes (model, signature_hash, signature, spec, options, count, first_seen, last_seen) "
-                  "VALUES ('mlp', 'x', ?, '[]', '{}', 2, 0, 0)", (sig.split(";")[0].split("(")[0],))
+        c.execute(
+            "INSERT INTO shapes (model, signature_hash, signature, spec, options, count, first_seen, last_seen) "
+            "VALUES ('mlp', 'x', ?, '[]', '{}', 2, 0, 0)",
+            (sig.split(";")[0].split("(")[0],),
+        )
     graphs = store.model_graphs("mlp")
     assert graphs and graphs <= {e.graph_key for e in fx}
     (usage,) = store.model_usage()
@@ -199,8 +211,13 @@ def test_the_stdlib_driver_needs_no_sqlalchemy(fixture_cache, cli_for, db_url):
     cli = cli_for(root)
     cli("scan")
     short = cli.json("ls", "--kind", "fxgraph")[0]["short"]
-    r = subprocess.run([sys.executable, "-c", NO_SQLALCHEMY, db_url.split(":///", 1)[1], HOST, str(root), short],
-                       env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", NO_SQLALCHEMY, db_url.split(":///", 1)[1], HOST, str(root), short],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 

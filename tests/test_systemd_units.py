@@ -17,8 +17,9 @@ def _verify(tmp_path: Path, *names: str) -> subprocess.CompletedProcess:
     # verify insists that ExecStart= exists: point it at this Python instead of /usr/bin/cachemgr
     for n in names:
         (tmp_path / n).write_text((UNITS / n).read_text().replace("/usr/bin/cachemgr", sys.executable))
-    return subprocess.run([ANALYZE, "verify", *(str(tmp_path / n) for n in names)], capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [ANALYZE, "verify", *(str(tmp_path / n) for n in names)], capture_output=True, text=True, timeout=60
+    )
 
 
 def _service(name: str) -> dict[str, list[str]]:
@@ -44,8 +45,11 @@ def test_units_verify_clean(tmp_path):
 @pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze missing: apt-get install -y systemd")
 def test_verify_catches_a_broken_unit(tmp_path):
     (tmp_path / "cachemgr.service").write_text(
-        (UNITS / "cachemgr.service").read_text().replace("/usr/bin/cachemgr", sys.executable)
-        .replace("Type=notify", "Type=notifyy"))
+        (UNITS / "cachemgr.service")
+        .read_text()
+        .replace("/usr/bin/cachemgr", sys.executable)
+        .replace("Type=notify", "Type=notifyy")
+    )
     r = subprocess.run([ANALYZE, "verify", str(tmp_path / "cachemgr.service")], capture_output=True, text=True)
     assert "notifyy" in r.stderr  # the clean run above is clean because the units are, not by accident
 

@@ -42,9 +42,11 @@ def gpu(fixture_cache, cli_for, db_url):
     fx = cli.json("ls", "--kind", "fxgraph")
     sig = next(e["signature"] for e in fx if e["signature"].startswith("f32[8, 256]"))
     with sqlite3.connect(db_url.split(":///", 1)[1]) as c:  # a recorded model, as cachemgr.record leaves it
-        c.execute("INSERT INTO shapes (model, signature_hash, signature, spec, options, count, first_seen, last_seen) "
-                  "VALUES ('a-model-with-a-rather-long-name-for-its-column', 'x', ?, '[]', '{}', 2, 0, 0)",
-                  (sig.split(";")[0].split("(")[0],))
+        c.execute(
+            "INSERT INTO shapes (model, signature_hash, signature, spec, options, count, first_seen, last_seen) "
+            "VALUES ('a-model-with-a-rather-long-name-for-its-column', 'x', ?, '[]', '{}', 2, 0, 0)",
+            (sig.split(";")[0].split("(")[0],),
+        )
     return cli
 
 
@@ -80,10 +82,14 @@ def test_stats(gpu, monkeypatch, width):
     head = dict((line[:12].strip(), line[12:]) for line in lines if line[:1] != " " and line[:12].strip())
     assert head["size"] == f"{format_size(doc['bytes'])} (no max_size)" and head["entries"] == "262"
     shown = head["cache"]
-    assert shown == doc["cache_dir"] or (len(shown) == width - 12 and "…" in shown and doc["cache_dir"].endswith(
-        shown.split("…")[1]) and doc["cache_dir"].startswith(shown.split("…")[0]))
+    assert shown == doc["cache_dir"] or (
+        len(shown) == width - 12
+        and "…" in shown
+        and doc["cache_dir"].endswith(shown.split("…")[1])
+        and doc["cache_dir"].startswith(shown.split("…")[0])
+    )
     assert "6 compiles (3 recompiles)" in " ".join(lines)
-    table = lines[lines.index(next(x for x in lines if x.startswith("kind"))):]
+    table = lines[lines.index(next(x for x in lines if x.startswith("kind"))) :]
     for line in table[1:]:
         kind, entries, files, size = cells(line)
         u = doc if kind == "total" else doc["by_kind"][kind]
@@ -102,8 +108,13 @@ def test_stats_by_model_and_fleet(gpu, fixture_cache, cli_for, monkeypatch, widt
     (m,) = gpu.json("stats", "--by", "model")["by_model"]
     lines = fits(gpu("stats", "--by", "model").stdout, width)
     row = cells(lines[-1])
-    assert row[0].startswith("a-model") and row[1:6] == [str(m["signatures"]), str(m["graphs"]), str(m["entries"]),
-                                                           format_size(m["bytes"]), str(m["hits"])]
+    assert row[0].startswith("a-model") and row[1:6] == [
+        str(m["signatures"]),
+        str(m["graphs"]),
+        str(m["entries"]),
+        format_size(m["bytes"]),
+        str(m["hits"]),
+    ]
     cli_for(fixture_cache("torch-2.13.0-cpu"), host="a-second-host-with-a-long-name-indeed")("scan")
     doc = gpu.json("stats", "--fleet")
     lines = fits(gpu("stats", "--fleet").stdout, width)
@@ -120,12 +131,14 @@ def test_evict_and_purge_plans(gpu, monkeypatch, width):
     monkeypatch.setenv("COLUMNS", str(width))
     gpu("pin", gpu.json("ls", "--kind", "fxgraph")[0]["short"], "--reason", "a reason long enough to be cut " * 4)
     rows = {e["short"]: e for e in gpu.json("ls")}
-    for args in (["evict", "--max-size", "1MiB", "--dry-run", "--grace", "0"],
-                 ["purge", "--kind", "triton", "--dry-run", "--grace", "0"]):
+    for args in (
+        ["evict", "--max-size", "1MiB", "--dry-run", "--grace", "0"],
+        ["purge", "--kind", "triton", "--dry-run", "--grace", "0"],
+    ):
         lines = fits(gpu(*args).stdout, width)
         start = next(i for i, x in enumerate(lines) if x.startswith("key"))
         assert cells(lines[start]) == ["key", "kind", "bytes", "why"]
-        body = [x for x in lines[start + 1:] if not x.startswith(("...", "dry run", "kept", "cannot"))]
+        body = [x for x in lines[start + 1 :] if not x.startswith(("...", "dry run", "kept", "cannot"))]
         assert len(body) == 20
         for line in body:
             key, kind, size, why = cells(line)
@@ -151,8 +164,9 @@ def test_show_explain_diff_and_candidates(gpu, monkeypatch, width):
     r = gpu.proc("show", "fxgr", env={"COLUMNS": str(width)})
     candidates = fits(r.stderr, width)[2:]
     assert r.returncode == 2 and {cells(x)[0] for x in candidates} == {e["short"] for e in fx}
-    assert all(cells(x)[2] == format_size(next(e["bytes"] for e in fx if e["short"] == cells(x)[0]))
-               for x in candidates)
+    assert all(
+        cells(x)[2] == format_size(next(e["bytes"] for e in fx if e["short"] == cells(x)[0])) for x in candidates
+    )
 
 
 def test_ls_in_a_real_terminal(gpu):
@@ -160,8 +174,14 @@ def test_ls_in_a_real_terminal(gpu):
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     env = {k: v for k, v in subprocess_env().items() if k not in ("COLUMNS", "LINES")}
-    p = subprocess.Popen([sys.executable, "-m", "cachemgr", *gpu.base(), "ls"], stdin=secondary, stdout=secondary,
-                         stderr=subprocess.PIPE, env=env, close_fds=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "cachemgr", *gpu.base(), "ls"],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=subprocess.PIPE,
+        env=env,
+        close_fds=True,
+    )
     os.close(secondary)
     chunks = []
     while True:

@@ -22,15 +22,26 @@ from cachemgr.index.store import AmbiguousKey
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--cache-dir", metavar="DIR",
-              help="Inductor cache to manage. Default: $CACHEMGR_CACHE_DIR, else $TORCHINDUCTOR_CACHE_DIR, "
-                   "else <tmpdir>/torchinductor_<user>.")
-@click.option("--db", metavar="URL",
-              help="Index database. Default: $CACHEMGR_DB, else sqlite under $STATE_DIRECTORY or "
-                   "$XDG_STATE_HOME/cachemgr/. PostgreSQL: postgresql+psycopg://user@host/db.")
+@click.option(
+    "--cache-dir",
+    metavar="DIR",
+    help="Inductor cache to manage. Default: $CACHEMGR_CACHE_DIR, else $TORCHINDUCTOR_CACHE_DIR, "
+    "else <tmpdir>/torchinductor_<user>.",
+)
+@click.option(
+    "--db",
+    metavar="URL",
+    help="Index database. Default: $CACHEMGR_DB, else sqlite under $STATE_DIRECTORY or "
+    "$XDG_STATE_HOME/cachemgr/. PostgreSQL: postgresql+psycopg://user@host/db.",
+)
 @click.option("--host", metavar="NAME", help="Host name recorded in the index (default: this host's name).")
-@click.option("--config", "config_file", metavar="FILE", type=click.Path(dir_okay=False),
-              help="TOML config file (default: /etc/cachemgr/config.toml if present).")
+@click.option(
+    "--config",
+    "config_file",
+    metavar="FILE",
+    type=click.Path(dir_okay=False),
+    help="TOML config file (default: /etc/cachemgr/config.toml if present).",
+)
 @click.version_option(__version__, "-V", "--version")
 @click.pass_context
 def cli(ctx: click.Context, cache_dir: str | None, db: str | None, host: str | None, config_file: str | None) -> None:
@@ -84,11 +95,14 @@ def _say_ambiguous(e: AmbiguousKey) -> None:
     from cachemgr.cli.common import Col, human_size, render_table, terminal_width
 
     click.echo("cachemgr: the candidates are:", err=True)
-    rows = [(e.shorts.get(c.key, c.key), c.kind, human_size(c.bytes), c.signature or c.graph_key or "")
-            for c in e.candidates]
+    rows = [
+        (e.shorts.get(c.key, c.key), c.kind, human_size(c.bytes), c.signature or c.graph_key or "")
+        for c in e.candidates
+    ]
     width = terminal_width()
-    for line in render_table([Col(""), Col(""), Col("", True), Col("", cut=True)], rows,
-                             None if width is None else width - 2)[1:]:
+    for line in render_table(
+        [Col(""), Col(""), Col("", True), Col("", cut=True)], rows, None if width is None else width - 2
+    )[1:]:
         click.echo("  " + line, err=True)
     if e.more:
         click.echo("  ...", err=True)
@@ -132,12 +146,14 @@ def main(argv: list[str] | None = None) -> None:
             raise
         if type(e).__module__.startswith("sqlalchemy."):  # the index failed mid-command: read-only, full, ...
             orig = str(getattr(e, "orig", None) or e).strip()
-            click.echo(f"cachemgr: error: index database: {orig.splitlines()[0] if orig else type(e).__name__}",
-                       err=True)
+            click.echo(
+                f"cachemgr: error: index database: {orig.splitlines()[0] if orig else type(e).__name__}", err=True
+            )
             code = DatabaseError.exit_code
         else:
-            click.echo(f"cachemgr: internal error: {type(e).__name__}: {e} (set CACHEMGR_DEBUG=1 for a traceback)",
-                       err=True)
+            click.echo(
+                f"cachemgr: internal error: {type(e).__name__}: {e} (set CACHEMGR_DEBUG=1 for a traceback)", err=True
+            )
             code = 70
     finally:
         if app is not None:

@@ -43,8 +43,12 @@ def check_spec(app, manifest, devices: list[str] | None, **extra) -> dict:
         recorded = _recorded(app)
     except Exception:  # noqa: BLE001 - no index (or an unreachable one): no recorded options
         recorded = []
-    return {"option_sets": check.option_sets(manifest, recorded), "devices": devices,
-            "complete": manifest is not None, **extra}
+    return {
+        "option_sets": check.option_sets(manifest, recorded),
+        "devices": devices,
+        "complete": manifest is not None,
+        **extra,
+    }
 
 
 def worker_device(devices: list[str] | None) -> str:
@@ -74,9 +78,14 @@ def render(report, width: int | None, shorts: dict[str, str] | None = None, show
 
     shorts = shorts or {}
     h = report.host
-    out = [short(f"host: torch {h.torch} ({(h.torch_version_hash or '?')[:12]}), {h.system}; devices "
-                 f"{', '.join(h.devices)}; option sets: {', '.join(c.label for c in h.candidates)}"
-                 + (" (the manifest's: complete)" if h.complete else ""), width)]
+    out = [
+        short(
+            f"host: torch {h.torch} ({(h.torch_version_hash or '?')[:12]}), {h.system}; devices "
+            f"{', '.join(h.devices)}; option sets: {', '.join(c.label for c in h.candidates)}"
+            + (" (the manifest's: complete)" if h.complete else ""),
+            width,
+        )
+    ]
     if h.env:
         out.append(short("environment: " + ", ".join(f"{k}={v}" for k, v in sorted(h.env.items())), width))
     for e in h.errors:
@@ -109,26 +118,51 @@ def render(report, width: int | None, shorts: dict[str, str] | None = None, show
         rest = len(diffs) - len(listed) + max(more for _, more in members)
         if rest:
             out.append(f"  ... and {rest} more component(s) that differ (--json lists them)")
-    out.append("summary: " + ", ".join(f"{report.count(v)} {w}" for v, w in
-                                       (("hit", "will hit"), ("miss", "will miss"), ("unknown", "unknown"))))
+    out.append(
+        "summary: "
+        + ", ".join(
+            f"{report.count(v)} {w}" for v, w in (("hit", "will hit"), ("miss", "will miss"), ("unknown", "unknown"))
+        )
+    )
     out.extend(short("  " + s.text(), width) for s in check.summarize(report.predictions))
     return out
 
 
 @click.command(name="check")
-@click.option("--bundle", "bundle_path", metavar="FILE", type=click.Path(dir_okay=False),
-              help="Check a bundle (`cachemgr export`) instead of a cache directory.")
-@click.option("--cache-dir", "cache_dir", metavar="DIR",
-              help="Check this cache directory (default: the one configured).")
-@click.option("--manifest", "manifest_path", metavar="FILE", type=click.Path(dir_okay=False),
-              help="The workload's models: their compile options are what this host compiles with (taken as all).")
-@click.option("--devices", metavar="LIST", help="Where the workload runs here (cuda:0,cuda:1 or cpu); default: every "
-                                               "device of this host.")
+@click.option(
+    "--bundle",
+    "bundle_path",
+    metavar="FILE",
+    type=click.Path(dir_okay=False),
+    help="Check a bundle (`cachemgr export`) instead of a cache directory.",
+)
+@click.option(
+    "--cache-dir", "cache_dir", metavar="DIR", help="Check this cache directory (default: the one configured)."
+)
+@click.option(
+    "--manifest",
+    "manifest_path",
+    metavar="FILE",
+    type=click.Path(dir_okay=False),
+    help="The workload's models: their compile options are what this host compiles with (taken as all).",
+)
+@click.option(
+    "--devices",
+    metavar="LIST",
+    help="Where the workload runs here (cuda:0,cuda:1 or cpu); default: every device of this host.",
+)
 @click.option("--all", "show_all", is_flag=True, help="List the graphs that will hit too.")
 @json_option
 @pass_app
-def check_cmd(app, bundle_path: str | None, cache_dir: str | None, manifest_path: str | None, devices: str | None,
-              show_all: bool, as_json: bool) -> None:
+def check_cmd(
+    app,
+    bundle_path: str | None,
+    cache_dir: str | None,
+    manifest_path: str | None,
+    devices: str | None,
+    show_all: bool,
+    as_json: bool,
+) -> None:
     """Predict which graphs of a cache (or bundle) this host will reuse, before it compiles.
 
     A worker process with this host's torch computes every hash component that does not depend

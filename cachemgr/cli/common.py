@@ -132,12 +132,15 @@ class KeyType(click.ParamType):
 SIZE, DURATION, KEY = SizeType(), DurationType(), KeyType()
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for programs instead of a table.")
-quiet_option = click.option("-q", "--quiet", is_flag=True,
-                            help="Print keys only, one a line (to pipe into pin, unpin, show or purge --key).")
-wide_option = click.option("--wide", "--no-truncate", "wide", is_flag=True,
-                           help="Full keys, and no column cut to fit the terminal.")
-model_option = click.option("--model", metavar="NAME",
-                            help="Only the graphs of this model (its shapes recorded by cachemgr.record).")
+quiet_option = click.option(
+    "-q", "--quiet", is_flag=True, help="Print keys only, one a line (to pipe into pin, unpin, show or purge --key)."
+)
+wide_option = click.option(
+    "--wide", "--no-truncate", "wide", is_flag=True, help="Full keys, and no column cut to fit the terminal."
+)
+model_option = click.option(
+    "--model", metavar="NAME", help="Only the graphs of this model (its shapes recorded by cachemgr.record)."
+)
 
 
 def emit_json(doc: Any) -> None:
@@ -215,8 +218,9 @@ def render_table(columns: Sequence[Col | str], rows: Sequence[Sequence[Any]], wi
     return [line.rstrip() for line in lines]
 
 
-def table(cols: Sequence[Col | str], rows: Sequence[Sequence[Any]], wide: bool = False,
-          title: str | None = None) -> None:
+def table(
+    cols: Sequence[Col | str], rows: Sequence[Sequence[Any]], wide: bool = False, title: str | None = None
+) -> None:
     """Print a table fitted to the terminal (whole when `wide` or piped)."""
     if title:
         click.echo(title)
@@ -242,10 +246,20 @@ def fields_block(pairs: Sequence[tuple[str, Any]], wrap: bool = True, whole: Seq
             continue
         room = max(10, width - pad)
         if k not in whole:
-            v = " ".join(w if len(w) <= room else w[: room // 2 - 1] + "…" + w[-(room - room // 2) :]
-                         for w in v.split(" "))
-        out.extend(textwrap.wrap(v, pad + room, initial_indent=f"{k:<{pad}}", subsequent_indent=" " * pad,
-                                 break_on_hyphens=False, break_long_words=False) or [k])
+            v = " ".join(
+                w if len(w) <= room else w[: room // 2 - 1] + "…" + w[-(room - room // 2) :] for w in v.split(" ")
+            )
+        out.extend(
+            textwrap.wrap(
+                v,
+                pad + room,
+                initial_indent=f"{k:<{pad}}",
+                subsequent_indent=" " * pad,
+                break_on_hyphens=False,
+                break_long_words=False,
+            )
+            or [k]
+        )
     return out
 
 
@@ -310,8 +324,14 @@ def progress_bar(label: str, enabled: bool | None = None) -> Iterator[Callable[[
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    with Progress(f"[bold]{label}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as p:
+    with Progress(
+        f"[bold]{label}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as p:
         task = p.add_task(label, total=None)
 
         def update(done: int, total: int) -> None:

@@ -10,8 +10,9 @@ from cachemgr.units import format_duration, format_size
 
 
 @click.command()
-@click.option("--max-size", type=SIZE,
-              help="Size cap enforced as soon as the index crosses it, e.g. 20GiB (default: none).")
+@click.option(
+    "--max-size", type=SIZE, help="Size cap enforced as soon as the index crosses it, e.g. 20GiB (default: none)."
+)
 @click.option("--max-files", type=click.IntRange(min=0), help="File-count cap.")
 @click.option("--policy", type=click.Choice(["lru", "cost"]), help="Eviction policy (default: lru).")
 @click.option("--grace", type=DURATION, help="Never delete files younger than this since write or last access.")
@@ -77,8 +78,12 @@ def config_show(app, as_json: bool) -> None:
     values = s.values()
     values["db"] = redact(values["db"])
     if as_json:
-        emit_json({"config_file": s.config_file,
-                   "options": {k: {"value": v, "source": s.sources[k]} for k, v in values.items()}})
+        emit_json(
+            {
+                "config_file": s.config_file,
+                "options": {k: {"value": v, "source": s.sources[k]} for k, v in values.items()},
+            }
+        )
         return
     # plain aligned lines, never wrapped: paths and URLs are long and this output gets grepped
     click.echo(f"# config file: {s.config_file or 'none'}")

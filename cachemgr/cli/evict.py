@@ -36,8 +36,9 @@ from cachemgr.vocab import Held, Kind, Policy
 SHOWN = 20  # plan lines printed for people; --json has them all
 RECENT_HITS = 7 * 86400  # purge --stale: torch versions hit this recently are still in use
 
-grace_option = click.option("--grace", type=DURATION,
-                            help="Leave files written or read more recently than this (default from settings: 60s).")
+grace_option = click.option(
+    "--grace", type=DURATION, help="Leave files written or read more recently than this (default from settings: 60s)."
+)
 dry_run_option = click.option("--dry-run", is_flag=True, help="Show what would go; delete nothing.")
 
 
@@ -60,8 +61,11 @@ def _locked_and_scanned(app):
 
 def held_text(reasons: Sequence[str], grace: float) -> str:
     """'2 pinned, 1 in use within the grace period': why entries a plan wanted were kept."""
-    words: dict[str, str] = {Held.PINNED: "pinned", Held.GRACE: "in use within the grace period",
-                             Held.UNPARSED: "not parsed yet"}
+    words: dict[str, str] = {
+        Held.PINNED: "pinned",
+        Held.GRACE: "in use within the grace period",
+        Held.UNPARSED: "not parsed yet",
+    }
     return ", ".join(f"{n:,} {words.get(why, why)}" for why, n in sorted(Counter(reasons).items()))
 
 
@@ -80,8 +84,11 @@ def _print_plan(app, p, rows, verb: str, wide: bool) -> None:
     shorts = _shorts(app, rows, [e.key for e in entries[:SHOWN]], wide)
     again = f" ({human_size(p.recreatable_bytes)} of it recreated on the next hit)" if p.recreatable_bytes else ""
     say(f"plan: {verb} {plural(len(entries), 'entry')}, {human_size(p.expected_freed_bytes)}{again}")
-    table([Col("key"), Col("kind"), Col("bytes", True), Col("why")],
-          [(shorts.get(e.key, e.key), e.kind, human_size(e.bytes), e.reason) for e in entries[:SHOWN]], wide=wide)
+    table(
+        [Col("key"), Col("kind"), Col("bytes", True), Col("why")],
+        [(shorts.get(e.key, e.key), e.kind, human_size(e.bytes), e.reason) for e in entries[:SHOWN]],
+        wide=wide,
+    )
     if len(entries) > SHOWN:
         click.echo(f"... and {len(entries) - SHOWN:,} more (--json lists them all)")
 
@@ -90,11 +97,15 @@ def _print_result(r, cache_dir: str, grace: float) -> None:
     if r.dry_run:
         say(f"dry run: would free {human_size(r.freed_bytes)} in {plural(r.evicted, 'entry')}; nothing deleted")
     else:
-        say(f"evicted {plural(r.evicted, 'entry')}, freed {human_size(r.freed_bytes)}; "
-            f"{human_size(r.remaining_bytes)} left in {cache_dir}")
+        say(
+            f"evicted {plural(r.evicted, 'entry')}, freed {human_size(r.freed_bytes)}; "
+            f"{human_size(r.remaining_bytes)} left in {cache_dir}"
+        )
     if r.skipped:
-        say(f"kept {plural(len(r.skipped), 'entry')}: {held_text([why for _, why in r.skipped], grace)} "
-            "(--json lists them)")
+        say(
+            f"kept {plural(len(r.skipped), 'entry')}: {held_text([why for _, why in r.skipped], grace)} "
+            "(--json lists them)"
+        )
 
 
 def _print_keys(app, rows, keys: Sequence[str], wide: bool) -> None:
@@ -110,8 +121,12 @@ def _model_rows(app, rows, model: str):
 
     graphs = app.store.model_graphs(model)
     g = Graph.build(rows)
-    heads = [i for i, r in enumerate(rows) if (r.kind == Kind.FXGRAPH and r.graph_key in graphs) or (
-        r.kind == Kind.AOTAUTOGRAD and any(k == Kind.FXGRAPH and ref in graphs for k, ref in r.refs))]
+    heads = [
+        i
+        for i, r in enumerate(rows)
+        if (r.kind == Kind.FXGRAPH and r.graph_key in graphs)
+        or (r.kind == Kind.AOTAUTOGRAD and any(k == Kind.FXGRAPH and ref in graphs for k, ref in r.refs))
+    ]
     mine = set(g.closure(heads))
     return [r if i in mine else replace(r, pinned=True) for i, r in enumerate(rows)], {rows[i].key for i in mine}
 
@@ -132,9 +147,11 @@ def _unreachable(p, limits) -> str | None:
 @click.option("--max-age", type=DURATION, help="Evict what was not accessed for this long, e.g. 14d.")
 @click.option("--max-files", type=click.IntRange(min=0), help="File-count cap (inode quotas).")
 @click.option("--min-free", metavar="SIZE|PCT", help="Free-space floor on the cache's file system, e.g. 10% or 50GiB.")
-@click.option("--policy", type=click.Choice([p.value for p in Policy]),
-              help="lru (the default): least recently used first; cost: keep what is expensive to "
-                   "recompile per byte.")
+@click.option(
+    "--policy",
+    type=click.Choice([p.value for p in Policy]),
+    help="lru (the default): least recently used first; cost: keep what is expensive to recompile per byte.",
+)
 @model_option
 @grace_option
 @dry_run_option
@@ -159,12 +176,15 @@ def evict(app, max_size, max_age, max_files, min_free, policy, model, grace, dry
     """
     from cachemgr.evict import Limits
 
-    s = app.with_flags(max_size=max_size, max_age=max_age, max_files=max_files, min_free=min_free,
-                       policy=policy, grace=grace)
+    s = app.with_flags(
+        max_size=max_size, max_age=max_age, max_files=max_files, min_free=min_free, policy=policy, grace=grace
+    )
     limits = Limits.from_settings(s)
     if not limits.any:
-        raise UsageError("no limit to evict to: give --max-size, --max-age, --max-files or --min-free "
-                         "(or set max_size / max_age in the config)")
+        raise UsageError(
+            "no limit to evict to: give --max-size, --max-age, --max-files or --min-free "
+            "(or set max_size / max_age in the config)"
+        )
     with _locked_and_scanned(app) as root:
         _evict(app, root, s, limits, model, dry_run, quiet, wide, as_json)
 
@@ -184,12 +204,16 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
     loud = not (as_json or quiet)
     if loud:
         if not p.units and p.skipped:
-            say(f"nothing can be evicted now: {human_size(p.total_bytes)} in {p.total_files:,} files is over "
+            say(
+                f"nothing can be evicted now: {human_size(p.total_bytes)} in {p.total_files:,} files is over "
                 f"the limits, but the entries it would take are kept "
-                f"({held_text([why for _, why in p.skipped], limits.grace)})")
+                f"({held_text([why for _, why in p.skipped], limits.grace)})"
+            )
         elif not p.units:
-            say(f"nothing to evict: {human_size(p.total_bytes)} in {p.total_files:,} files is within the limits"
-                + (f" (only {model}'s entries were candidates)" if model else ""))
+            say(
+                f"nothing to evict: {human_size(p.total_bytes)} in {p.total_files:,} files is within the limits"
+                + (f" (only {model}'s entries were candidates)" if model else "")
+            )
         _print_plan(app, p, rows, "evict", wide)
     r = carry_out(app.db, app.cache_id, root, p, rows, limits.grace, dry_run, now)
     if as_json:
@@ -211,8 +235,11 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
 @click.option("--graph", type=KEY, metavar="KEY", help="Every entry of this graph (any key form of it).")
 @model_option
 @click.option("--torch-version", metavar="V", help="Entries compiled by this torch version.")
-@click.option("--stale", is_flag=True, help="Entries of torch versions this host no longer runs "
-              "(learned from recent hits, or given with --keep-torch).")
+@click.option(
+    "--stale",
+    is_flag=True,
+    help="Entries of torch versions this host no longer runs (learned from recent hits, or given with --keep-torch).",
+)
 @click.option("--keep-torch", metavar="V[,V]", help="Torch versions --stale keeps.")
 @click.option("--orphans", is_flag=True, help="Files no entry references.")
 @click.option("--corrupt", is_flag=True, help="Entries that cannot be read.")
@@ -224,8 +251,27 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
 @wide_option
 @json_option
 @pass_app
-def purge(app, all_, older_than, kind, key, graph, model, torch_version, stale, keep_torch, orphans, corrupt,
-          include_pinned, grace, dry_run, yes, quiet, wide, as_json) -> None:
+def purge(
+    app,
+    all_,
+    older_than,
+    kind,
+    key,
+    graph,
+    model,
+    torch_version,
+    stale,
+    keep_torch,
+    orphans,
+    corrupt,
+    include_pinned,
+    grace,
+    dry_run,
+    yes,
+    quiet,
+    wide,
+    as_json,
+) -> None:
     """Delete chosen entries (with what only they reference). Several choices: entries matching all.
 
     Says how much it would free and asks first, unless --yes or --dry-run.
@@ -238,8 +284,10 @@ def purge(app, all_, older_than, kind, key, graph, model, torch_version, stale, 
         cachemgr purge --all --yes --json
     """
     if not any((all_, older_than is not None, kind, key, graph, model, torch_version, stale, orphans, corrupt)):
-        raise UsageError("say what to purge: --all, --older-than, --kind, --key, --graph, --model, "
-                         "--torch-version, --stale, --orphans or --corrupt")
+        raise UsageError(
+            "say what to purge: --all, --older-than, --kind, --key, --graph, --model, "
+            "--torch-version, --stale, --orphans or --corrupt"
+        )
     if keep_torch and not stale:
         raise UsageError("--keep-torch only says what --stale keeps: give --stale too")
     if quiet and not (yes or dry_run):
@@ -265,17 +313,26 @@ def _purge_tests(app, older_than, kind, key, graph, model, torch_version, stale,
         try:
             gk = app.store.resolve(graph).graph
         except NotFound:
-            raise NotFound(f"no entry of graph {graph!r} in the index of {app.settings.cache_dir} "
-                           "(see: cachemgr ls --kind fxgraph)") from None
+            raise NotFound(
+                f"no entry of graph {graph!r} in the index of {app.settings.cache_dir} "
+                "(see: cachemgr ls --kind fxgraph)"
+            ) from None
         tests.append(lambda i, r, g: gk in (r.graph_key, r.ref))
     if model:
         graphs = app.store.model_graphs(model)
-        tests.append(lambda i, r, g: (r.kind == Kind.FXGRAPH and r.graph_key in graphs) or (
-            r.kind == Kind.AOTAUTOGRAD and any(k == Kind.FXGRAPH and ref in graphs for k, ref in r.refs)))
+        tests.append(
+            lambda i, r, g: (
+                (r.kind == Kind.FXGRAPH and r.graph_key in graphs)
+                or (r.kind == Kind.AOTAUTOGRAD and any(k == Kind.FXGRAPH and ref in graphs for k, ref in r.refs))
+            )
+        )
     if torch_version:
         known = app.store.fingerprint_names()
-        tests.append(lambda i, r, g: fingerprint.version_matches(
-            r.torch_version or known.get(r.torch_version_hash or ""), torch_version))
+        tests.append(
+            lambda i, r, g: fingerprint.version_matches(
+                r.torch_version or known.get(r.torch_version_hash or ""), torch_version
+            )
+        )
     if stale:
         keep: fingerprint.Keep | None = None
 
@@ -284,6 +341,7 @@ def _purge_tests(app, older_than, kind, key, graph, model, torch_version, stale,
             if keep is None:
                 keep = _torch_in_use(app, g.rows, now, keep_torch)
             return bool(keep.is_stale(r.torch_version, r.torch_version_hash))
+
         tests.append(stale_row)
     if corrupt:
         tests.append(lambda i, r, g: r.corrupt is not None)
@@ -305,14 +363,22 @@ def _purge(app, root, s, tests, orphans, include_pinned, dry_run, yes, quiet, wi
         if as_json:
             emit_json(carry_out(app.db, app.cache_id, root, p, rows, s.grace, True, now).as_dict())
         elif not quiet:
-            say("nothing to purge" + (f" ({plural(len(p.skipped), 'matching entry', 'matching entries')} "
-                                      f"kept: {held_text([w for _, w in p.skipped], s.grace)})" if p.skipped else ""))
+            say(
+                "nothing to purge"
+                + (
+                    f" ({plural(len(p.skipped), 'matching entry', 'matching entries')} "
+                    f"kept: {held_text([w for _, w in p.skipped], s.grace)})"
+                    if p.skipped
+                    else ""
+                )
+            )
         return
     if not (as_json or quiet):
         _print_plan(app, p, rows, "delete", wide)
     if not dry_run and not yes:
-        click.confirm(f"delete {plural(len(p.entries), 'entry')} ({human_size(p.expected_freed_bytes)})?",
-                      abort=True, err=True)
+        click.confirm(
+            f"delete {plural(len(p.entries), 'entry')} ({human_size(p.expected_freed_bytes)})?", abort=True, err=True
+        )
     r = carry_out(app.db, app.cache_id, root, p, rows, s.grace, dry_run, now)
     if as_json:
         emit_json(r.as_dict())
@@ -326,13 +392,17 @@ def _torch_in_use(app, rows, now: float, keep_torch: list[str]) -> fingerprint.K
     """The torch builds to keep: given, else the one installed here (fingerprinted from its files)
     and those whose graphs were hit in the last week."""
     hit_graphs = app.store.hit_graphs(now - RECENT_HITS)
-    recent = {r.torch_version for r in rows if r.torch_version and (
-        r.graph_key in hit_graphs or (r.hit_count and r.last_access >= now - RECENT_HITS))}
-    keep = fingerprint.keep_for(rows, keep_torch, recent, app.store.fingerprint_names(),
-                                fingerprint.installed_torch())
+    recent = {
+        r.torch_version
+        for r in rows
+        if r.torch_version and (r.graph_key in hit_graphs or (r.hit_count and r.last_access >= now - RECENT_HITS))
+    }
+    keep = fingerprint.keep_for(rows, keep_torch, recent, app.store.fingerprint_names(), fingerprint.installed_torch())
     if not keep.versions:
-        raise UsageError("cannot tell which torch versions this host still runs (torch is not installed here and "
-                         "no recent hits are recorded): give --keep-torch VERSION[,VERSION]")
+        raise UsageError(
+            "cannot tell which torch versions this host still runs (torch is not installed here and "
+            "no recent hits are recorded): give --keep-torch VERSION[,VERSION]"
+        )
     return keep
 
 
@@ -368,21 +438,34 @@ def pin(app, key: str | None, reason: str | None, force: bool, quiet: bool, wide
         target = match.ref if match.ref is not None else match.entries[0].key
     except NotFound:
         if not force:
-            raise NotFound(f"no entry {key!r} in the index of {app.settings.cache_dir} "
-                           "(run: cachemgr scan; or pin it anyway with --force)") from None
+            raise NotFound(
+                f"no entry {key!r} in the index of {app.settings.cache_dir} "
+                "(run: cachemgr scan; or pin it anyway with --force)"
+            ) from None
         target = key
     before = store.add_pin(target, reason)
     shown = target if wide else _pin_short(store, target)
     if as_json:
-        emit_json({"key": target, "short": _pin_short(store, target), "new": before is None,
-                   "reason": reason if reason is not None else (before.reason if before else None),
-                   "previous_reason": before.reason if before else None})
+        emit_json(
+            {
+                "key": target,
+                "short": _pin_short(store, target),
+                "new": before is None,
+                "reason": reason if reason is not None else (before.reason if before else None),
+                "previous_reason": before.reason if before else None,
+            }
+        )
     elif before is None:
-        click.echo(f"pinned {shown}" + (f" ({clean(reason)})" if reason else "")
-                   + ("" if target == key or target.startswith(key) else f" (named {clean(key)})"))
+        click.echo(
+            f"pinned {shown}"
+            + (f" ({clean(reason)})" if reason else "")
+            + ("" if target == key or target.startswith(key) else f" (named {clean(key)})")
+        )
     elif reason is not None and reason != before.reason:
-        click.echo(f"{shown} is already pinned; its reason is now {clean(reason)!r}"
-                   + (f" (was {clean(before.reason)!r})" if before.reason else ""))
+        click.echo(
+            f"{shown} is already pinned; its reason is now {clean(reason)!r}"
+            + (f" (was {clean(before.reason)!r})" if before.reason else "")
+        )
     else:
         click.echo(f"{shown} is already pinned" + (f" ({clean(before.reason)})" if before.reason else ""))
 
@@ -408,9 +491,11 @@ def _list_pins(store, quiet: bool, wide: bool, as_json: bool) -> None:
     if not pins:
         click.echo("nothing is pinned (pin a key: cachemgr pin KEY --reason TEXT)")
         return
-    table([Col("key"), Col("entries", True), Col("pinned", True), Col("reason", cut=True)],
-          [(k, f"{p.entries:,}" if p.entries else "none now", f"{age(p.created)} ago", p.reason or "")
-           for p, k in shown], wide=wide)
+    table(
+        [Col("key"), Col("entries", True), Col("pinned", True), Col("reason", cut=True)],
+        [(k, f"{p.entries:,}" if p.entries else "none now", f"{age(p.created)} ago", p.reason or "") for p, k in shown],
+        wide=wide,
+    )
     click.echo(plural(len(pins), "pin"))
 
 

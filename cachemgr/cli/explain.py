@@ -26,8 +26,13 @@ CODE_LINES = 12
 
 
 def _wrap(line: str, width: int, indent: str = "", sub: str | None = None) -> list[str]:
-    return textwrap.wrap(clean(line), width, initial_indent=indent, subsequent_indent=indent + "  " if sub is None
-                         else sub, break_on_hyphens=False) or [indent]
+    return textwrap.wrap(
+        clean(line),
+        width,
+        initial_indent=indent,
+        subsequent_indent=indent + "  " if sub is None else sub,
+        break_on_hyphens=False,
+    ) or [indent]
 
 
 def render_diff(d, width: int, indent: str = "  ", labels: tuple[str, str] = ("A", "B")) -> list[str]:
@@ -70,7 +75,8 @@ def _fields_text(c) -> str:
     words = ["shape became dynamic" if f == "shape (dynamic)" else f for f in c.fields]
     changed = [f for f in words if f != "shape became dynamic"]
     parts = ([" and ".join(changed) + " changed"] if changed else []) + (
-        ["shape became dynamic"] if "shape became dynamic" in words else [])
+        ["shape became dynamic"] if "shape became dynamic" in words else []
+    )
     return ": " + ", ".join(parts)
 
 
@@ -115,32 +121,46 @@ def diff_cmd(app, key_a: str, key_b: str, as_json: bool) -> None:
         click.echo("A and B are the same entry: nothing to compare")
         return
     if d.not_recorded:
-        for line in _wrap(f"hash components: not recorded by {d.not_recorded}; only what both record is compared"
-                          + ("" if d.changes else ", and it is the same"), width):
+        for line in _wrap(
+            f"hash components: not recorded by {d.not_recorded}; only what both record is compared"
+            + ("" if d.changes else ", and it is the same"),
+            width,
+        ):
             click.echo(line)
     elif d.same:
         click.echo("same hash components: the two entries are one key compiled for different guard sets")
         return
     else:
         n = sum(1 for c in d.changes if not c.derived)
-        click.echo(f"{d.shared} components shared, {n} differ{'s' if n == 1 else ''}"
-                   + (f" (+{len(d.changes) - n} as a consequence)" if n < len(d.changes) else ""))
+        click.echo(
+            f"{d.shared} components shared, {n} differ{'s' if n == 1 else ''}"
+            + (f" (+{len(d.changes) - n} as a consequence)" if n < len(d.changes) else "")
+        )
     for line in render_diff(d, width, indent=""):
         click.echo(line)
 
 
 @click.command()
-@click.option("--since", type=DURATION, default="1d", show_default=True,
-              help="Explain the compiles (new entries) of this window: 6h, 1d, 2w.")
+@click.option(
+    "--since",
+    type=DURATION,
+    default="1d",
+    show_default=True,
+    help="Explain the compiles (new entries) of this window: 6h, 1d, 2w.",
+)
 @click.option("--graph", type=KEY, metavar="KEY", help="Only the compiles of this graph (any key form of it).")
 @model_option
 @click.option("--summary", is_flag=True, help="Only one line per cause across the cache.")
-@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Show at most this many compiles, the most recent (the summary counts all).")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Show at most this many compiles, the most recent (the summary counts all).",
+)
 @json_option
 @pass_app
-def explain(app, since: float, graph: str | None, model: str | None, summary: bool, limit: int,
-            as_json: bool) -> None:
+def explain(app, since: float, graph: str | None, model: str | None, summary: bool, limit: int, as_json: bool) -> None:
     """Why recent compiles missed the cache: which hash component changed.
 
     For each new fxgraph entry in the window, the nearest earlier entries (same graph code
@@ -170,8 +190,13 @@ def explain(app, since: float, graph: str | None, model: str | None, summary: bo
     recompiles = sum(1 for m in misses if m.recompiled)
     if as_json:
         shorts = x.shorts(shown)
-        doc = {"since_seconds": since, "compiles": len(misses), "recompiles": recompiles, "loaded": loaded,
-               "summary": [s.as_dict() for s in lines]}
+        doc = {
+            "since_seconds": since,
+            "compiles": len(misses),
+            "recompiles": recompiles,
+            "loaded": loaded,
+            "summary": [s.as_dict() for s in lines],
+        }
         if act is not None:
             doc["activity"] = act.as_dict()
         if splits:
@@ -187,9 +212,13 @@ def explain(app, since: float, graph: str | None, model: str | None, summary: bo
             for line in _wrap(s.text(), width - 2, "  ", "      "):
                 click.echo(line)
     if not misses:
-        click.echo(f"no compiles in the last {format_duration(since)}" + (" for that graph" if graph else "") +
-                   (f" for model {model}" if model else "") + (f" ({loaded:,} entries loaded)" if loaded else "")
-                   + " (try a longer --since)")
+        click.echo(
+            f"no compiles in the last {format_duration(since)}"
+            + (" for that graph" if graph else "")
+            + (f" for model {model}" if model else "")
+            + (f" ({loaded:,} entries loaded)" if loaded else "")
+            + " (try a longer --since)"
+        )
         return
     if not summary:
         shorts = x.shorts(shown)
@@ -199,8 +228,10 @@ def explain(app, since: float, graph: str | None, model: str | None, summary: bo
             for line in render_miss(m, shorts, width):
                 click.echo(line)
             click.echo()
-    head = f"summary: {plural(len(misses), 'compile')} in the last {format_duration(since)}, " \
-           f"{plural(recompiles, 'recompile')}"
+    head = (
+        f"summary: {plural(len(misses), 'compile')} in the last {format_duration(since)}, "
+        f"{plural(recompiles, 'recompile')}"
+    )
     if loaded:
         head += f"; {loaded:,} entries loaded, not compiled"
     for line in _wrap(head, width, "", "  "):
@@ -220,22 +251,35 @@ def render_miss(m, shorts: dict[str, str], width: int) -> list[str]:
         out.extend(_wrap("its entry is no longer in the index: nothing to compare", width - 2, "  "))
         return out
     if m.verdict == "unrecorded":
-        out.extend(_wrap(f"not recorded: {m.note} records no hash components, so why it missed is "
-                         "unknown", width - 2, "  "))
+        out.extend(
+            _wrap(f"not recorded: {m.note} records no hash components, so why it missed is unknown", width - 2, "  ")
+        )
         return out
     best = m.nearest[0]
     if m.diff is None:  # the same key, where no hash components are recorded
         out.append(short(f"  same graph key as {shorts.get(best.entry.key, best.entry.key)}", width))
     else:
         how = "same graph code" if best.same_code else "nearest"
-        out.append(short(f"  {how}: {shorts.get(best.entry.key, best.entry.key)} ({best.shared} components "
-                         f"shared, {best.differ} differ)", width))
+        out.append(
+            short(
+                f"  {how}: {shorts.get(best.entry.key, best.entry.key)} ({best.shared} components "
+                f"shared, {best.differ} differ)",
+                width,
+            )
+        )
     if len(m.nearest) > 1:
         others = ", ".join(f"{shorts.get(c.entry.key, c.entry.key)} ({c.differ})" for c in m.nearest[1:])
         out.append(short(f"  next nearest (differ): {others}", width))
     if m.verdict == "guards":
-        out.extend(_wrap("same hash components: one key compiled again for another guard set"
-                         if m.diff is not None else "one key compiled again for another guard set", width - 2, "  "))
+        out.extend(
+            _wrap(
+                "same hash components: one key compiled again for another guard set"
+                if m.diff is not None
+                else "one key compiled again for another guard set",
+                width - 2,
+                "  ",
+            )
+        )
         for label, g in zip(("earlier", "this"), m.guards, strict=True):
             out.append(short(clean(f"    {label} guards: {g or '(none)'}"), width))
         return out

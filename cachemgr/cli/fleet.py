@@ -21,8 +21,13 @@ def fleet() -> None:
 
 
 @fleet.command()
-@click.option("--min-hosts", type=click.IntRange(min=1), default=2, show_default=True,
-              help="List graphs held by at least this many hosts.")
+@click.option(
+    "--min-hosts",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="List graphs held by at least this many hosts.",
+)
 @click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="At most this many graphs.")
 @click.option("--window", type=DURATION, default="1d", show_default=True, help="Window for the hit events.")
 @json_option
@@ -47,29 +52,70 @@ def report(app, min_hosts: int, limit: int, window: float, as_json: bool) -> Non
     if not r.hosts:
         click.echo("no hosts in this index yet (run: cachemgr scan on each host)")
         return
-    table(("host", "caches", "entries", "bytes", "hits", f"hits {window / 3600:g}h", "torch", "last scan"), [
-        (h["host"], h["caches"], h["entries"], human_size(h["bytes"]), h["hit_count"], h["hits_in_window"],
-         h["torch_version"] or "-", h["last_scan"] or "-") for h in r.hosts], title="hosts")
+    table(
+        ("host", "caches", "entries", "bytes", "hits", f"hits {window / 3600:g}h", "torch", "last scan"),
+        [
+            (
+                h["host"],
+                h["caches"],
+                h["entries"],
+                human_size(h["bytes"]),
+                h["hit_count"],
+                h["hits_in_window"],
+                h["torch_version"] or "-",
+                h["last_scan"] or "-",
+            )
+            for h in r.hosts
+        ],
+        title="hosts",
+    )
     if r.shared_graphs:
-        table(("graph", "hosts", "entries", "bytes", "redundant", "compile"), [
-            (short(g["graph_key"], 24), g["hosts"], g["entries"], human_size(g["bytes"]), human_size(g["redundant_bytes"]),
-             "" if g["compile_seconds"] is None else f"{g['compile_seconds']:.2f}s") for g in r.shared_graphs],
-            title=f"graphs on {min_hosts}+ hosts")
+        table(
+            ("graph", "hosts", "entries", "bytes", "redundant", "compile"),
+            [
+                (
+                    short(g["graph_key"], 24),
+                    g["hosts"],
+                    g["entries"],
+                    human_size(g["bytes"]),
+                    human_size(g["redundant_bytes"]),
+                    "" if g["compile_seconds"] is None else f"{g['compile_seconds']:.2f}s",
+                )
+                for g in r.shared_graphs
+            ],
+            title=f"graphs on {min_hosts}+ hosts",
+        )
     else:
         click.echo(f"no graph is held by {min_hosts} or more hosts")
-    table(("torch", "in use", "hosts", "fxgraph entries", "bytes"), [
-        (v["torch_version"], "yes" if v["in_use"] else "no", v["hosts"], v["fxgraph_entries"], human_size(v["bytes"]))
-        for v in r.versions], title="torch versions")
+    table(
+        ("torch", "in use", "hosts", "fxgraph entries", "bytes"),
+        [
+            (
+                v["torch_version"],
+                "yes" if v["in_use"] else "no",
+                v["hosts"],
+                v["fxgraph_entries"],
+                human_size(v["bytes"]),
+            )
+            for v in r.versions
+        ],
+        title="torch versions",
+    )
     click.echo(f"held by versions no host runs: {human_size(r.stale_bytes)}")
 
 
 # -- remote -----------------------------------------------------------------------------------
 
+
 @click.group()
-@click.option("--redis", "redis_url", metavar="URL",
-              help="Redis of the remote cache. Default: redis_url in the config, $CACHEMGR_REDIS_URL, "
-                   "$TORCHINDUCTOR_REDIS_URL, else $TORCHINDUCTOR_REDIS_HOST/_PORT as Inductor reads them; "
-                   "none of these is a usage error (exit 2).")
+@click.option(
+    "--redis",
+    "redis_url",
+    metavar="URL",
+    help="Redis of the remote cache. Default: redis_url in the config, $CACHEMGR_REDIS_URL, "
+    "$TORCHINDUCTOR_REDIS_URL, else $TORCHINDUCTOR_REDIS_HOST/_PORT as Inductor reads them; "
+    "none of these is a usage error (exit 2).",
+)
 @click.pass_context
 def remote(ctx: click.Context, redis_url: str | None) -> None:
     """PyTorch's Redis remote cache, the fleet's shared artifact tier.
@@ -125,8 +171,10 @@ def remote_stats(app, as_json: bool) -> None:
     rows.append(("total", s.entries, human_size(s.bytes)))
     table(("kind", "entries", "bytes"), rows, title=s.url)
     idle = "-" if s.max_idle_seconds is None else f"{s.max_idle_seconds / 86400:.1f}d"
-    click.echo(f"pushed by cachemgr {s.pushed_by_cachemgr}, longest idle {idle}, other keys in this db {s.other_keys}"
-               + (f", {len(s.skipped)} skipped" if s.skipped else ""))
+    click.echo(
+        f"pushed by cachemgr {s.pushed_by_cachemgr}, longest idle {idle}, other keys in this db {s.other_keys}"
+        + (f", {len(s.skipped)} skipped" if s.skipped else "")
+    )
     _say_skipped(s.skipped)
 
 
@@ -171,9 +219,12 @@ def push(app, model: str | None, graph: str | None, force: bool, no_scan: bool, 
     if as_json:
         emit_json(r.as_dict())
         return
-    click.echo(f"pushed {len(r.pushed)} entries ({human_size(r.bytes)}) to {rem.shown}; "
-               f"{len(r.present)} already there" + (f"; {extra} extra guard sets not pushed" if extra else "")
-               + (f"; {len(r.skipped)} skipped" if r.skipped else ""))
+    click.echo(
+        f"pushed {len(r.pushed)} entries ({human_size(r.bytes)}) to {rem.shown}; "
+        f"{len(r.present)} already there"
+        + (f"; {extra} extra guard sets not pushed" if extra else "")
+        + (f"; {len(r.skipped)} skipped" if r.skipped else "")
+    )
     for path in r.missing:
         click.echo(f"gone from disk, not pushed: {path}", err=True)
     _say_skipped(r.skipped)
@@ -210,16 +261,24 @@ def remote_evict(app, max_size: int | None, max_age: float | None, dry_run: bool
     finally:
         rem.close()
     if as_json:
-        emit_json({"plan": plan.as_dict(), "result": result.as_dict() if result else None,
-                   "skipped": [x.as_dict() for x in skipped]})
+        emit_json(
+            {
+                "plan": plan.as_dict(),
+                "result": result.as_dict() if result else None,
+                "skipped": [x.as_dict() for x in skipped],
+            }
+        )
         return
     _say_skipped(skipped)
     verb = "would free" if dry_run else "freed"
     freed = plan.expected_freed_bytes if result is None else result.freed_bytes
     n = len(plan.victims) if result is None else len(result.deleted)
-    click.echo(f"{rem.shown}: {human_size(plan.total_bytes)} in {len(keys)} keys; {verb} {human_size(freed)} "
-               f"({n} keys)" + (f"; {plan.kept_young} kept by the grace period" if plan.kept_young else "")
-               + (f"; {len(result.skipped_in_use)} read meanwhile, kept" if result and result.skipped_in_use else ""))
+    click.echo(
+        f"{rem.shown}: {human_size(plan.total_bytes)} in {len(keys)} keys; {verb} {human_size(freed)} "
+        f"({n} keys)"
+        + (f"; {plan.kept_young} kept by the grace period" if plan.kept_young else "")
+        + (f"; {len(result.skipped_in_use)} read meanwhile, kept" if result and result.skipped_in_use else "")
+    )
     if dry_run:
         for v in plan.victims:
             click.echo(f"  {v.reason:20} {human_size(v.bytes):>10}  idle {v.idle}s  {v.rkey}")

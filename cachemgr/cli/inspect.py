@@ -79,9 +79,12 @@ def scanned_store(app):
 
 
 @click.command()
-@click.option("--full", is_flag=True,
-              help="Read every directory and stat every file, even where a directory's mtime says nothing "
-                   "changed (for file systems without reliable directory mtimes, or files rewritten in place).")
+@click.option(
+    "--full",
+    is_flag=True,
+    help="Read every directory and stat every file, even where a directory's mtime says nothing "
+    "changed (for file systems without reliable directory mtimes, or files rewritten in place).",
+)
 @json_option
 @pass_app
 def scan(app, full: bool, as_json: bool) -> None:
@@ -102,26 +105,42 @@ def scan(app, full: bool, as_json: bool) -> None:
     if as_json:
         emit_json(r.as_dict())
         return
-    click.echo(f"scanned {r.root}: {r.added} added, {r.changed} changed, {r.removed} removed, "
-               f"{r.unchanged} unchanged ({r.seconds:.2f} s)")
+    click.echo(
+        f"scanned {r.root}: {r.added} added, {r.changed} changed, {r.removed} removed, "
+        f"{r.unchanged} unchanged ({r.seconds:.2f} s)"
+    )
     for key, reason in r.corrupt:
         click.echo(f"corrupt: {key}: {clean(reason)}", err=True)
     for d in r.unreadable:
-        click.echo(f"cachemgr: warning: cannot read {d or '.'}/ under {r.root}: its entries are kept as last "
-                   "indexed", err=True)
+        click.echo(
+            f"cachemgr: warning: cannot read {d or '.'}/ under {r.root}: its entries are kept as last indexed", err=True
+        )
 
 
 # -- stats ------------------------------------------------------------------------------------------
 
 
 @click.command()
-@click.option("--window", type=DURATION, default="1d", show_default=True,
-              help="Window for the activity figures (hits, compiles, recompiles, compile time).")
-@click.option("--by", type=click.Choice(["kind", "model"]), default="kind", show_default=True,
-              help="kind: bytes by entry kind; model: by recorded model (cachemgr.record), with what its "
-                   "graphs need.")
-@click.option("--fleet", "fleet", is_flag=True,
-              help="Every host and cache in the index (a shared PostgreSQL index), summed, without scanning.")
+@click.option(
+    "--window",
+    type=DURATION,
+    default="1d",
+    show_default=True,
+    help="Window for the activity figures (hits, compiles, recompiles, compile time).",
+)
+@click.option(
+    "--by",
+    type=click.Choice(["kind", "model"]),
+    default="kind",
+    show_default=True,
+    help="kind: bytes by entry kind; model: by recorded model (cachemgr.record), with what its graphs need.",
+)
+@click.option(
+    "--fleet",
+    "fleet",
+    is_flag=True,
+    help="Every host and cache in the index (a shared PostgreSQL index), summed, without scanning.",
+)
 @json_option
 @pass_app
 def stats(app, window: float, by: str, fleet: bool, as_json: bool) -> None:
@@ -153,8 +172,15 @@ def stats(app, window: float, by: str, fleet: bool, as_json: bool) -> None:
     act = explain.activity(store, window)
     s = app.settings
     limits = _limits(store, totals, s)
-    doc = {**totals.as_dict(), "index": _index_doc(s), "policy": s.policy, "low_water": s.low_water,
-           "grace_seconds": s.grace, "limits": limits, "activity": act.as_dict()}
+    doc = {
+        **totals.as_dict(),
+        "index": _index_doc(s),
+        "policy": s.policy,
+        "low_water": s.low_water,
+        "grace_seconds": s.grace,
+        "limits": limits,
+        "activity": act.as_dict(),
+    }
     models = store.model_usage() if by == "model" else None
     if models is not None:
         doc["by_model"] = [m.as_dict() for m in models]
@@ -184,8 +210,7 @@ def _limits(store, totals, s) -> dict:
     out: dict = {}
 
     def used(value: int, limit: int | None) -> dict:
-        return {"used": value, "limit": limit,
-                "percent": None if not limit else round(100 * value / limit, 1)}
+        return {"used": value, "limit": limit, "percent": None if not limit else round(100 * value / limit, 1)}
 
     out["max_size"] = used(t.bytes, s.max_size)
     out["max_files"] = used(t.files, s.max_files)
@@ -201,8 +226,11 @@ def _limits(store, totals, s) -> dict:
         floor = size if size is not None else int((pct or 0.0) * free["total"])
     out["min_free"] = {"limit": s.min_free, "floor_bytes": floor, **(free or {"free": None, "total": None})}
     idle = store.idle_usage(s.max_age) if s.max_age is not None else None
-    out["max_age"] = {"limit_seconds": s.max_age, "idle_entries": idle.entries if idle else None,
-                      "idle_bytes": idle.bytes if idle else None}
+    out["max_age"] = {
+        "limit_seconds": s.max_age,
+        "idle_entries": idle.entries if idle else None,
+        "idle_bytes": idle.bytes if idle else None,
+    }
     return out
 
 
@@ -217,49 +245,90 @@ def _print_stats(doc: dict, totals, act, models) -> None:
 
     free_text = "-"
     if free["free"] is not None:
-        free_text = f"{human_size(free['free'])} of {human_size(free['total'])} " \
-                    f"({100 * free['free'] / max(1, free['total']):.0f}%)"
-        free_text += f"; min_free {free['limit']}" + (
-            f" ({human_size(free['floor_bytes'])})" if free["limit"] and not free["limit"].endswith("B") else "") \
-            if free["limit"] else " (no min_free)"
+        free_text = (
+            f"{human_size(free['free'])} of {human_size(free['total'])} "
+            f"({100 * free['free'] / max(1, free['total']):.0f}%)"
+        )
+        free_text += (
+            f"; min_free {free['limit']}"
+            + (f" ({human_size(free['floor_bytes'])})" if free["limit"] and not free["limit"].endswith("B") else "")
+            if free["limit"]
+            else " (no min_free)"
+        )
     age_text = "(no max_age)"
     if max_age["limit_seconds"] is not None:
-        age_text = f"{format_duration(max_age['limit_seconds'])}: {plural(max_age['idle_entries'], 'entry')} " \
-                   f"({human_size(max_age['idle_bytes'])}) idle longer"
+        age_text = (
+            f"{format_duration(max_age['limit_seconds'])}: {plural(max_age['idle_entries'], 'entry')} "
+            f"({human_size(max_age['idle_bytes'])}) idle longer"
+        )
     index = doc["index"]
     where = index["path"] or index["url"]
     if index["bytes"] is not None:
         where += f" ({human_size(index['bytes'])})"
     ratio = "-" if act.hit_ratio is None else f"{act.hit_ratio:.1%}"
-    state = ", ".join(x for x in (f"{totals.corrupt} corrupt" if totals.corrupt else "",
-                                  f"{totals.pending:,} not parsed yet" if totals.pending else "",
-                                  plural(totals.pinned, "pin") if totals.pinned else "") if x)
-    for line in fields_block([
-        ("cache", doc["cache_dir"]),
-        ("index", where),
-        ("last scan", "never" if totals.last_scan is None else f"{age(totals.last_scan)} ago"),
-        ("policy", f"{doc['policy']}; evicts down to {doc['low_water']:.0%} of a limit; grace "
-                   f"{format_duration(doc['grace_seconds'])}"),
-        ("size", against(human_size(t.bytes), size, "max_size", human_size(size["limit"]))),
-        ("files", against(f"{t.files:,}", files, "max_files", f"{files['limit'] or 0:,}")),
-        ("free space", free_text),
-        ("max age", age_text),
-        ("entries", f"{t.entries:,}" + (f" ({state})" if state else "")),
-        (f"last {format_duration(act.window)}",
-         f"{plural(act.compiles, 'compile')} ({plural(act.recompiles, 'recompile')}), {plural(act.hits, 'hit')}, "
-         f"{act.loaded:,} loaded: hit ratio {ratio}"),
-        ("", f"{act.compile_seconds:.1f} s compiling, {plural(act.evictions, 'eviction')}"),
-    ]):
+    state = ", ".join(
+        x
+        for x in (
+            f"{totals.corrupt} corrupt" if totals.corrupt else "",
+            f"{totals.pending:,} not parsed yet" if totals.pending else "",
+            plural(totals.pinned, "pin") if totals.pinned else "",
+        )
+        if x
+    )
+    for line in fields_block(
+        [
+            ("cache", doc["cache_dir"]),
+            ("index", where),
+            ("last scan", "never" if totals.last_scan is None else f"{age(totals.last_scan)} ago"),
+            (
+                "policy",
+                f"{doc['policy']}; evicts down to {doc['low_water']:.0%} of a limit; grace "
+                f"{format_duration(doc['grace_seconds'])}",
+            ),
+            ("size", against(human_size(t.bytes), size, "max_size", human_size(size["limit"]))),
+            ("files", against(f"{t.files:,}", files, "max_files", f"{files['limit'] or 0:,}")),
+            ("free space", free_text),
+            ("max age", age_text),
+            ("entries", f"{t.entries:,}" + (f" ({state})" if state else "")),
+            (
+                f"last {format_duration(act.window)}",
+                f"{plural(act.compiles, 'compile')} ({plural(act.recompiles, 'recompile')}), {plural(act.hits, 'hit')}, "
+                f"{act.loaded:,} loaded: hit ratio {ratio}",
+            ),
+            ("", f"{act.compile_seconds:.1f} s compiling, {plural(act.evictions, 'eviction')}"),
+        ]
+    ):
         click.echo(line)
     click.echo()
     if models is not None:
         if not models:
             click.echo("no recorded models (record them with cachemgr.record; see: cachemgr shapes)")
             return
-        table([Col("model", cut=True), Col("shapes", True), Col("graphs", True), Col("entries", True),
-               Col("bytes", True), Col("hits", True), Col("compile", True), Col("last used", True)],
-              [(m.model, m.signatures, m.graphs, m.entries, human_size(m.bytes), m.hits,
-                seconds(m.compile_seconds), age(m.last_access)) for m in models])
+        table(
+            [
+                Col("model", cut=True),
+                Col("shapes", True),
+                Col("graphs", True),
+                Col("entries", True),
+                Col("bytes", True),
+                Col("hits", True),
+                Col("compile", True),
+                Col("last used", True),
+            ],
+            [
+                (
+                    m.model,
+                    m.signatures,
+                    m.graphs,
+                    m.entries,
+                    human_size(m.bytes),
+                    m.hits,
+                    seconds(m.compile_seconds),
+                    age(m.last_access),
+                )
+                for m in models
+            ],
+        )
         return
     rows = [(k, f"{u.entries:,}", f"{u.files:,}", human_size(u.bytes)) for k, u in totals.by_kind.items() if u.entries]
     rows.append(("total", f"{t.entries:,}", f"{t.files:,}", human_size(t.bytes)))
@@ -273,17 +342,45 @@ def _fleet_stats(app, window: float, as_json: bool) -> None:
     if as_json:
         emit_json(doc)
         return
-    rows = [(c["host"], f"{c['entries']:,}", f"{c['files']:,}", human_size(c["bytes"]),
-             age(c["last_scan_ts"]), c["cache_dir"]) for c in doc["caches"]]
-    rows.append(("total", f"{doc['entries']:,}", f"{doc['files']:,}", human_size(doc["bytes"]), "",
-                 f"{plural(len(doc['hosts']), 'host')}, {plural(len(doc['caches']), 'cache')}"))
-    table([Col("host", cut=True, min=12), Col("entries", True), Col("files", True), Col("bytes", True),
-           Col("scanned", True), Col("cache dir", cut=True)], rows)
+    rows = [
+        (
+            c["host"],
+            f"{c['entries']:,}",
+            f"{c['files']:,}",
+            human_size(c["bytes"]),
+            age(c["last_scan_ts"]),
+            c["cache_dir"],
+        )
+        for c in doc["caches"]
+    ]
+    rows.append(
+        (
+            "total",
+            f"{doc['entries']:,}",
+            f"{doc['files']:,}",
+            human_size(doc["bytes"]),
+            "",
+            f"{plural(len(doc['hosts']), 'host')}, {plural(len(doc['caches']), 'cache')}",
+        )
+    )
+    table(
+        [
+            Col("host", cut=True, min=12),
+            Col("entries", True),
+            Col("files", True),
+            Col("bytes", True),
+            Col("scanned", True),
+            Col("cache dir", cut=True),
+        ],
+        rows,
+    )
     a = doc["activity"]
     ratio = "-" if a["hit_ratio"] is None else f"{a['hit_ratio']:.1%}"
-    say(f"last {format_duration(window)}: {plural(a['hits'], 'hit')}, {plural(a['compiles'], 'compile')} "
+    say(
+        f"last {format_duration(window)}: {plural(a['hits'], 'hit')}, {plural(a['compiles'], 'compile')} "
         f"({plural(a['recompiles'], 'recompile')}), {a['loaded']:,} loaded; hit ratio {ratio}; "
-        f"{plural(a['evictions'], 'eviction')}; {doc['corrupt']} corrupt, {plural(doc['pinned'], 'pin')}")
+        f"{plural(a['evictions'], 'eviction')}; {doc['corrupt']} corrupt, {plural(doc['pinned'], 'pin')}"
+    )
 
 
 # -- ls -----------------------------------------------------------------------------------------------
@@ -318,16 +415,22 @@ def entry_note(e) -> str:
 @model_option
 @click.option("--pinned", is_flag=True, help="Only pinned entries.")
 @click.option("--corrupt", is_flag=True, help="Only corrupt entries.")
-@click.option("--sort", type=click.Choice(["size", "age", "cost", "name"]), default="size", show_default=True,
-              help="size: largest first; age: least recently used first; cost: longest compile first; name: by key.")
+@click.option(
+    "--sort",
+    type=click.Choice(["size", "age", "cost", "name"]),
+    default="size",
+    show_default=True,
+    help="size: largest first; age: least recently used first; cost: longest compile first; name: by key.",
+)
 @click.option("--limit", type=click.IntRange(min=1), help="At most this many entries.")
 @click.option("--host", "on_host", metavar="H", help="Entries of host H (every cache it has in a shared index).")
 @quiet_option
 @wide_option
 @json_option
 @pass_app
-def ls(app, kind, older_than, larger_than, graph, model, pinned, corrupt, sort, limit, on_host, quiet, wide,
-       as_json) -> None:
+def ls(
+    app, kind, older_than, larger_than, graph, model, pinned, corrupt, sort, limit, on_host, quiet, wide, as_json
+) -> None:
     """List index entries, filtered and sorted, with a short key for each.
 
     Keys are shown short, as git abbreviates commits (the shortest unique prefix, 8 characters
@@ -343,8 +446,15 @@ def ls(app, kind, older_than, larger_than, graph, model, pinned, corrupt, sort, 
     """
     from cachemgr.index import Filters
 
-    f = Filters(kind=kind, older_than=older_than, larger_than=larger_than, pinned=pinned, corrupt=corrupt,
-                sort=sort, limit=limit)
+    f = Filters(
+        kind=kind,
+        older_than=older_than,
+        larger_than=larger_than,
+        pinned=pinned,
+        corrupt=corrupt,
+        sort=sort,
+        limit=limit,
+    )
     if on_host is not None:
         if graph or model:
             raise UsageError("--graph and --model name graphs of this cache: not with --host")
@@ -355,8 +465,12 @@ def ls(app, kind, older_than, larger_than, graph, model, pinned, corrupt, sort, 
         shorts = store.short_keys(rows)
         listed = [(e, shorts[e.key], None) for e in rows]
     if as_json:
-        emit_json([{**e.as_dict(), "short": s, **({"host": on_host, "cache_dir": root} if on_host else {})}
-                   for e, s, root in listed])
+        emit_json(
+            [
+                {**e.as_dict(), "short": s, **({"host": on_host, "cache_dir": root} if on_host else {})}
+                for e, s, root in listed
+            ]
+        )
         return
     shown = [(e, e.key if wide else s) for e, s, _ in listed]
     if quiet:
@@ -367,11 +481,25 @@ def ls(app, kind, older_than, larger_than, graph, model, pinned, corrupt, sort, 
         filtered = any(x not in (None, False) for x in (kind, older_than, larger_than, graph, model, pinned, corrupt))
         click.echo("no entries match" if filtered else f"no entries in the index of {app.settings.cache_dir}")
     else:
-        table([Col("key"), Col("kind"), Col("bytes", True), Col("idle", True), Col("hits", True),
-               Col("compile", True)] + ([Col("torch")] if wide else []) + [Col("signature", cut=True)],
-              [(key, e.kind, human_size(e.bytes), age(e.last_access), f"{e.hit_count:,}",
-                "" if e.compile_seconds is None else seconds(e.compile_seconds))
-               + ((e.torch_version or "",) if wide else ()) + (entry_note(e),) for e, key in shown], wide=wide)
+        table(
+            [Col("key"), Col("kind"), Col("bytes", True), Col("idle", True), Col("hits", True), Col("compile", True)]
+            + ([Col("torch")] if wide else [])
+            + [Col("signature", cut=True)],
+            [
+                (
+                    key,
+                    e.kind,
+                    human_size(e.bytes),
+                    age(e.last_access),
+                    f"{e.hit_count:,}",
+                    "" if e.compile_seconds is None else seconds(e.compile_seconds),
+                )
+                + ((e.torch_version or "",) if wide else ())
+                + (entry_note(e),)
+                for e, key in shown
+            ],
+            wide=wide,
+        )
         more = f"; the first {limit} (--limit)" if limit is not None and len(shown) == limit else ""
         click.echo(f"{plural(len(shown), 'entry')}, {human_size(sum(e.bytes for e, _ in shown))}{more}")
     if pinned and on_host is None:
@@ -459,21 +587,26 @@ def _detail(app, store, e, short: str) -> dict:
 
 def _show_lines(e, d: dict, wide: bool) -> list[str]:
     pending = "not parsed yet" if not e.parsed else None
-    torch = e.torch_version or (f"not named (build hash {e.torch_version_hash[:12]})" if e.torch_version_hash
-                                else pending)
+    torch = e.torch_version or (
+        f"not named (build hash {e.torch_version_hash[:12]})" if e.torch_version_hash else pending
+    )
     parsed_kind = e.kind in PICKLED
     files = d["files_on_disk"]
     prefix = e.key.rstrip("/") + "/"
-    file_names = [(f["path"][len(prefix):] if f["path"].startswith(prefix) else f["path"], f["bytes"]) for f in files]
+    file_names = [(f["path"][len(prefix) :] if f["path"].startswith(prefix) else f["path"], f["bytes"]) for f in files]
     pairs = [
-        ("key", e.key), ("short key", d["short"]), ("kind", e.kind),
+        ("key", e.key),
+        ("short key", d["short"]),
+        ("kind", e.kind),
         ("bytes", f"{human_size(e.bytes)} ({e.bytes:,} bytes) in {plural(e.files, 'file')}"),
         ("graph key", e.graph_key or (pending if e.kind == Kind.FXGRAPH else None)),
         ("signature", e.signature or (pending if parsed_kind else None)),
-        ("guards", e.guards), ("devices", e.device_types),
+        ("guards", e.guards),
+        ("devices", e.device_types),
         ("compile time", seconds(e.compile_seconds) if e.compile_seconds is not None else pending),
         ("torch", torch if parsed_kind else None),
-        ("options hash", e.options_hash), ("not recorded", e.unrecorded),
+        ("options hash", e.options_hash),
+        ("not recorded", e.unrecorded),
         ("corrupt", e.corrupt),
         ("pinned", (f"yes, as {e.pin}" + (f": {e.pin_reason}" if e.pin_reason else "")) if e.pinned else None),
         ("hits", f"{e.hit_count:,}, last used {age(e.last_access)} ago"),
@@ -482,13 +615,20 @@ def _show_lines(e, d: dict, wide: bool) -> list[str]:
     ]
     if wide:
         pairs += [("file", f"{name}  {human_size(n)}") for name, n in file_names]
-        pairs += [("needs", f"{r['kind']} {r['ref']}" + ("" if r["present"] else "  (not in the index)"))
-                  for r in d["references"]]
+        pairs += [
+            ("needs", f"{r['kind']} {r['ref']}" + ("" if r["present"] else "  (not in the index)"))
+            for r in d["references"]
+        ]
         pairs += [("used by", k) for k in d["referenced_by"]]
     else:
         if len(files) > 1 or (files and file_names[0][0] != files[0]["path"]):
-            pairs.append(("files", ", ".join(f"{name} ({human_size(n)})" for name, n in file_names[:6])
-                          + (f" and {len(files) - 6} more (--wide)" if len(files) > 6 else "")))
+            pairs.append(
+                (
+                    "files",
+                    ", ".join(f"{name} ({human_size(n)})" for name, n in file_names[:6])
+                    + (f" and {len(files) - 6} more (--wide)" if len(files) > 6 else ""),
+                )
+            )
         pairs.append(("needs", _needs_text(d["references"])))
         users = d["referenced_by_short"]
         more = f" and {len(users) - 6} more (--wide)" if len(users) > 6 else ""

@@ -42,6 +42,7 @@ def _exit_codes(text: str):
     def add(f):
         f.__doc__ = (f.__doc__ or "").rstrip() + "\n" + text
         return f
+
     return add
 
 
@@ -61,8 +62,11 @@ def worker_env(app, target: str = "local") -> dict[str, str]:
     if target == "redis":
         from cachemgr.fleet.remote import configured_url
 
-        env.update(TORCHINDUCTOR_REDIS_URL=configured_url(app.settings.redis_url, what="prewarm --target redis"),
-                   TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1", TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1")
+        env.update(
+            TORCHINDUCTOR_REDIS_URL=configured_url(app.settings.redis_url, what="prewarm --target redis"),
+            TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1",
+            TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE="1",
+        )
     return env
 
 
@@ -80,8 +84,11 @@ def _check_line(doc: dict) -> str:
     """The cache check of a bundle, in one line: 'check: 8 of 10 graphs will hit here (...)'."""
     causes = "; ".join(s["text"] for s in doc.get("summary", []) if s["verdict"] != "hit")
     partial = f"; partial: {len(doc['missing'])} missing" if doc.get("missing") else ""
-    return (f"check: {doc.get('hit', 0)} of {doc.get('graphs', 0)} graphs will hit here"
-            + (f" ({causes})" if causes else "") + partial)
+    return (
+        f"check: {doc.get('hit', 0)} of {doc.get('graphs', 0)} graphs will hit here"
+        + (f" ({causes})" if causes else "")
+        + partial
+    )
 
 
 @click.command()
@@ -103,15 +110,27 @@ def shapes(app, model: str | None, as_json: bool) -> None:
         emit_json(rows)
         return
     if not rows:
-        click.echo("no shapes recorded" + (f" for model {model!r}" if model else "") +
-                   f" (spool: {app.settings.spool_dir})")
+        click.echo(
+            "no shapes recorded" + (f" for model {model!r}" if model else "") + f" (spool: {app.settings.spool_dir})"
+        )
         return
     from cachemgr.cli.common import age
 
-    table(("model", "signature", "hash", "count", "varied", "options", "last seen"),
-          [(r["model"], short(r["signature"], 60), r["signature_hash"], r["count"], ",".join(r["varied"]) or "-",
-            short(",".join(f"{k}={v}" for k, v in r["options"].items()) or "-", 30), age(r["last_seen"]))
-           for r in rows])
+    table(
+        ("model", "signature", "hash", "count", "varied", "options", "last seen"),
+        [
+            (
+                r["model"],
+                short(r["signature"], 60),
+                r["signature_hash"],
+                r["count"],
+                ",".join(r["varied"]) or "-",
+                short(",".join(f"{k}={v}" for k, v in r["options"].items()) or "-", 30),
+                age(r["last_seen"]),
+            )
+            for r in rows
+        ],
+    )
 
 
 def _devices(value: str | None) -> list[str] | None:
@@ -134,6 +153,7 @@ def _progress(tty: bool, label: str = "prewarm"):
     in it, per model, per shape (compiling, then its result). On a terminal, with per-model bars
     under the lines. Yields the event callback."""
     if not tty:
+
         def on_line(ev: dict) -> None:
             line = _progress_line(ev, label)
             if line:
@@ -145,8 +165,13 @@ def _progress(tty: bool, label: str = "prewarm"):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True)) as p:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+    ) as p:
         tasks: dict[str, int] = {}
 
         def on(ev: dict) -> None:
@@ -167,8 +192,10 @@ def _progress(tty: bool, label: str = "prewarm"):
 def _progress_line(ev: dict, label: str) -> str | None:
     e = ev["e"]
     if e == "worker_start":
-        return (f"{label}: worker {ev['pid']} started on {ev['device']} ({ev['models']} model(s), "
-                f"{ev['shapes']} shape(s)); starting torch")
+        return (
+            f"{label}: worker {ev['pid']} started on {ev['device']} ({ev['models']} model(s), "
+            f"{ev['shapes']} shape(s)); starting torch"
+        )
     if e == "worker_ready":
         return f"{label}: worker {ev['pid']}: torch {ev['torch']} ready on {ev['device']}"
     if e == "model":
@@ -179,8 +206,10 @@ def _progress_line(ev: dict, label: str) -> str | None:
     if e == "shape":
         c = ev.get("counters") or {}
         if ev.get("ok"):
-            return (f"{label}: model {ev['model']!r} shape #{ev['index']}: ok in {ev.get('seconds') or 0:.1f} s "
-                    f"({c.get('fxgraph_cache_hit', 0)} fxgraph hit(s), {c.get('fxgraph_cache_miss', 0)} miss(es))")
+            return (
+                f"{label}: model {ev['model']!r} shape #{ev['index']}: ok in {ev.get('seconds') or 0:.1f} s "
+                f"({c.get('fxgraph_cache_hit', 0)} fxgraph hit(s), {c.get('fxgraph_cache_miss', 0)} miss(es))"
+            )
         return f"{label}: model {ev['model']!r} shape #{ev['index']}: failed: {ev.get('error')}"
     if e == "model_error":
         return f"{label}: {ev['error']}"
@@ -195,36 +224,98 @@ def _print_run(result, title: str) -> None:
     rows = []
     for r in result.shapes:
         c = r.counters
-        rows.append((r.model, r.index, short(r.signature, 40) + (" (lead-in)" if r.lead_in else ""), r.device, r.phase,
-                     "-" if r.seconds is None else f"{r.seconds:.2f}",
-                     c.get("fxgraph_cache_hit", "-"), c.get("fxgraph_cache_miss", "-"),
-                     c.get("autograd_cache_hit", "-"), c.get("autograd_cache_miss", "-"),
-                     "ok" if r.ok else short(r.error, 70)))
+        rows.append(
+            (
+                r.model,
+                r.index,
+                short(r.signature, 40) + (" (lead-in)" if r.lead_in else ""),
+                r.device,
+                r.phase,
+                "-" if r.seconds is None else f"{r.seconds:.2f}",
+                c.get("fxgraph_cache_hit", "-"),
+                c.get("fxgraph_cache_miss", "-"),
+                c.get("autograd_cache_hit", "-"),
+                c.get("autograd_cache_miss", "-"),
+                "ok" if r.ok else short(r.error, 70),
+            )
+        )
     if rows:
-        table(("model", "#", "signature", "device", "phase", "seconds", "fx hit", "fx miss", "aot hit", "aot miss",
-               "result"), rows, title=title)
+        table(
+            (
+                "model",
+                "#",
+                "signature",
+                "device",
+                "phase",
+                "seconds",
+                "fx hit",
+                "fx miss",
+                "aot hit",
+                "aot miss",
+                "result",
+            ),
+            rows,
+            title=title,
+        )
 
 
 @click.command()
-@click.option("--manifest", "manifest_path", required=True, metavar="FILE", type=click.Path(dir_okay=False),
-              help="TOML manifest of the models to compile (see cachemgr.prewarm.manifest).")
+@click.option(
+    "--manifest",
+    "manifest_path",
+    required=True,
+    metavar="FILE",
+    type=click.Path(dir_okay=False),
+    help="TOML manifest of the models to compile (see cachemgr.prewarm.manifest).",
+)
 @click.option("--model", metavar="NAME", help="Only this model of the manifest.")
-@click.option("--devices", metavar="LIST", help="Comma-separated devices, one worker each (cuda:0,cuda:1 or cpu,cpu); "
-                                               "default: each model's own device.")
-@click.option("--replicate", is_flag=True, help="Every device replays every shape (cache keys embed the device index) "
-                                                "instead of sharing the shapes among them.")
+@click.option(
+    "--devices",
+    metavar="LIST",
+    help="Comma-separated devices, one worker each (cuda:0,cuda:1 or cpu,cpu); default: each model's own device.",
+)
+@click.option(
+    "--replicate",
+    is_flag=True,
+    help="Every device replays every shape (cache keys embed the device index) "
+    "instead of sharing the shapes among them.",
+)
 @click.option("--verify", is_flag=True, help="Afterwards replay again in fresh workers; any cache miss fails.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="S",
-              help="Give up on a shape after S seconds (its worker is killed).")
-@click.option("--bundle", "bundle_path", metavar="FILE", type=click.Path(dir_okay=False),
-              help="Import this bundle first, then replay (what the bundle had now hits).")
-@click.option("--target", type=click.Choice(["local", "redis"]), default="local", show_default=True,
-              help="redis: also fill PyTorch's remote FX graph / autograd cache at redis_url.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="S",
+    help="Give up on a shape after S seconds (its worker is killed).",
+)
+@click.option(
+    "--bundle",
+    "bundle_path",
+    metavar="FILE",
+    type=click.Path(dir_okay=False),
+    help="Import this bundle first, then replay (what the bundle had now hits).",
+)
+@click.option(
+    "--target",
+    type=click.Choice(["local", "redis"]),
+    default="local",
+    show_default=True,
+    help="redis: also fill PyTorch's remote FX graph / autograd cache at redis_url.",
+)
 @json_option
 @pass_app
 @_exit_codes(PREWARM_EXIT_CODES)
-def prewarm(app, manifest_path: str, model: str | None, devices: str | None, replicate: bool, verify: bool,
-            timeout: float | None, bundle_path: str | None, target: str, as_json: bool) -> None:
+def prewarm(
+    app,
+    manifest_path: str,
+    model: str | None,
+    devices: str | None,
+    replicate: bool,
+    verify: bool,
+    timeout: float | None,
+    bundle_path: str | None,
+    target: str,
+    as_json: bool,
+) -> None:
     """Compile every recorded (or listed) shape of the manifest's models into the cache.
 
     Each shape is replayed through torch.compile in a worker process, in the order the workload
@@ -279,8 +370,14 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
     # the whole manifest's options (not only --model's): what this host compiles with
     spec = check_spec(app, mf.load(manifest_path), devs) if bundle_path else None
     with _progress(tty) as on:
-        result = worker.run(jobs_for(), env, timeout=timeout, on_event=on,
-                            import_bundle=os.path.abspath(bundle_path) if bundle_path else None, check=spec)
+        result = worker.run(
+            jobs_for(),
+            env,
+            timeout=timeout,
+            on_event=on,
+            import_bundle=os.path.abspath(bundle_path) if bundle_path else None,
+            check=spec,
+        )
     learn(app, result)
     results = [result]
     failures = [msg for _, msg in errors] + result.failures()
@@ -317,8 +414,13 @@ def prewarm(app, manifest_path: str, model: str | None, devices: str | None, rep
 @click.command("export")
 @click.option("--out", required=True, metavar="FILE", type=click.Path(dir_okay=False), help="Bundle to write.")
 @click.option("--model", metavar="NAME", help="Only this model's artifacts (needs --manifest).")
-@click.option("--manifest", "manifest_path", metavar="FILE", type=click.Path(dir_okay=False),
-              help="Replay the manifest's models and bundle exactly what they use; default: the whole cache.")
+@click.option(
+    "--manifest",
+    "manifest_path",
+    metavar="FILE",
+    type=click.Path(dir_okay=False),
+    help="Replay the manifest's models and bundle exactly what they use; default: the whole cache.",
+)
 @json_option
 @pass_app
 @_exit_codes(EXPORT_EXIT_CODES)
@@ -358,8 +460,13 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
         dev = plans[0].spec.device if plans else "cpu"
         jobs = worker.distribute(plans, [dev])
     with _progress(sys.stderr.isatty(), "export") as on:
-        result = worker.run(jobs, env, phase="export", on_event=on,
-                            export={"out": os.path.abspath(out), "cache_dir": app.settings.cache_dir})
+        result = worker.run(
+            jobs,
+            env,
+            phase="export",
+            on_event=on,
+            export={"out": os.path.abspath(out), "cache_dir": app.settings.cache_dir},
+        )
     from cachemgr.cli.check import learn
 
     learn(app, result)
@@ -371,13 +478,18 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
         from cachemgr.units import format_size
 
         h = ex["header"]
-        click.echo(f"wrote {out}: {format_size(h['bytes'])}, {_artifacts(h['artifacts'])}; torch {h['torch']}, "
-                   f"Triton {h['triton'] or '-'}, GPU {','.join(h['gpu_arch'] or []) or '-'}"
-                   + ("" if h.get("complete", True) else "; PARTIAL"))
+        click.echo(
+            f"wrote {out}: {format_size(h['bytes'])}, {_artifacts(h['artifacts'])}; torch {h['torch']}, "
+            f"Triton {h['triton'] or '-'}, GPU {','.join(h['gpu_arch'] or []) or '-'}"
+            + ("" if h.get("complete", True) else "; PARTIAL")
+        )
     if ex.get("ok") and not ex["header"].get("complete", True):
         missing = ex["header"].get("missing") or []
-        click.echo(f"cachemgr: {out} is a partial bundle: {len(missing)} thing(s) its entries name are not in it "
-                   f"(first: {missing[0] if missing else '?'}); `import` refuses it without --allow-partial", err=True)
+        click.echo(
+            f"cachemgr: {out} is a partial bundle: {len(missing)} thing(s) its entries name are not in it "
+            f"(first: {missing[0] if missing else '?'}); `import` refuses it without --allow-partial",
+            err=True,
+        )
     if failures:
         raise PrewarmError("; ".join(failures))
 
@@ -386,14 +498,26 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
 @click.argument("bundle_path", metavar="FILE", type=click.Path(dir_okay=False))
 @click.option("--check-only", is_flag=True, help="Only say which of its graphs would hit here; write nothing.")
 @click.option("--allow-partial", is_flag=True, help="Import a bundle that lacks some of what its entries name.")
-@click.option("--manifest", "manifest_path", metavar="FILE", type=click.Path(dir_okay=False),
-              help="The workload's models: their compile options are what this host compiles with.")
+@click.option(
+    "--manifest",
+    "manifest_path",
+    metavar="FILE",
+    type=click.Path(dir_okay=False),
+    help="The workload's models: their compile options are what this host compiles with.",
+)
 @click.option("--devices", metavar="LIST", help="Where the workload runs here (cuda:0,cuda:1 or cpu).")
 @json_option
 @pass_app
 @_exit_codes(IMPORT_EXIT_CODES)
-def import_(app, bundle_path: str, check_only: bool, allow_partial: bool, manifest_path: str | None,
-            devices: str | None, as_json: bool) -> None:
+def import_(
+    app,
+    bundle_path: str,
+    check_only: bool,
+    allow_partial: bool,
+    manifest_path: str | None,
+    devices: str | None,
+    as_json: bool,
+) -> None:
     """Load a bundle into the cache (torch.compiler.load_cache_artifacts), after checking it.
 
     First the same check as `cachemgr check --bundle` runs in the worker: which of the bundle's
@@ -421,8 +545,14 @@ def import_(app, bundle_path: str, check_only: bool, allow_partial: bool, manife
     if not check_only:
         os.makedirs(app.settings.cache_dir, exist_ok=True)
     with _progress(sys.stderr.isatty(), "import") as on:
-        result = worker.run([(worker_device(devs), [])], worker_env(app), phase="import", on_event=on,
-                            import_bundle=os.path.abspath(bundle_path), check=spec)
+        result = worker.run(
+            [(worker_device(devs), [])],
+            worker_env(app),
+            phase="import",
+            on_event=on,
+            import_bundle=os.path.abspath(bundle_path),
+            check=spec,
+        )
     if check_only and not existed:
         with suppress(OSError):  # torch makes its cache dir when it starts: a check leaves none behind
             os.rmdir(app.settings.cache_dir)

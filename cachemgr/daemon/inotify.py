@@ -82,7 +82,7 @@ class Inotify:
         while i + HEADER.size <= len(buf):
             wd, mask, cookie, n = HEADER.unpack_from(buf, i)
             i += HEADER.size
-            out.append((wd, mask, cookie, os.fsdecode(buf[i:i + n].rstrip(b"\0"))))
+            out.append((wd, mask, cookie, os.fsdecode(buf[i : i + n].rstrip(b"\0"))))
             i += n
         return out
 
@@ -93,8 +93,9 @@ class Inotify:
 class Reader:
     """A thread that waits on an Inotify and hands each read's events to `handle`; `stop` ends it."""
 
-    def __init__(self, name: str, handle: Callable[[list[Event]], None],
-                 timeout: Callable[[], float | None] = lambda: None) -> None:
+    def __init__(
+        self, name: str, handle: Callable[[list[Event]], None], timeout: Callable[[], float | None] = lambda: None
+    ) -> None:
         self.ino = Inotify()
         self.handle, self.timeout = handle, timeout
         self.stop_r, self.stop_w = os.pipe2(os.O_CLOEXEC)
@@ -127,8 +128,18 @@ class Reader:
 
 # -- the recursive tree of watches --------------------------------------------------------------
 
-TREE_MASK = (IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_CLOSE_WRITE | IN_DELETE_SELF | IN_MOVE_SELF
-             | IN_ONLYDIR | IN_DONT_FOLLOW | IN_EXCL_UNLINK)
+TREE_MASK = (
+    IN_CREATE
+    | IN_DELETE
+    | IN_MOVED_FROM
+    | IN_MOVED_TO
+    | IN_CLOSE_WRITE
+    | IN_DELETE_SELF
+    | IN_MOVE_SELF
+    | IN_ONLYDIR
+    | IN_DONT_FOLLOW
+    | IN_EXCL_UNLINK
+)
 MOVE_PAIRING = 1.0  # seconds an IN_MOVED_FROM of a directory waits for its IN_MOVED_TO (else: moved out)
 
 
@@ -165,9 +176,15 @@ class TreeWatcher:
     `on_root_lost()`: the root itself was removed or moved.
     """
 
-    def __init__(self, root: str, put: Callable[[str, str], None], on_dir: Callable[[str], None],
-                 on_overflow: Callable[[], None], on_limit: Callable[[], None],
-                 on_root_lost: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        root: str,
+        put: Callable[[str, str], None],
+        on_dir: Callable[[str], None],
+        on_overflow: Callable[[], None],
+        on_limit: Callable[[], None],
+        on_root_lost: Callable[[], None],
+    ) -> None:
         self.root, self.put, self.on_dir = root, put, on_dir
         self.on_overflow, self.on_limit, self.on_root_lost = on_overflow, on_limit, on_root_lost
         self.lock = threading.Lock()  # the tree: the reader thread's events, the consumer's resync

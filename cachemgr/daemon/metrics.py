@@ -100,22 +100,30 @@ class Metrics:
                 except Exception as e:  # noqa: BLE001 - a scrape must answer even if the index does not
                     log.warning("metrics: index unavailable: %s", e)
             yield CounterMetricFamily("cachemgr_cache_hits", "Cache hits seen (reads of fxgraph entries)", self.hits)
-            yield CounterMetricFamily("cachemgr_compiles", "New fxgraph entries (cache misses that compiled)",
-                                      self.compiles)
-            yield CounterMetricFamily("cachemgr_loaded", "New fxgraph entries loaded (cachemgr import, a copy), "
-                                      "not compiled", self.loaded)
+            yield CounterMetricFamily(
+                "cachemgr_compiles", "New fxgraph entries (cache misses that compiled)", self.compiles
+            )
+            yield CounterMetricFamily(
+                "cachemgr_loaded", "New fxgraph entries loaded (cachemgr import, a copy), not compiled", self.loaded
+            )
             total = self.hits + self.compiles
-            yield GaugeMetricFamily("cachemgr_cache_hit_ratio", "hits / (hits + compiles) since the daemon started",
-                                    self.hits / total if total else float("nan"))
-            yield CounterMetricFamily("cachemgr_recompilations",
-                                      "Compiles of a graph compiled before in another form (explain's recompile "
-                                      "and guards verdicts)", self.recompilations)
+            yield GaugeMetricFamily(
+                "cachemgr_cache_hit_ratio",
+                "hits / (hits + compiles) since the daemon started",
+                self.hits / total if total else float("nan"),
+            )
+            yield CounterMetricFamily(
+                "cachemgr_recompilations",
+                "Compiles of a graph compiled before in another form (explain's recompile and guards verdicts)",
+                self.recompilations,
+            )
             cum, buckets = 0, []
             for bound, n in zip(COMPILE_BUCKETS, self.compile_counts, strict=True):
                 cum += n
                 buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cum))
-            yield HistogramMetricFamily("cachemgr_compile_seconds", "Compile time of new entries",
-                                        buckets=buckets, sum_value=self.compile_sum)
+            yield HistogramMetricFamily(
+                "cachemgr_compile_seconds", "Compile time of new entries", buckets=buckets, sum_value=self.compile_sum
+            )
             b = GaugeMetricFamily("cachemgr_bytes", "Indexed bytes by entry kind", labels=["kind"])
             n = GaugeMetricFamily("cachemgr_entries", "Indexed entries by kind", labels=["kind"])
             for kind, usage in sizes.items():
@@ -128,8 +136,10 @@ class Metrics:
             yield CounterMetricFamily("cachemgr_evicted_entries", "Entries evicted", self.evicted_entries)
             yield CounterMetricFamily("cachemgr_freed_bytes", "Bytes freed by eviction", self.freed_bytes)
             if self.last_eviction is not None:
-                yield GaugeMetricFamily("cachemgr_last_eviction_timestamp_seconds", "When eviction last ran",
-                                        self.last_eviction)
+                yield GaugeMetricFamily(
+                    "cachemgr_last_eviction_timestamp_seconds", "When eviction last ran", self.last_eviction
+                )
             if self.scan_seconds is not None:
-                yield GaugeMetricFamily("cachemgr_scan_duration_seconds", "Duration of the last full scan",
-                                        self.scan_seconds)
+                yield GaugeMetricFamily(
+                    "cachemgr_scan_duration_seconds", "Duration of the last full scan", self.scan_seconds
+                )

@@ -150,8 +150,9 @@ class DaemonLocks:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
             # no writable state dir: the lock on the cache directory itself still stands
-            log.warning("cannot use the lock file %s (%s); relying on the cache directory's lock", path,
-                        e.strerror or e)
+            log.warning(
+                "cannot use the lock file %s (%s); relying on the cache directory's lock", path, e.strerror or e
+            )
             return None
         if not _try_flock(fd):
             pid = _pid_in(fd) or _flock_holder(os.fstat(fd))
@@ -165,8 +166,9 @@ class DaemonLocks:
         """A flock on the root's trash folder: every user and state dir sees it. Not on the root
         itself, which the evictor flocks for each run (a CLI evict beside the daemon waits on it)."""
         try:
-            fd = os.open(os.path.join(root, layout.TRASH_DIR),
-                         os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(
+                os.path.join(root, layout.TRASH_DIR), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            )
         except OSError:
             return None  # gone meanwhile: the next hold takes the new one
         st = os.fstat(fd)
@@ -182,9 +184,11 @@ class DaemonLocks:
     @staticmethod
     def _message(name: str, root: str, pid: int | None, path: Path | None) -> str:
         who = f"PID {pid}" if pid else "a process whose PID cannot be read"
-        what = {"pair": f"cache dir {root} and this index",
-                "cache": f"cache dir {root} (with another index: two daemons would both evict it)",
-                "trash": f"cache dir {root} (perhaps as another user)"}[name.split("-")[0]]
+        what = {
+            "pair": f"cache dir {root} and this index",
+            "cache": f"cache dir {root} (with another index: two daemons would both evict it)",
+            "trash": f"cache dir {root} (perhaps as another user)",
+        }[name.split("-")[0]]
         where = f" (lock {path})" if path else ""
         return f"another cachemgr daemon ({who}) already serves {what}{where}"
 
@@ -295,8 +299,14 @@ class Daemon:
 
         refuse_foreign_root(s.cache_dir, "watch and evict it")  # `/` or a home dir by mistake: never walked
         self.locks.hold(s.cache_dir, s.db, in_root=True)  # an Inductor cache: the lock inside it (other users)
-        log.info("starting: cache %s, index %s, max_size %s, evict every %gs, full scan every %gs",
-                 s.cache_dir, redact(s.db), s.max_size, s.evict_interval, s.scan_interval)
+        log.info(
+            "starting: cache %s, index %s, max_size %s, evict every %gs, full scan every %gs",
+            s.cache_dir,
+            redact(s.db),
+            s.max_size,
+            s.evict_interval,
+            s.scan_interval,
+        )
         self._open(s)
         self._start_metrics(s)
         self._start_watching()
@@ -384,8 +394,15 @@ class Daemon:
             check_root(s.cache_dir)
             self.locks.hold(s.cache_dir, s.db, in_root=True)  # the lock inside it too (AlreadyRunning: we stop)
             self.root_lost.clear()
-            w = Watcher(self.db, self.cache_id, s.cache_dir, s.debounce, s.max_wait,
-                        on_batch=self._after_batch, on_root_lost=self._on_root_lost)
+            w = Watcher(
+                self.db,
+                self.cache_id,
+                s.cache_dir,
+                s.debounce,
+                s.max_wait,
+                on_batch=self._after_batch,
+                on_root_lost=self._on_root_lost,
+            )
             w.start()
             try:
                 # full: every file stat'ed, since anything may have happened while no daemon watched.
@@ -394,8 +411,15 @@ class Daemon:
             except BaseException:
                 w.stop()
                 raise
-            log.info("full scan: %d added, %d changed, %d removed, %d unchanged (%.2f s, %d directories watched)",
-                     r.added, r.changed, r.removed, r.unchanged, r.seconds, w.tree.watches() if w.tree else 0)
+            log.info(
+                "full scan: %d added, %d changed, %d removed, %d unchanged (%.2f s, %d directories watched)",
+                r.added,
+                r.changed,
+                r.removed,
+                r.unchanged,
+                r.seconds,
+                w.tree.watches() if w.tree else 0,
+            )
             if self.metrics is not None:
                 self.metrics.scanned(r.seconds)
                 self.metrics.watch(self.db, self.cache_id)  # a backlog found at start is no activity
@@ -419,8 +443,10 @@ class Daemon:
         from apscheduler.schedulers.blocking import BlockingScheduler  # type: ignore[import-untyped]
 
         self.jobs = jobs = Jobs()
-        sched = BlockingScheduler(executors={"default": ThreadPoolExecutor(2)},
-                                  job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": 60})
+        sched = BlockingScheduler(
+            executors={"default": ThreadPoolExecutor(2)},
+            job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": 60},
+        )
         sched.add_job(jobs.wrap(self._evict_job), "interval", seconds=s.evict_interval, id="evict")
         sched.add_job(jobs.wrap(self._scan_job), "interval", seconds=s.scan_interval, id="scan")
         sched.add_job(jobs.wrap(self._spool_job), "interval", seconds=SPOOL_INTERVAL, id="spool")
@@ -465,9 +491,14 @@ class Daemon:
             log.error("eviction failed: %s", e)
             return
         if result.get("evicted"):
-            log.info("evicted %d of %d planned entries, freed %d bytes, %d bytes remain (%.2f s)",
-                     result.get("evicted", 0), result.get("planned", 0), result.get("freed_bytes", 0),
-                     result.get("remaining_bytes", 0), time.monotonic() - t0)
+            log.info(
+                "evicted %d of %d planned entries, freed %d bytes, %d bytes remain (%.2f s)",
+                result.get("evicted", 0),
+                result.get("planned", 0),
+                result.get("freed_bytes", 0),
+                result.get("remaining_bytes", 0),
+                time.monotonic() - t0,
+            )
         else:
             log.debug("eviction: nothing to evict (%d bytes indexed)", result.get("remaining_bytes", 0))
         if self.metrics is not None:
@@ -482,8 +513,14 @@ class Daemon:
         except (CachemgrError, TimeoutError) as e:
             log.error("rescan failed: %s", e)
             return
-        log.info("rescan (directories whose mtime moved): %d added, %d changed, %d removed, %d unchanged (%.2f s)",
-                 r.added, r.changed, r.removed, r.unchanged, r.seconds)
+        log.info(
+            "rescan (directories whose mtime moved): %d added, %d changed, %d removed, %d unchanged (%.2f s)",
+            r.added,
+            r.changed,
+            r.removed,
+            r.unchanged,
+            r.seconds,
+        )
         if self.metrics is not None:
             self.metrics.scanned(r.seconds)
 
@@ -519,17 +556,25 @@ class Daemon:
 
         t = Entry.__table__
         with self.db.engine.connect() as conn:
-            size, files = conn.execute(select(func.coalesce(func.sum(t.c.bytes), 0), func.coalesce(
-                func.sum(t.c.files), 0)).where(t.c.cache_id == self.cache_id)).one()
+            size, files = conn.execute(
+                select(func.coalesce(func.sum(t.c.bytes), 0), func.coalesce(func.sum(t.c.files), 0)).where(
+                    t.c.cache_id == self.cache_id
+                )
+            ).one()
         over = (s.max_size is not None and size > s.max_size) or (s.max_files is not None and files > s.max_files)
         # at most every TRIGGER_GAP: entries inside the grace period may keep the total over the cap
-        if over and not self.evict_pending and self.scheduler is not None and \
-                time.monotonic() - self.last_trigger > TRIGGER_GAP:
+        if (
+            over
+            and not self.evict_pending
+            and self.scheduler is not None
+            and time.monotonic() - self.last_trigger > TRIGGER_GAP
+        ):
             self.evict_pending, self.last_trigger = True, time.monotonic()
             log.info("index total %d bytes / %d files is over the limit: evicting now", size, files)
             # debounced: a compile writes many files in a burst; evict once it settles
-            self.scheduler.modify_job("evict", next_run_time=datetime.now().astimezone()
-                                      + timedelta(seconds=max(s.debounce, 0.5)))
+            self.scheduler.modify_job(
+                "evict", next_run_time=datetime.now().astimezone() + timedelta(seconds=max(s.debounce, 0.5))
+            )
 
     # -- supervision ---------------------------------------------------------------------------------
 
@@ -549,8 +594,10 @@ class Daemon:
                 self.locks.hold(root, self.settings.db, in_root=True)  # a trash folder made anew: lock it too
                 return
             gone = problem is None or not os.path.exists(root)
-            log.error("%s; index kept, watching stopped until it is back",
-                      f"cache directory {root} was removed" if gone else problem)
+            log.error(
+                "%s; index kept, watching stopped until it is back",
+                f"cache directory {root} was removed" if gone else problem,
+            )
             self.last_problem = f"{problem}; waiting for it"  # said just now: not again next tick
             self._stop_watching()
             systemd.notify(f"STATUS={self._status()}")
@@ -585,8 +632,9 @@ class Daemon:
 
     def _status(self) -> str:
         s = self.settings
-        return (f"watching {s.cache_dir}" if self.watcher is not None
-                else f"waiting for {s.cache_dir}") + (f", metrics on {s.metrics}" if s.metrics != "off" else "")
+        return (f"watching {s.cache_dir}" if self.watcher is not None else f"waiting for {s.cache_dir}") + (
+            f", metrics on {s.metrics}" if s.metrics != "off" else ""
+        )
 
     # -- reload ----------------------------------------------------------------------------------------
 

@@ -56,9 +56,17 @@ Item = tuple
 class Watcher:
     """The inotify watches and their consumer for one cache root."""
 
-    def __init__(self, db: Database, cache_id: int, root: str, debounce: float, max_wait: float,
-                 on_batch: Callable[[object], None] = lambda r: None,
-                 on_root_lost: Callable[[], None] = lambda: None, burst: int = BURST) -> None:
+    def __init__(
+        self,
+        db: Database,
+        cache_id: int,
+        root: str,
+        debounce: float,
+        max_wait: float,
+        on_batch: Callable[[object], None] = lambda r: None,
+        on_root_lost: Callable[[], None] = lambda: None,
+        burst: int = BURST,
+    ) -> None:
         self.db, self.cache_id, self.root = db, cache_id, root
         self.debounce, self.max_wait, self.burst = debounce, max_wait, burst
         self.on_batch, self.on_root_lost = on_batch, on_root_lost
@@ -82,15 +90,24 @@ class Watcher:
         written meanwhile is missed)."""
         try:
             self.reads = ReadWatcher(self.root, lambda rel: self.q.put(("r", rel)), self._out_of_watches)
-            self.tree = TreeWatcher(self.root, lambda kind, rel: self.q.put((kind, rel)), self._on_dir,
-                                    self._overflowed, self._out_of_watches, self.on_root_lost)
+            self.tree = TreeWatcher(
+                self.root,
+                lambda kind, rel: self.q.put((kind, rel)),
+                self._on_dir,
+                self._overflowed,
+                self._out_of_watches,
+                self.on_root_lost,
+            )
             self.reads.start()
             self.tree.start()
             self._walked = True
         except OSError as e:
             self._stop_watches()
-            raise CacheDirError(watch_limit_message(self.root) if e.errno == errno.ENOSPC
-                                else f"cannot watch {self.root}: {e.strerror or e}") from e
+            raise CacheDirError(
+                watch_limit_message(self.root)
+                if e.errno == errno.ENOSPC
+                else f"cannot watch {self.root}: {e.strerror or e}"
+            ) from e
         self.consumer = threading.Thread(target=self._consume, name="cachemgr-consumer", daemon=True)
         self.consumer.start()
 
@@ -115,8 +132,14 @@ class Watcher:
                 item[3].set_exception(CacheDirError(f"watching {self.root} stopped before the rescan ran"))
 
     def alive(self) -> bool:
-        return bool(self.consumer and self.consumer.is_alive() and self.tree and self.tree.alive()
-                    and self.reads and self.reads.alive())
+        return bool(
+            self.consumer
+            and self.consumer.is_alive()
+            and self.tree
+            and self.tree.alive()
+            and self.reads
+            and self.reads.alive()
+        )
 
     def request_scan(self, subtree: str = "", full: bool = False) -> Future:
         """A rescan run on the consumer thread (after the batch in hand); the future holds its
@@ -185,8 +208,11 @@ class Watcher:
         try:
             if len(paths) + len(dirs) > self.burst:
                 tops = sorted({p.split("/", 1)[0] for p in paths | dirs})
-                log.info("burst of %d paths: rescanning %s", len(paths) + len(dirs), ", ".join(tops[:8])
-                         + (f" and {len(tops) - 8} more" if len(tops) > 8 else ""))
+                log.info(
+                    "burst of %d paths: rescanning %s",
+                    len(paths) + len(dirs),
+                    ", ".join(tops[:8]) + (f" and {len(tops) - 8} more" if len(tops) > 8 else ""),
+                )
                 for top in tops:
                     self._scan(top, None)
                 paths, dirs = set(), set()
@@ -203,8 +229,14 @@ class Watcher:
             log.exception("applying a batch failed: %s: %s", type(e).__name__, e)
             return
         if r.added or r.changed or r.removed or r.hits:
-            log.debug("batch: %d added, %d changed, %d removed, %d hits (%.3f s)", len(r.added), len(r.changed),
-                      len(r.removed), sum(r.hits.values()), r.seconds)
+            log.debug(
+                "batch: %d added, %d changed, %d removed, %d hits (%.3f s)",
+                len(r.added),
+                len(r.changed),
+                len(r.removed),
+                sum(r.hits.values()),
+                r.seconds,
+            )
         for key, reason in r.corrupt:
             log.warning("corrupt entry %s: %s", key, reason)
         self.on_batch(r)
@@ -253,8 +285,15 @@ class Watcher:
         for d in r.unreadable:
             log.warning("cannot read %s/ under %s: its entries are kept as last indexed", d, self.root)
         if why:
-            log.info("rescan %s: %d added, %d changed, %d removed, %d unchanged (%.2f s)", why, r.added,
-                     r.changed, r.removed, r.unchanged, r.seconds)
+            log.info(
+                "rescan %s: %d added, %d changed, %d removed, %d unchanged (%.2f s)",
+                why,
+                r.added,
+                r.changed,
+                r.removed,
+                r.unchanged,
+                r.seconds,
+            )
         if r.pending:
             self.request_parse()
         if future is not None:
@@ -272,8 +311,10 @@ class Watcher:
         """The kernel queue overflowed (reader thread): one rescan, queued behind the events in hand."""
         if not self._overflow_queued:
             self._overflow_queued = True
-            log.warning("inotify queue overflowed under %s: events were lost; watching new directories and "
-                        "rescanning", self.root)
+            log.warning(
+                "inotify queue overflowed under %s: events were lost; watching new directories and rescanning",
+                self.root,
+            )
             self.q.put(("overflow",))
 
     def _resync(self) -> None:
@@ -294,6 +335,7 @@ class Watcher:
 
 # -- inotify watch limits ------------------------------------------------------------------------
 
+
 def max_user_watches() -> int | None:
     try:
         with open("/proc/sys/fs/inotify/max_user_watches") as f:
@@ -303,7 +345,9 @@ def max_user_watches() -> int | None:
 
 
 def watch_limit_message(root: str) -> str:
-    return (f"out of inotify watches under {root} ({SYSCTL} = {max_user_watches()}, for all of this user's "
-            f"processes): new entries in directories without a watch are indexed only by the rescan every "
-            f"scan_interval, which also watches them once there is room; raise it with `sysctl -w {SYSCTL}=<more>` "
-            f"(and in /etc/sysctl.d/ to keep it)")
+    return (
+        f"out of inotify watches under {root} ({SYSCTL} = {max_user_watches()}, for all of this user's "
+        f"processes): new entries in directories without a watch are indexed only by the rescan every "
+        f"scan_interval, which also watches them once there is room; raise it with `sysctl -w {SYSCTL}=<more>` "
+        f"(and in /etc/sysctl.d/ to keep it)"
+    )

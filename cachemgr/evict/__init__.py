@@ -1,8 +1,8 @@
 """Eviction: hold a cache under its limits (policy.py decides, execute.py deletes).
 
-    from cachemgr.evict import Limits, evict
-    result = evict(db, cache_id, root, Limits.from_settings(settings), policy="lru")
-    result.as_dict()   # the `cachemgr evict --json` document
+from cachemgr.evict import Limits, evict
+result = evict(db, cache_id, root, Limits.from_settings(settings), policy="lru")
+result.as_dict()   # the `cachemgr evict --json` document
 """
 
 from __future__ import annotations
@@ -36,12 +36,18 @@ class EvictResult:
 
     def as_dict(self) -> dict:
         return {
-            "policy": self.policy, "dry_run": self.dry_run, "planned": self.planned,
-            "expected_freed_bytes": self.expected_freed_bytes, "evicted": self.evicted,
-            "freed_bytes": self.freed_bytes, "freed_files": self.freed_files,
-            "remaining_bytes": self.remaining_bytes, "recreatable_freed_bytes": self.recreatable_freed_bytes,
+            "policy": self.policy,
+            "dry_run": self.dry_run,
+            "planned": self.planned,
+            "expected_freed_bytes": self.expected_freed_bytes,
+            "evicted": self.evicted,
+            "freed_bytes": self.freed_bytes,
+            "freed_files": self.freed_files,
+            "remaining_bytes": self.remaining_bytes,
+            "recreatable_freed_bytes": self.recreatable_freed_bytes,
             "entries": [{"key": k, "kind": kind, "bytes": b, "reason": why} for k, kind, b, why in self.entries],
-            "skipped": [{"key": k, "reason": r} for k, r in self.skipped], "in_place": self.in_place,
+            "skipped": [{"key": k, "reason": r} for k, r in self.skipped],
+            "in_place": self.in_place,
         }
 
 
@@ -60,12 +66,29 @@ def load_rows(db: Database, cache_id: int, root: safefs.Root | str) -> list[Row]
         pins = pin_keys(conn, cache_id)
         refs: dict[int, list[tuple[str, str]]] = {}
         kinds: dict[str, str] = {}
-        for eid, kind, ref in conn.execute(sql_select(r.c.entry_id, r.c.kind, r.c.ref).join(e, e.c.id == r.c.entry_id)
-                                           .where(e.c.cache_id == cache_id)):
+        for eid, kind, ref in conn.execute(
+            sql_select(r.c.entry_id, r.c.kind, r.c.ref).join(e, e.c.id == r.c.entry_id).where(e.c.cache_id == cache_id)
+        ):
             refs.setdefault(eid, []).append((kinds.setdefault(kind, kind), ref))
-        cols = (e.c.id, e.c.key, e.c.kind, e.c.ref, e.c.alias, e.c.bytes, e.c.files, e.c.mtime, e.c.last_access,
-                e.c.compile_seconds, e.c.graph_key, e.c.torch_version, e.c.system_hash, e.c.corrupt, e.c.hit_count,
-                e.c.torch_version_hash, e.c.parse_state)
+        cols = (
+            e.c.id,
+            e.c.key,
+            e.c.kind,
+            e.c.ref,
+            e.c.alias,
+            e.c.bytes,
+            e.c.files,
+            e.c.mtime,
+            e.c.last_access,
+            e.c.compile_seconds,
+            e.c.graph_key,
+            e.c.torch_version,
+            e.c.system_hash,
+            e.c.corrupt,
+            e.c.hit_count,
+            e.c.torch_version_hash,
+            e.c.parse_state,
+        )
         rows = conn.execute(sql_select(*cols).where(e.c.cache_id == cache_id)).fetchall()
     referenced = {ref for rs in refs.values() for kind, ref in rs if kind == "triton"}
     # Values most rows share (kind, torch version, system and version hashes) are kept once: the
@@ -77,10 +100,30 @@ def load_rows(db: Database, cache_id: int, root: safefs.Root | str) -> list[Row]
         launcher = m.kind == "triton" and m.ref not in referenced and _holds_binary(root, m.key)
         pinned = bool(pins) and pinned_by({"key": m.key, "graph_key": m.graph_key, "ref": m.ref}, pins) is not None
         tv, sh, tvh = m.torch_version, m.system_hash, m.torch_version_hash
-        out.append(Row(m.id, m.key, one(m.kind, m.kind), m.ref, m.alias, m.bytes, m.files, m.mtime, m.last_access,
-                       m.compile_seconds, m.graph_key, tv and one(tv, tv), sh and one(sh, sh), m.corrupt,
-                       pinned, m.hit_count or 0, launcher, tuple(refs.pop(m.id, ())),
-                       tvh and one(tvh, tvh), m.parse_state == PARSED))
+        out.append(
+            Row(
+                m.id,
+                m.key,
+                one(m.kind, m.kind),
+                m.ref,
+                m.alias,
+                m.bytes,
+                m.files,
+                m.mtime,
+                m.last_access,
+                m.compile_seconds,
+                m.graph_key,
+                tv and one(tv, tv),
+                sh and one(sh, sh),
+                m.corrupt,
+                pinned,
+                m.hit_count or 0,
+                launcher,
+                tuple(refs.pop(m.id, ())),
+                tvh and one(tvh, tvh),
+                m.parse_state == PARSED,
+            )
+        )
     return out
 
 
@@ -99,14 +142,16 @@ def disk_state(root: safefs.Root) -> DiskState | None:
     return DiskState(st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
 
 
-def make_plan(db: Database, cache_id: int, root: safefs.Root | str, limits: Limits, policy: str = "lru",
-              now: float | None = None) -> tuple[Plan, list[Row]]:
+def make_plan(
+    db: Database, cache_id: int, root: safefs.Root | str, limits: Limits, policy: str = "lru", now: float | None = None
+) -> tuple[Plan, list[Row]]:
     if isinstance(root, str):
         with safefs.Root(root) as opened:
             return make_plan(db, cache_id, opened, limits, policy, now)
     rows = load_rows(db, cache_id, root)
-    return plan(rows, limits, policy, time.time() if now is None else now, disk_state(root),
-                load_clock(db, cache_id)), rows
+    return plan(
+        rows, limits, policy, time.time() if now is None else now, disk_state(root), load_clock(db, cache_id)
+    ), rows
 
 
 def load_clock(db: Database, cache_id: int) -> Clock:
@@ -129,13 +174,24 @@ def keep_clock(db: Database, cache_id: int, clock: Clock) -> None:
     from cachemgr.index.models import Cache
 
     with db.engine.begin() as conn:
-        conn.execute(update(Cache).where(Cache.id == cache_id).values(
-            gds_clock=clock.value, gds_history=[list(p) for p in clock.history]))
+        conn.execute(
+            update(Cache)
+            .where(Cache.id == cache_id)
+            .values(gds_clock=clock.value, gds_history=[list(p) for p in clock.history])
+        )
 
 
-def carry_out(db: Database, cache_id: int, root: safefs.Root | str, p: Plan, rows: Sequence[Row], grace: float,
-              dry_run: bool = False, now: float | None = None,
-              hook: Callable[[str], None] | None = None) -> EvictResult:
+def carry_out(
+    db: Database,
+    cache_id: int,
+    root: safefs.Root | str,
+    p: Plan,
+    rows: Sequence[Row],
+    grace: float,
+    dry_run: bool = False,
+    now: float | None = None,
+    hook: Callable[[str], None] | None = None,
+) -> EvictResult:
     """Carry out plan `p` (made from `rows`) under a root opened by `exclusive` (a path: opened
     and locked here)."""
     from cachemgr.evict.execute import Executor, exclusive, remaining_bytes
@@ -153,16 +209,30 @@ def carry_out(db: Database, cache_id: int, root: safefs.Root | str, p: Plan, row
     if dry_run:
         remaining -= out.freed_bytes
     return EvictResult(
-        policy=p.policy, dry_run=dry_run, planned=len(p.entries), expected_freed_bytes=p.expected_freed_bytes,
-        evicted=len(out.removed), freed_bytes=out.freed_bytes, freed_files=out.freed_files,
-        remaining_bytes=remaining, recreatable_freed_bytes=sum(r.bytes for r in out.removed if r.recreatable),
-        entries=tuple((r.key, r.kind, r.bytes, r.reason) for r in out.removed), skipped=tuple(sorted(skipped.items())),
+        policy=p.policy,
+        dry_run=dry_run,
+        planned=len(p.entries),
+        expected_freed_bytes=p.expected_freed_bytes,
+        evicted=len(out.removed),
+        freed_bytes=out.freed_bytes,
+        freed_files=out.freed_files,
+        remaining_bytes=remaining,
+        recreatable_freed_bytes=sum(r.bytes for r in out.removed if r.recreatable),
+        entries=tuple((r.key, r.kind, r.bytes, r.reason) for r in out.removed),
+        skipped=tuple(sorted(skipped.items())),
         in_place=out.in_place,
     )
 
 
-def evict(db: Database, cache_id: int, root: str, limits: Limits, policy: str = "lru", dry_run: bool = False,
-          now: float | None = None) -> EvictResult:
+def evict(
+    db: Database,
+    cache_id: int,
+    root: str,
+    limits: Limits,
+    policy: str = "lru",
+    dry_run: bool = False,
+    now: float | None = None,
+) -> EvictResult:
     """Plan and carry out eviction down to `limits`; records an 'evict' event per entry."""
     from cachemgr.evict.execute import exclusive
 
@@ -172,6 +242,7 @@ def evict(db: Database, cache_id: int, root: str, limits: Limits, policy: str = 
         return carry_out(db, cache_id, r, p, rows, limits.grace, dry_run, now)
 
 
-def purge_plan(rows: Sequence[Row], chosen: Sequence[int], now: float, grace: float,
-               include_pinned: bool = False) -> Plan:
+def purge_plan(
+    rows: Sequence[Row], chosen: Sequence[int], now: float, grace: float, include_pinned: bool = False
+) -> Plan:
     return select(rows, chosen, now, grace, include_pinned)

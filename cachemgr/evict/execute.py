@@ -150,8 +150,15 @@ class _Taken:
 
 
 class Executor:
-    def __init__(self, db: Database, cache_id: int, root: safefs.Root, grace: float, now: float | None = None,
-                 hook: Hook | None = None) -> None:
+    def __init__(
+        self,
+        db: Database,
+        cache_id: int,
+        root: safefs.Root,
+        grace: float,
+        now: float | None = None,
+        hook: Hook | None = None,
+    ) -> None:
         self.db, self.cache_id, self.root, self.grace, self.hook = db, cache_id, root, grace, hook
         self.now = time.time() if now is None else now
         self.folders: dict[str, dict[str, list[str]]] = {}  # <2ch> folder -> stem -> names (listed once a run)
@@ -265,7 +272,7 @@ class Executor:
         try:
             units = list(plan.units)
             for start in range(0, len(units), BATCH):
-                taken = self._batch(units[start:start + BATCH], rows_by_id, skipped, dry_run)
+                taken = self._batch(units[start : start + BATCH], rows_by_id, skipped, dry_run)
                 for t in taken:
                     for e, f in zip(t.unit.entries, t.files, strict=True):
                         if not f.paths:
@@ -343,8 +350,11 @@ class Executor:
                 except FileNotFoundError:
                     continue  # gone meanwhile
                 except OSError as e:
-                    why = Held.CHANGED if isinstance(e, safefs.Refused) else (
-                        Held.UNSAFE if e.errno in (errno.ELOOP, errno.ENOTDIR) else Held.FAILED)
+                    why = (
+                        Held.CHANGED
+                        if isinstance(e, safefs.Refused)
+                        else (Held.UNSAFE if e.errno in (errno.ELOOP, errno.ENOTDIR) else Held.FAILED)
+                    )
                     if t.deleted:  # part of it is gone already: the rest goes in the commit's repair
                         return None
                     self._restore(t)
@@ -352,10 +362,22 @@ class Executor:
         return None
 
     def _commit(self, taken: list[_Taken]) -> None:
-        events = [{"cache_id": self.cache_id, "ts": self.now, "kind": Ev.EVICT, "entry_kind": e.kind,
-                   "entry_key": e.key, "graph_key": e.graph_key, "recompile": False,
-                   "bytes": f.bytes, "seconds": e.compile_seconds}
-                  for t in taken for e, f in zip(t.unit.entries, t.files, strict=True) if f.paths]
+        events = [
+            {
+                "cache_id": self.cache_id,
+                "ts": self.now,
+                "kind": Ev.EVICT,
+                "entry_kind": e.kind,
+                "entry_key": e.key,
+                "graph_key": e.graph_key,
+                "recompile": False,
+                "bytes": f.bytes,
+                "seconds": e.compile_seconds,
+            }
+            for t in taken
+            for e, f in zip(t.unit.entries, t.files, strict=True)
+            if f.paths
+        ]
         try:
             self._write(taken, events)
         except OperationalError:
@@ -419,9 +441,10 @@ class Executor:
         out: dict[int, float] = {}
         with self.db.engine.connect() as conn:
             for i in range(0, len(ids), 500):
-                chunk = ids[i:i + 500]
-                out.update(conn.execute(select(ENTRIES.c.id, ENTRIES.c.last_access).where(
-                    ENTRIES.c.id.in_(chunk))).all())
+                chunk = ids[i : i + 500]
+                out.update(
+                    conn.execute(select(ENTRIES.c.id, ENTRIES.c.last_access).where(ENTRIES.c.id.in_(chunk))).all()
+                )
         return out
 
     # -- trash ----------------------------------------------------------------------------------
@@ -453,8 +476,16 @@ class Executor:
         recorded that no index row lives in. This run's own leave to the next."""
         homes = {r.key.rpartition("/")[0] for r in rows_by_id.values() if r.kind in (Kind.FXGRAPH, Kind.AOTAUTOGRAD)}
         with self.db.engine.connect() as conn:
-            dirs = conn.execute(select(DIRS.c.path).where(DIRS.c.cache_id == self.cache_id, (
-                DIRS.c.path.startswith("fxgraph/") | DIRS.c.path.startswith("aotautograd/")))).scalars().all()
+            dirs = (
+                conn.execute(
+                    select(DIRS.c.path).where(
+                        DIRS.c.cache_id == self.cache_id,
+                        (DIRS.c.path.startswith("fxgraph/") | DIRS.c.path.startswith("aotautograd/")),
+                    )
+                )
+                .scalars()
+                .all()
+            )
         cutoff = self.now - self.grace
         for d in dirs:
             if d in homes or d.count("/") != (2 if d.startswith("fxgraph/") else 1):
@@ -480,5 +511,8 @@ def _remove_quietly(dir_fd: int | None, name: str) -> None:
 
 def remaining_bytes(db: Database, cache_id: int) -> int:
     with db.engine.connect() as conn:
-        return int(conn.execute(select(func.coalesce(func.sum(ENTRIES.c.bytes), 0)).where(
-            ENTRIES.c.cache_id == cache_id)).scalar())
+        return int(
+            conn.execute(
+                select(func.coalesce(func.sum(ENTRIES.c.bytes), 0)).where(ENTRIES.c.cache_id == cache_id)
+            ).scalar()
+        )

@@ -49,8 +49,14 @@ class Limits:
 
     @classmethod
     def from_settings(cls, settings) -> Limits:  # noqa: ANN001 - cachemgr.config.Settings
-        return cls(settings.max_size, settings.max_age, settings.max_files, settings.min_free,
-                   settings.low_water, settings.grace)
+        return cls(
+            settings.max_size,
+            settings.max_age,
+            settings.max_files,
+            settings.min_free,
+            settings.low_water,
+            settings.grace,
+        )
 
     @property
     def any(self) -> bool:
@@ -230,8 +236,12 @@ class Graph:
                         inside.add(c)
                         changed = True
                 for p in self.parents[m]:
-                    if (p not in inside and self.rows[p].kind == "aotautograd" and not self.parents[p]
-                            and self.children[p] <= inside):
+                    if (
+                        p not in inside
+                        and self.rows[p].kind == "aotautograd"
+                        and not self.parents[p]
+                        and self.children[p] <= inside
+                    ):
                         members.append(p)
                         inside.add(p)
                         changed = True
@@ -314,12 +324,24 @@ class _Builder:
             r = rows[i]
             self.taken.add(i)
             self.skipped.pop(r.key, None)
-            entries.append(Planned(r.id, r.key, r.kind, r.bytes, r.files, reason or c.reason,
-                                   self.g.is_recreatable(i), r.graph_key, r.compile_seconds))
+            entries.append(
+                Planned(
+                    r.id,
+                    r.key,
+                    r.kind,
+                    r.bytes,
+                    r.files,
+                    reason or c.reason,
+                    self.g.is_recreatable(i),
+                    r.graph_key,
+                    r.compile_seconds,
+                )
+            )
             self.freed_bytes += r.bytes
             self.freed_files += r.files
-        self.units.append(Unit(tuple(entries), reason or c.reason, c.last_access,
-                               tuple(w for w in c.watch if w not in self.taken)))
+        self.units.append(
+            Unit(tuple(entries), reason or c.reason, c.last_access, tuple(w for w in c.watch if w not in self.taken))
+        )
         return True
 
     def sweep_dependents(self) -> None:
@@ -384,8 +406,14 @@ def priority(c: _Candidate, rows: Sequence[Row], g: Graph, clock: Clock) -> floa
     return clock.at(c.last_access) + (1 + c.hits) * c.cost / size
 
 
-def plan(rows: Sequence[Row], limits: Limits, policy: str = "lru", now: float = 0.0,
-         disk: DiskState | None = None, clock: Clock | None = None) -> Plan:
+def plan(
+    rows: Sequence[Row],
+    limits: Limits,
+    policy: str = "lru",
+    now: float = 0.0,
+    disk: DiskState | None = None,
+    clock: Clock | None = None,
+) -> Plan:
     """Which entries to evict, in order, to meet `limits` (`clock`: the cost policy's, kept
     across runs; a copy moves with the plan)."""
     if policy not in POLICIES:
@@ -416,6 +444,7 @@ def plan(rows: Sequence[Row], limits: Limits, policy: str = "lru", now: float = 
 
     if not satisfied():
         ordered = sorted(orphans, key=lambda c: c.last_access) + sorted(cheap, key=lambda c: c.last_access)
+
         def frees_something(c: _Candidate) -> bool:  # a lock file frees no bytes, only an inode
             return b.freed_files < over_files or any(rows[m].bytes for m in c.members if m not in b.taken)
 
@@ -441,17 +470,19 @@ def plan(rows: Sequence[Row], limits: Limits, policy: str = "lru", now: float = 
 
     units = tuple(b.units)
     return Plan(
-        policy=policy, units=units,
+        policy=policy,
+        units=units,
         expected_freed_bytes=sum(u.bytes for u in units),
         expected_freed_files=sum(e.files for u in units for e in u.entries),
         recreatable_bytes=sum(e.bytes for u in units for e in u.entries if e.recreatable and u.reason == "recreatable"),
-        total_bytes=total_bytes, total_files=total_files,
-        skipped=tuple(sorted(b.skipped.items())), clock=clock,
+        total_bytes=total_bytes,
+        total_files=total_files,
+        skipped=tuple(sorted(b.skipped.items())),
+        clock=clock,
     )
 
 
-def select(rows: Sequence[Row], chosen: Iterable[int], now: float, grace: float,
-           include_pinned: bool = False) -> Plan:
+def select(rows: Sequence[Row], chosen: Iterable[int], now: float, grace: float, include_pinned: bool = False) -> Plan:
     """A purge plan: the chosen entries (row indexes) and what goes with them."""
     g = Graph.build(rows)
     b = _Builder(g, now, grace, set() if include_pinned else pinned_ids(g))
@@ -461,9 +492,12 @@ def select(rows: Sequence[Row], chosen: Iterable[int], now: float, grace: float,
     b.sweep_dependents()
     units = tuple(b.units)
     return Plan(
-        policy="purge", units=units,
+        policy="purge",
+        units=units,
         expected_freed_bytes=sum(u.bytes for u in units),
         expected_freed_files=sum(e.files for u in units for e in u.entries),
-        recreatable_bytes=0, total_bytes=sum(r.bytes for r in rows), total_files=sum(r.files for r in rows),
+        recreatable_bytes=0,
+        total_bytes=sum(r.bytes for r in rows),
+        total_files=sum(r.files for r in rows),
         skipped=tuple(sorted(b.skipped.items())),
     )

@@ -64,6 +64,7 @@ MAX_META = 64 * 1024  # bytes of one META_KEY field
 
 # -- keys and values ------------------------------------------------------------------------
 
+
 def redis_key(cache_id: str, key: str) -> str:
     return f"pt2:{cache_id}::{key}:c{KEY_VERSION}"
 
@@ -78,7 +79,9 @@ def parse_key(rkey: str) -> tuple[str, str, str] | None:
 
 def encode_value(content: bytes, time_taken_ms: int) -> bytes:
     """What FxGraphCache._save_graph / AOTAutogradCache.save put: RemoteCacheJsonSerde of this dict."""
-    return json.dumps({"data": base64.b64encode(content).decode("ascii"), "time_taken_ms": int(time_taken_ms)}).encode("ascii")
+    return json.dumps({"data": base64.b64encode(content).decode("ascii"), "time_taken_ms": int(time_taken_ms)}).encode(
+        "ascii"
+    )
 
 
 def decode_value(raw: bytes) -> bytes:
@@ -131,6 +134,7 @@ def check_key(raw: bytes) -> tuple[str | None, str | None]:
 
 # -- connecting -----------------------------------------------------------------------------
 
+
 def configured_url(url: str | None, environ: Mapping[str, str] = os.environ, what: str = "remote") -> str:
     """The Redis Inductor would use: the given URL (--redis, or redis_url from the config,
     CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL), else TORCHINDUCTOR_REDIS_HOST/_PORT when
@@ -142,8 +146,10 @@ def configured_url(url: str | None, environ: Mapping[str, str] = os.environ, wha
     host, port = environ.get("TORCHINDUCTOR_REDIS_HOST"), environ.get("TORCHINDUCTOR_REDIS_PORT")
     if host or port:
         return f"redis://{host or 'localhost'}:{port or '6379'}/0"
-    raise UsageError(f"{what}: no Redis is configured: give --redis URL, or set redis_url in the config, "
-                     "CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL")
+    raise UsageError(
+        f"{what}: no Redis is configured: give --redis URL, or set redis_url in the config, "
+        "CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL"
+    )
 
 
 def redact_url(url: str) -> str:
@@ -174,8 +180,9 @@ class Remote:
         self.url = url
         self.shown = redact_url(url)
         try:
-            self.r = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout, socket_timeout=timeout,
-                                          retry_on_timeout=False)
+            self.r = redis.Redis.from_url(
+                url, socket_connect_timeout=connect_timeout, socket_timeout=timeout, retry_on_timeout=False
+            )
         except ValueError as e:
             raise RemoteError(f"bad Redis URL {self.shown}: {e}") from e
 
@@ -225,6 +232,7 @@ class Remote:
         keys = self.torch_keys(skipped) if keys is None else keys
         out: list[RemoteKey] = []
         for chunk in _chunks(keys):
+
             def read(chunk=chunk):
                 p = self.r.pipeline(transaction=False)
                 for k in chunk:
@@ -232,6 +240,7 @@ class Remote:
                     p.memory_usage(k, samples=0)
                     p.object("idletime", k)
                 return p.execute(raise_on_error=False)
+
             res = self.call(read)
             for i, k in enumerate(chunk):
                 typ, size, idle = res[3 * i], res[3 * i + 1], res[3 * i + 2]
@@ -286,10 +295,14 @@ class Remote:
         dbsize = self.call(self.r.dbsize)
         cachemgr_keys = len(self.call(lambda: list(self.r.scan_iter(match="cachemgr:*", count=1000))))
         return RemoteStats(
-            url=self.shown, entries=len(keys), bytes=sum(k.bytes for k in keys), by_kind=by_kind,
+            url=self.shown,
+            entries=len(keys),
+            bytes=sum(k.bytes for k in keys),
+            by_kind=by_kind,
             pushed_by_cachemgr=sum(1 for k in keys if meta.get(k.rkey, {}).get("host")),
             max_idle_seconds=max((k.idle for k in keys), default=None),
-            other_keys=max(0, dbsize - len(keys) - not_torchs - cachemgr_keys), skipped=skipped,
+            other_keys=max(0, dbsize - len(keys) - not_torchs - cachemgr_keys),
+            skipped=skipped,
         )
 
     # -- writing -----------------------------------------------------------------------------
@@ -311,8 +324,12 @@ class Remote:
             payload = []
             for it in chunk:
                 if taken.get(it.rkey, "none") not in ("none", "string") and not force:
-                    skipped.append(Skipped(it.rkey, f"a Redis {taken[it.rkey]} is stored under this key; "
-                                                    "left as it is (--force overwrites it)"))
+                    skipped.append(
+                        Skipped(
+                            it.rkey,
+                            f"a Redis {taken[it.rkey]} is stored under this key; left as it is (--force overwrites it)",
+                        )
+                    )
                     continue
                 problem = _local_problem(os.path.join(r.path, it.path))
                 if problem == "missing":
@@ -336,14 +353,23 @@ class Remote:
                 for it, value in payload:
                     p.set(it.rkey, value, nx=not force)
                 return p.execute()
+
             done = self.call(lambda: write()) if payload else []
             meta = {}
             for (it, value), ok in zip(payload, done):
                 if ok:
                     pushed.append(it.rkey)
                     nbytes += len(value)
-                    meta[it.rkey] = json.dumps({"host": host, "ts": now, "bytes": len(value), "torch": it.torch_version,
-                                                "source": it.path, "refs": it.refs})
+                    meta[it.rkey] = json.dumps(
+                        {
+                            "host": host,
+                            "ts": now,
+                            "bytes": len(value),
+                            "torch": it.torch_version,
+                            "source": it.path,
+                            "refs": it.refs,
+                        }
+                    )
                 else:
                     present.append(it.rkey)
             if meta:
@@ -383,8 +409,9 @@ class Remote:
                 continue
             if m is not None and "refs" in m:
                 refs = m["refs"]
-                if isinstance(refs, list) and all(isinstance(r, str) and r.isprintable() and len(r) <= MAX_KEY
-                                                  for r in refs):
+                if isinstance(refs, list) and all(
+                    isinstance(r, str) and r.isprintable() and len(r) <= MAX_KEY for r in refs
+                ):
                     out[k.rkey] = list(refs)
                     continue
                 skipped.append(Skipped(k.rkey, f"{META_KEY}: 'refs' is not a list of keys; read again"))
@@ -419,8 +446,9 @@ class Remote:
         script = self.r.register_script(_EVICT_LUA)
         deleted: list[str] = []
         for chunk in _chunks(list(plan.victims)):
-            done = self.call(lambda chunk=chunk: script(keys=[META_KEY, *(v.rkey for v in chunk)],
-                                                        args=[v.idle for v in chunk]))
+            done = self.call(
+                lambda chunk=chunk: script(keys=[META_KEY, *(v.rkey for v in chunk)], args=[v.idle for v in chunk])
+            )
             deleted.extend(d.decode() if isinstance(d, bytes) else d for d in done)
         gone = set(deleted)
         freed = sum(v.bytes for v in plan.victims if v.rkey in gone)
@@ -432,8 +460,10 @@ def _types(r, rkeys: list[str]) -> dict[str, str]:
     p = r.pipeline(transaction=False)
     for k in rkeys:
         p.type(k)
-    return {k: (t.decode(errors="replace") if isinstance(t, bytes) else str(t))
-            for k, t in zip(rkeys, p.execute(raise_on_error=False))}
+    return {
+        k: (t.decode(errors="replace") if isinstance(t, bytes) else str(t))
+        for k, t in zip(rkeys, p.execute(raise_on_error=False))
+    }
 
 
 def _get_string(r, rkey: str) -> bytes | None:
@@ -482,6 +512,7 @@ return out
 
 # -- results --------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Skipped:
     key: str  # as shown: escaped where it is not printable text
@@ -513,9 +544,16 @@ class RemoteStats:
     skipped: list[Skipped] = field(default_factory=list)  # under pt2: (or META_KEY) but not what it should be
 
     def as_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "entries": self.entries, "bytes": self.bytes, "by_kind": self.by_kind,
-                "pushed_by_cachemgr": self.pushed_by_cachemgr, "max_idle_seconds": self.max_idle_seconds,
-                "other_keys": self.other_keys, "skipped": [x.as_dict() for x in self.skipped]}
+        return {
+            "url": self.url,
+            "entries": self.entries,
+            "bytes": self.bytes,
+            "by_kind": self.by_kind,
+            "pushed_by_cachemgr": self.pushed_by_cachemgr,
+            "max_idle_seconds": self.max_idle_seconds,
+            "other_keys": self.other_keys,
+            "skipped": [x.as_dict() for x in self.skipped],
+        }
 
 
 @dataclass(frozen=True)
@@ -539,9 +577,15 @@ class PushResult:
     skipped: list[Skipped] = field(default_factory=list)  # not pushed, and why
 
     def as_dict(self) -> dict[str, Any]:
-        return {"pushed": len(self.pushed), "present": len(self.present), "missing": self.missing,
-                "bytes": self.bytes, "skipped_guard_sets": self.skipped_guard_sets, "keys": self.pushed,
-                "skipped": [x.as_dict() for x in self.skipped]}
+        return {
+            "pushed": len(self.pushed),
+            "present": len(self.present),
+            "missing": self.missing,
+            "bytes": self.bytes,
+            "skipped_guard_sets": self.skipped_guard_sets,
+            "keys": self.pushed,
+            "skipped": [x.as_dict() for x in self.skipped],
+        }
 
 
 @dataclass(frozen=True)
@@ -561,8 +605,12 @@ class EvictPlan:
     kept_young: int  # keys the size cap wanted but the grace period protects
 
     def as_dict(self) -> dict[str, Any]:
-        return {"total_bytes": self.total_bytes, "expected_freed_bytes": self.expected_freed_bytes,
-                "victims": [v.__dict__ for v in self.victims], "kept_young": self.kept_young}
+        return {
+            "total_bytes": self.total_bytes,
+            "expected_freed_bytes": self.expected_freed_bytes,
+            "victims": [v.__dict__ for v in self.victims],
+            "kept_young": self.kept_young,
+        }
 
 
 @dataclass(frozen=True)
@@ -577,8 +625,15 @@ class EvictResult:
 
 # -- planning (pure) ------------------------------------------------------------------------
 
-def plan_eviction(keys: list[RemoteKey], aot_refs: Mapping[str, list[str]], max_size: int | None,
-                  max_age: float | None, low_water: float = 0.9, grace: float = 60.0) -> EvictPlan:
+
+def plan_eviction(
+    keys: list[RemoteKey],
+    aot_refs: Mapping[str, list[str]],
+    max_size: int | None,
+    max_age: float | None,
+    low_water: float = 0.9,
+    grace: float = 60.0,
+) -> EvictPlan:
     """Which keys to delete: older than max_age, then least recently used down to
     low_water * max_size; an AOT entry whose fxgraph is evicted goes with it (it could only miss)."""
     total = sum(k.bytes for k in keys)
@@ -624,6 +679,7 @@ def plan_eviction(keys: list[RemoteKey], aot_refs: Mapping[str, list[str]], max_
 
 # -- what to push (reads the local index) ---------------------------------------------------
 
+
 def push_items(store: Store, model: str | None = None, graph: str | None = None) -> tuple[list[PushItem], int]:
     """The local fxgraph and AOT entries to publish, and how many extra guard sets were left out.
 
@@ -644,8 +700,10 @@ def push_items(store: Store, model: str | None = None, graph: str | None = None)
             seeds = {row[3] for row in rows if row[2] == "fxgraph" and row[3] in graphs}
             what = f"model {model!r}"
         if not seeds:
-            raise NotFound(f"no fxgraph or aotautograd entry for {what} in the index (run: cachemgr scan; "
-                           "list graphs with: cachemgr ls --kind fxgraph)")
+            raise NotFound(
+                f"no fxgraph or aotautograd entry for {what} in the index (run: cachemgr scan; "
+                "list graphs with: cachemgr ls --kind fxgraph)"
+            )
         wanted = _closure(seeds, rows, edges)
 
     best: dict[str, Any] = {}
@@ -661,8 +719,9 @@ def push_items(store: Store, model: str | None = None, graph: str | None = None)
     items = []
     for eid, key, kind, ref, _, seconds, version in sorted(best.values(), key=lambda x: (x[2] != "fxgraph", x[1])):
         cache = FX_CACHE_ID if kind == "fxgraph" else AOT_CACHE_ID
-        items.append(PushItem(redis_key(cache, ref), kind, ref, key, int((seconds or 0) * 1000), version,
-                              edges.get(eid, [])))
+        items.append(
+            PushItem(redis_key(cache, ref), kind, ref, key, int((seconds or 0) * 1000), version, edges.get(eid, []))
+        )
     return items, extra
 
 

@@ -23,8 +23,13 @@ class FleetReport:
     stale_bytes: int  # held by versions no host runs any more (and not kept by --keep-torch)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"hosts": self.hosts, "shared_graphs": self.shared_graphs, "torch_versions": self.versions,
-                "versions_in_use": self.in_use, "stale_bytes": self.stale_bytes}
+        return {
+            "hosts": self.hosts,
+            "shared_graphs": self.shared_graphs,
+            "torch_versions": self.versions,
+            "versions_in_use": self.in_use,
+            "stale_bytes": self.stale_bytes,
+        }
 
 
 def _store(source: Any) -> Store:
@@ -32,15 +37,28 @@ def _store(source: Any) -> Store:
     return source if isinstance(source, Store) else Store.over(source)
 
 
-def fleet_report(source: Store | Any, min_hosts: int = 2, limit: int = 20, window: float = 86400.0,
-                 keep_torch: list[str] | tuple[str, ...] = ()) -> FleetReport:
+def fleet_report(
+    source: Store | Any,
+    min_hosts: int = 2,
+    limit: int = 20,
+    window: float = 86400.0,
+    keep_torch: list[str] | tuple[str, ...] = (),
+) -> FleetReport:
     store = _store(source)
     hits = store.fleet_hits(time.time() - window)
     hosts: list[dict[str, Any]] = [
-        {"host": host, "caches": caches, "entries": entries, "bytes": size, "hit_count": hit_count,
-         "hits_in_window": hits.get(host, 0), "torch_version": store.host_torch_version(host),
-         "last_scan": iso_time(last_scan)}
-        for host, caches, entries, size, hit_count, last_scan in store.fleet_hosts()]
+        {
+            "host": host,
+            "caches": caches,
+            "entries": entries,
+            "bytes": size,
+            "hit_count": hit_count,
+            "hits_in_window": hits.get(host, 0),
+            "torch_version": store.host_torch_version(host),
+            "last_scan": iso_time(last_scan),
+        }
+        for host, caches, entries, size, hit_count, last_scan in store.fleet_hosts()
+    ]
     in_use: list[str] = sorted({str(h["torch_version"]) for h in hosts if h["torch_version"]} | set(keep_torch))
 
     dependents: dict[int, tuple[int, set[str]]] = {}  # entry id -> (bytes, versions it belongs to)
@@ -59,9 +77,17 @@ def fleet_report(source: Store | Any, min_hosts: int = 2, limit: int = 20, windo
         used = version in in_use
         if not used:
             stale += size
-        versions.append({"torch_version": version, "in_use": used, "hosts": nh, "fxgraph_entries": n,
-                         "fxgraph_bytes": size, "dependent_bytes": dep_bytes.get(version, 0),
-                         "bytes": size + dep_bytes.get(version, 0)})
+        versions.append(
+            {
+                "torch_version": version,
+                "in_use": used,
+                "hosts": nh,
+                "fxgraph_entries": n,
+                "fxgraph_bytes": size,
+                "dependent_bytes": dep_bytes.get(version, 0),
+                "bytes": size + dep_bytes.get(version, 0),
+            }
+        )
     return FleetReport(hosts, store.shared_graphs(min_hosts, limit), versions, in_use, stale)
 
 
@@ -86,10 +112,22 @@ def fleet_stats(source: Store | Any, window: float) -> dict[str, Any]:
             by_kind[kind] = by_kind.get(kind, Usage()) + u
         corrupt += t.corrupt
         pinned += t.pinned
-    summed = Activity(window, *(sum(getattr(a, f) for a in acts) for f in
-                                ("hits", "compiles", "recompiles", "loaded", "compile_seconds", "evictions")))
+    summed = Activity(
+        window,
+        *(
+            sum(getattr(a, f) for a in acts)
+            for f in ("hits", "compiles", "recompiles", "loaded", "compile_seconds", "evictions")
+        ),
+    )
     dated = [d for d in caches if d["oldest"]]
-    return {"hosts": sorted({d["host"] for d in caches}), "caches": caches, **asdict(total), "corrupt": corrupt,
-            "pinned": pinned, "oldest": min((d["oldest"] for d in dated), default=None),
-            "newest": max((d["newest"] for d in dated), default=None),
-            "by_kind": {k: asdict(u) for k, u in by_kind.items()}, "activity": summed.as_dict()}
+    return {
+        "hosts": sorted({d["host"] for d in caches}),
+        "caches": caches,
+        **asdict(total),
+        "corrupt": corrupt,
+        "pinned": pinned,
+        "oldest": min((d["oldest"] for d in dated), default=None),
+        "newest": max((d["newest"] for d in dated), default=None),
+        "by_kind": {k: asdict(u) for k, u in by_kind.items()},
+        "activity": summed.as_dict(),
+    }

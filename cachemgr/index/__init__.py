@@ -28,8 +28,20 @@ _WHERE = {
 }
 
 __all__ = [
-    "AmbiguousKey", "CacheRow", "CompileEvent", "Database", "Entry", "Filters", "GraphEntry", "Match", "ModelUsage",
-    "Pin", "Store", "Totals", "Usage", "reconcile",
+    "AmbiguousKey",
+    "CacheRow",
+    "CompileEvent",
+    "Database",
+    "Entry",
+    "Filters",
+    "GraphEntry",
+    "Match",
+    "ModelUsage",
+    "Pin",
+    "Store",
+    "Totals",
+    "Usage",
+    "reconcile",
 ]
 
 if TYPE_CHECKING:

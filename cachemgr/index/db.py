@@ -111,8 +111,10 @@ class Database:
         except SQLAlchemyError as e:
             raise DatabaseError(f"cannot migrate the index {redact(self.url)}: {_first_line(e)}") from e
         except CommandError as e:  # a revision this cachemgr does not know: a newer one wrote the index
-            raise DatabaseError(f"the index {redact(self.url)} was written by a newer cachemgr (schema revision "
-                                f"{self.current_revision()}): upgrade cachemgr, or use another --db") from e
+            raise DatabaseError(
+                f"the index {redact(self.url)} was written by a newer cachemgr (schema revision "
+                f"{self.current_revision()}): upgrade cachemgr, or use another --db"
+            ) from e
 
     def _refuse_foreign(self) -> None:
         """A database cachemgr never migrated must be empty (or hold only cachemgr's tables): it
@@ -130,11 +132,16 @@ class Database:
         foreign = sorted(found - ours)
         if foreign:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-            where = ("give cachemgr a database of its own, or a schema: CREATE SCHEMA cachemgr, then add "
-                     "?options=-csearch_path%3Dcachemgr to the URL" if not self.is_sqlite else
-                     "give it a file of its own")
-            raise DatabaseError(f"{redact(self.url)} holds tables that are not cachemgr's ({shown}): refusing to "
-                                f"add the index to it; {where}")
+            where = (
+                "give cachemgr a database of its own, or a schema: CREATE SCHEMA cachemgr, then add "
+                "?options=-csearch_path%3Dcachemgr to the URL"
+                if not self.is_sqlite
+                else "give it a file of its own"
+            )
+            raise DatabaseError(
+                f"{redact(self.url)} holds tables that are not cachemgr's ({shown}): refusing to "
+                f"add the index to it; {where}"
+            )
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -177,8 +184,10 @@ def _folder_for(path: Path, create: bool) -> None:
         return
     if not create:
         what = "is not a folder" if folder.exists() else "does not exist"
-        raise DatabaseError(f"the index's folder {folder} {what}: cachemgr creates only its default state folder "
-                            "(create it, or give another --db)")
+        raise DatabaseError(
+            f"the index's folder {folder} {what}: cachemgr creates only its default state folder "
+            "(create it, or give another --db)"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -53,8 +53,10 @@ class Describer:
             finally:
                 self.root.forget()
         if job.kind == BATCH:
-            return [self.describe_job(Job(job.id, job.run, job.root, kind, key, ref, (), job.root_id))
-                    for kind, key, ref in job.items]
+            return [
+                self.describe_job(Job(job.id, job.run, job.root, kind, key, ref, (), job.root_id))
+                for kind, key, ref in job.items
+            ]
         return self.describe_job(job)
 
     def _open(self, job: Job) -> str | None:
@@ -111,10 +113,17 @@ class Describer:
         if p is not None:
             refs = p.refs
             row.update(
-                graph_key=p.graph_key if kind == Kind.FXGRAPH else None, signature=p.signature,
-                signature_hash=p.signature_hash, options_hash=p.options_hash, guards=p.guards,
-                device_types=p.device_types, compile_seconds=p.compile_seconds, torch_version=p.torch_version,
-                torch_version_hash=p.torch_version_hash, system_hash=p.system_hash, corrupt=p.corrupt,
+                graph_key=p.graph_key if kind == Kind.FXGRAPH else None,
+                signature=p.signature,
+                signature_hash=p.signature_hash,
+                options_hash=p.options_hash,
+                guards=p.guards,
+                device_types=p.device_types,
+                compile_seconds=p.compile_seconds,
+                torch_version=p.torch_version,
+                torch_version_hash=p.torch_version_hash,
+                system_hash=p.system_hash,
+                corrupt=p.corrupt,
                 unrecorded=", ".join(p.missing) or None,
             )
             for part, (digest, items) in parse.part_digests(p.components).items():
@@ -176,8 +185,12 @@ def new_run() -> int:
     return next(_runs)
 
 
-def describe_all(root: str, entries: list[layout.DiskEntry], progress: Callable[[int, int], None] | None = None,
-                 pool: Pool | None = None) -> dict[str, Described]:
+def describe_all(
+    root: str,
+    entries: list[layout.DiskEntry],
+    progress: Callable[[int, int], None] | None = None,
+    pool: Pool | None = None,
+) -> dict[str, Described]:
     """Describe every entry: fxgraph and AOTAutograd pickles in parse worker processes (`pool`,
     or workers started for this call), the small rest here, meanwhile."""
     out: dict[str, Described] = {}

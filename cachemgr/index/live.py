@@ -50,8 +50,15 @@ class LiveResult:
     seconds: float = 0.0
 
 
-def apply_batch(db: Database, cache_id: int, root: str, paths: Iterable[str] = (), dirs: Iterable[str] = (),
-                reads: Sequence[str] = (), pool: Pool | None = None) -> LiveResult:
+def apply_batch(
+    db: Database,
+    cache_id: int,
+    root: str,
+    paths: Iterable[str] = (),
+    dirs: Iterable[str] = (),
+    reads: Sequence[str] = (),
+    pool: Pool | None = None,
+) -> LiveResult:
     """Reconcile the entries under `paths` (files) and `dirs` (whole subtrees), read the new and
     changed ones, then count `reads`.
 
@@ -62,8 +69,9 @@ def apply_batch(db: Database, cache_id: int, root: str, paths: Iterable[str] = (
     return once_more_on_race(_apply_batch, db, cache_id, root, list(paths), list(dirs), reads, pool)
 
 
-def _apply_batch(db: Database, cache_id: int, root: str, paths: list[str], dirs: list[str],
-                 reads: Sequence[str], pool: Pool | None) -> LiveResult:
+def _apply_batch(
+    db: Database, cache_id: int, root: str, paths: list[str], dirs: list[str], reads: Sequence[str], pool: Pool | None
+) -> LiveResult:
     t0 = time.monotonic()
     check_root(root)
     classified = {c.key: c for c in map(layout.classify, {layout.key_of(p) for p in paths}) if c is not None}
@@ -79,22 +87,31 @@ def _apply_batch(db: Database, cache_id: int, root: str, paths: list[str], dirs:
         keys = list(set(classified) | set(disk) | exact)
         known = {}
         for chunk in _chunks(keys):
-            known.update((r.key, r) for r in conn.execute(
-                select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk))))
+            known.update(
+                (r.key, r)
+                for r in conn.execute(
+                    select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk))
+                )
+            )
         for sub in (s for s in subtrees if s not in exact):
-            known.update((r.key, r) for r in conn.execute(select(*KNOWN_COLUMNS).where(
-                ENTRIES.c.cache_id == cache_id, at_or_below(conn, ENTRIES.c.key, sub))))
+            known.update(
+                (r.key, r)
+                for r in conn.execute(
+                    select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, at_or_below(conn, ENTRIES.c.key, sub))
+                )
+            )
     with db.engine.begin() as conn:
         diff = sync(conn, cache_id, disk, known, time.time())
-    parsed = (parse_pending(db, cache_id, root, keys=diff.to_read, pool=pool) if diff.to_read
-              else ParseResult())
+    parsed = parse_pending(db, cache_id, root, keys=diff.to_read, pool=pool) if diff.to_read else ParseResult()
     hits = _hits(reads, new_dirs={k.rsplit("/", 1)[0] for k in diff.added})
     with db.engine.begin() as conn:
         applied = _write_hits(conn, cache_id, hits, time.time())
-    new_events = [{"key": e["entry_key"], "graph_key": e["graph_key"], "seconds": e["seconds"]}
-                  for e in parsed.new_events]
-    return LiveResult(diff.added, diff.changed, diff.removed, applied, parsed.corrupt, new_events,
-                      time.monotonic() - t0)
+    new_events = [
+        {"key": e["entry_key"], "graph_key": e["graph_key"], "seconds": e["seconds"]} for e in parsed.new_events
+    ]
+    return LiveResult(
+        diff.added, diff.changed, diff.removed, applied, parsed.corrupt, new_events, time.monotonic() - t0
+    )
 
 
 def _hits(reads: Sequence[str], new_dirs: set[str]) -> dict[str, int]:
@@ -127,20 +144,37 @@ def _write_hits(conn, cache_id: int, hits: dict[str, int], now: float) -> dict[s
         return {}
     rows = {}
     for chunk in _chunks(list(hits)):
-        rows.update((r.key, r) for r in conn.execute(
-            select(ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.kind, ENTRIES.c.graph_key, ENTRIES.c.bytes)
-            .where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk))))
+        rows.update(
+            (r.key, r)
+            for r in conn.execute(
+                select(ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.kind, ENTRIES.c.graph_key, ENTRIES.c.bytes).where(
+                    ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk)
+                )
+            )
+        )
     if not rows:
         return {}
     conn.execute(
-        update(ENTRIES).where(ENTRIES.c.id == bindparam("b_id")).values(
-            last_access=now, hit_count=ENTRIES.c.hit_count + bindparam("b_n")),
+        update(ENTRIES)
+        .where(ENTRIES.c.id == bindparam("b_id"))
+        .values(last_access=now, hit_count=ENTRIES.c.hit_count + bindparam("b_n")),
         [{"b_id": r.id, "b_n": hits[k]} for k, r in rows.items()],
     )
     events = [
-        {"cache_id": cache_id, "ts": now, "kind": "hit", "entry_kind": r.kind, "entry_key": k,
-         "graph_key": r.graph_key, "recompile": False, "bytes": r.bytes, "seconds": None}
-        for k, r in rows.items() if r.kind == "fxgraph" for _ in range(hits[k])
+        {
+            "cache_id": cache_id,
+            "ts": now,
+            "kind": "hit",
+            "entry_kind": r.kind,
+            "entry_key": k,
+            "graph_key": r.graph_key,
+            "recompile": False,
+            "bytes": r.bytes,
+            "seconds": None,
+        }
+        for k, r in rows.items()
+        if r.kind == "fxgraph"
+        for _ in range(hits[k])
     ]
     if events:
         conn.execute(insert(EVENTS), events)

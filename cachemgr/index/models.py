@@ -197,9 +197,13 @@ class EntryComponent(Base):
     """One component an fxgraph key was hashed from (`_fx_graph_cache_debug_lines`)."""
 
     __table__ = Table(
-        "entry_components", VIEWS,
-        Column("entry_id", Integer, primary_key=True), Column("part", String(16)),
-        Column("name", String(255), primary_key=True), Column("hash", String(64)), Column("value", Text),
+        "entry_components",
+        VIEWS,
+        Column("entry_id", Integer, primary_key=True),
+        Column("part", String(16)),
+        Column("name", String(255), primary_key=True),
+        Column("hash", String(64)),
+        Column("value", Text),
     )
 
 

@@ -27,14 +27,25 @@ class ScanResult:
 
     def with_parsed(self, p) -> ScanResult:  # noqa: ANN001 - scan.ParseResult
         """This result after phase two read `p.parsed` pending entries."""
-        return replace(self, corrupt=p.corrupt, parsed=p.parsed, pending=max(0, self.pending - p.parsed),
-                       seconds=self.seconds + p.seconds)
+        return replace(
+            self,
+            corrupt=p.corrupt,
+            parsed=p.parsed,
+            pending=max(0, self.pending - p.parsed),
+            seconds=self.seconds + p.seconds,
+        )
 
     def as_dict(self) -> dict:
         return {
-            "root": self.root, "added": self.added, "changed": self.changed, "removed": self.removed,
-            "unchanged": self.unchanged, "parsed": self.parsed, "pending": self.pending,
-            "corrupt": [{"key": k, "reason": r} for k, r in self.corrupt], "unreadable": self.unreadable,
+            "root": self.root,
+            "added": self.added,
+            "changed": self.changed,
+            "removed": self.removed,
+            "unchanged": self.unchanged,
+            "parsed": self.parsed,
+            "pending": self.pending,
+            "corrupt": [{"key": k, "reason": r} for k, r in self.corrupt],
+            "unreadable": self.unreadable,
             "seconds": round(self.seconds, 3),
         }
 

@@ -67,16 +67,39 @@ T = TypeVar("T")
 Progress = Callable[[int, int], None]  # (done, total) while parsing entries
 
 PARSED_COLUMNS = (
-    "graph_key", "signature", "signature_hash", "options_hash", "guards", "device_types", "compile_seconds",
-    "torch_version", "torch_version_hash", "system_hash", "corrupt", "unrecorded",
+    "graph_key",
+    "signature",
+    "signature_hash",
+    "options_hash",
+    "guards",
+    "device_types",
+    "compile_seconds",
+    "torch_version",
+    "torch_version_hash",
+    "system_hash",
+    "corrupt",
+    "unrecorded",
 )
-KNOWN_COLUMNS = (ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.kind, ENTRIES.c.bytes, ENTRIES.c.files, ENTRIES.c.mtime,
-                 ENTRIES.c.last_access)
+KNOWN_COLUMNS = (
+    ENTRIES.c.id,
+    ENTRIES.c.key,
+    ENTRIES.c.kind,
+    ENTRIES.c.bytes,
+    ENTRIES.c.files,
+    ENTRIES.c.mtime,
+    ENTRIES.c.last_access,
+)
 
 
 def reconcile(
-    db: Database, cache_id: int, root: str, subtree: str = "", progress: Progress | None = None,
-    full: bool = False, parse_now: bool = True, pool: Pool | None = None,
+    db: Database,
+    cache_id: int,
+    root: str,
+    subtree: str = "",
+    progress: Progress | None = None,
+    full: bool = False,
+    parse_now: bool = True,
+    pool: Pool | None = None,
 ) -> ScanResult:
     """Both phases: the index of `root` (or of one subtree) in line with the disk, then every
     pending entry read. With `parse_now` False only phase one runs (the daemon parses after it
@@ -131,8 +154,9 @@ class Counts:
         self.new_keys.extend(list(pickled)[: MAX_REPORTED - len(self.new_keys)])
 
 
-def index_names(db: Database, cache_id: int, root: str, subtree: str = "", full: bool = False,
-                pool: Pool | None = None) -> ScanResult:
+def index_names(
+    db: Database, cache_id: int, root: str, subtree: str = "", full: bool = False, pool: Pool | None = None
+) -> ScanResult:
     """Phase one: insert, update and delete index rows from a walk of names and lstat alone. A
     walk of the whole tree with nothing to compare against (a first or full scan) is shared with
     the workers of `pool`, if given (see `_walk`)."""
@@ -149,8 +173,11 @@ def index_names(db: Database, cache_id: int, root: str, subtree: str = "", full:
     counts = Counts()
     now = time.time()
     known = None if full else stored
-    listings = (_walk(root, state, pool) if pool is not None and not sub and not known
-                else layout.iter_dirs(root, sub, known, keep_paths=False, state=state))
+    listings = (
+        _walk(root, state, pool)
+        if pool is not None and not sub and not known
+        else layout.iter_dirs(root, sub, known, keep_paths=False, state=state)
+    )
     unseen = set(stored)
     for batch in _batches(listings):
         # The mtimes seen so far are those of directories whose listings are in this batch or an
@@ -172,8 +199,11 @@ def index_names(db: Database, cache_id: int, root: str, subtree: str = "", full:
     gone = sorted(d for d in unseen if not any(d == u or d.startswith(u + "/") for u in state.unreadable))
     with db.engine.begin() as conn:
         for chunk in _chunks(gone):
-            ids = list(conn.execute(select(ENTRIES.c.id).where(ENTRIES.c.cache_id == cache_id,
-                                                                 ENTRIES.c.dir.in_(chunk))).scalars())
+            ids = list(
+                conn.execute(
+                    select(ENTRIES.c.id).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.dir.in_(chunk))
+                ).scalars()
+            )
             delete_entries(conn, ids)
             counts.removed += len(ids)
         _write_dirs(conn, cache_id, stored, state.mtimes, gone)
@@ -181,8 +211,18 @@ def index_names(db: Database, cache_id: int, root: str, subtree: str = "", full:
             conn.execute(update(CACHES).where(CACHES.c.id == cache_id).values(last_scan=now))
         unchanged = conn.execute(_count(conn, cache_id, sub)).scalar() - counts.added - counts.changed
         pending = conn.execute(_count(conn, cache_id, sub).where(ENTRIES.c.parse_state != PARSED)).scalar()
-    return ScanResult(root, counts.added, counts.changed, counts.removed, unchanged, [], time.monotonic() - t0,
-                      state.unreadable, pending=pending, new_keys=counts.new_keys)
+    return ScanResult(
+        root,
+        counts.added,
+        counts.changed,
+        counts.removed,
+        unchanged,
+        [],
+        time.monotonic() - t0,
+        state.unreadable,
+        pending=pending,
+        new_keys=counts.new_keys,
+    )
 
 
 PARALLEL_WALK = 256  # walk units (kernel directories, module folders...) below which a walk stays here
@@ -267,8 +307,15 @@ def _batches(listings: Iterator[layout.Listing]) -> Iterator[list[layout.Listing
         yield batch
 
 
-def _sync_dirs(db: Database, cache_id: int, batch: list[layout.Listing], empty: bool, now: float,
-               stored: dict[str, int], seen: dict[str, int]) -> Diff:
+def _sync_dirs(
+    db: Database,
+    cache_id: int,
+    batch: list[layout.Listing],
+    empty: bool,
+    now: float,
+    stored: dict[str, int],
+    seen: dict[str, int],
+) -> Diff:
     """Bring the rows of these directories in line with their listings, in one transaction, and
     record the mtimes `seen` (those differing from `stored`) in it.
     `empty`: the cache had no rows when the scan began (a first scan reads none back)."""
@@ -277,8 +324,12 @@ def _sync_dirs(db: Database, cache_id: int, batch: list[layout.Listing], empty: 
     if not empty:  # read outside the write: a SQLite reader cannot take the write lock after another commit
         with db.engine.connect() as conn:
             for chunk in _chunks([listing.dir for listing in batch]):
-                known.update((r.key, r) for r in conn.execute(
-                    select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.dir.in_(chunk))))
+                known.update(
+                    (r.key, r)
+                    for r in conn.execute(
+                        select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.dir.in_(chunk))
+                    )
+                )
     with db.engine.begin() as conn:
         diff = sync(conn, cache_id, disk, known, now)
         _write_dirs(conn, cache_id, stored, seen, [])
@@ -302,9 +353,21 @@ def sync(conn, cache_id: int, disk: dict[str, layout.DiskEntry], known: dict, no
             touched.append({"id": r.id, "last_access": max(d.atime, d.mtime)})
     delete_entries(conn, removed)
     update_rows(conn, ENTRIES, ("id",), touched)
-    update_rows(conn, ENTRIES, ("id",), [
-        {"id": known[d.key].id, "bytes": d.bytes, "files": d.files, "mtime": d.mtime,
-         "parse_state": PENDING if d.needs_reading else PARSED} for d in changed])
+    update_rows(
+        conn,
+        ENTRIES,
+        ("id",),
+        [
+            {
+                "id": known[d.key].id,
+                "bytes": d.bytes,
+                "files": d.files,
+                "mtime": d.mtime,
+                "parse_state": PENDING if d.needs_reading else PARSED,
+            }
+            for d in changed
+        ],
+    )
     for chunk in _chunks(added, BULK):
         insert_rows(conn, ENTRIES, [_new_row(cache_id, disk[k], now) for k in chunk])
     to_read = [k for k in added if disk[k].needs_reading] + [d.key for d in changed if d.needs_reading]
@@ -313,9 +376,17 @@ def sync(conn, cache_id: int, disk: dict[str, layout.DiskEntry], known: dict, no
 
 def _new_row(cache_id: int, d: layout.DiskEntry, now: float) -> dict:
     return {
-        "cache_id": cache_id, "key": d.key, "dir": layout.home_dir(d.key, d.kind), "kind": d.kind, "ref": d.ref,
-        "bytes": d.bytes, "files": d.files, "mtime": d.mtime, "first_seen": now,
-        "last_access": max(d.atime, d.mtime), "hit_count": 0,
+        "cache_id": cache_id,
+        "key": d.key,
+        "dir": layout.home_dir(d.key, d.kind),
+        "kind": d.kind,
+        "ref": d.ref,
+        "bytes": d.bytes,
+        "files": d.files,
+        "mtime": d.mtime,
+        "first_seen": now,
+        "last_access": max(d.atime, d.mtime),
+        "hit_count": 0,
         "parse_state": PENDING_NEW if d.needs_reading else PARSED,
         "content": d.key.rpartition("/")[2][:64] if d.kind in CONTENT_NAMED else None,
     }  # (the parsed columns stay NULL until phase two)
@@ -358,9 +429,15 @@ class ParseResult:
     seconds: float = 0.0
 
 
-def parse_pending(db: Database, cache_id: int, root: str, progress: Progress | None = None,
-                  pool: Pool | None = None, keys: Iterable[str] | None = None,
-                  limit: int | None = None) -> ParseResult:
+def parse_pending(
+    db: Database,
+    cache_id: int,
+    root: str,
+    progress: Progress | None = None,
+    pool: Pool | None = None,
+    keys: Iterable[str] | None = None,
+    limit: int | None = None,
+) -> ParseResult:
     """Phase two: read pending entries (all of them, those of `keys`, or at most `limit`), a
     chunk per transaction (entry pickles are read as no workload does: describe.read_unseen).
 
@@ -372,8 +449,11 @@ def parse_pending(db: Database, cache_id: int, root: str, progress: Progress | N
     out = ParseResult()
     wanted = None if keys is None else list(dict.fromkeys(keys))
     with db.engine.connect() as conn:
-        q = select(func.count()).select_from(ENTRIES).where(ENTRIES.c.cache_id == cache_id,
-                                                            ENTRIES.c.parse_state != PARSED)
+        q = (
+            select(func.count())
+            .select_from(ENTRIES)
+            .where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.parse_state != PARSED)
+        )
         total = conn.execute(q).scalar() if wanted is None else len(wanted)
     total = min(total, limit) if limit is not None else total
     if not total:
@@ -407,16 +487,28 @@ def _pending_rows(db: Database, cache_id: int, wanted: list[str] | None, total: 
     (cache_id, parse_state) index from the last id on: `parse_state != PARSED` made SQLite read
     every row of the cache's part of that index, and sort, for each chunk.)"""
     left = total
-    cols = (ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.kind, ENTRIES.c.ref, ENTRIES.c.bytes, ENTRIES.c.content,
-            ENTRIES.c.parse_state, ENTRIES.c.mtime)
+    cols = (
+        ENTRIES.c.id,
+        ENTRIES.c.key,
+        ENTRIES.c.kind,
+        ENTRIES.c.ref,
+        ENTRIES.c.bytes,
+        ENTRIES.c.content,
+        ENTRIES.c.parse_state,
+        ENTRIES.c.mtime,
+    )
     if wanted is not None:
         for key_chunk in _chunks(wanted, PARSE_CHUNK):
             if left <= 0:
                 return
             with db.engine.connect() as conn:
-                rows = conn.execute(select(*cols).where(
-                    ENTRIES.c.cache_id == cache_id, ENTRIES.c.parse_state != PARSED,
-                    ENTRIES.c.key.in_(key_chunk)).limit(min(PARSE_CHUNK, left))).fetchall()
+                rows = conn.execute(
+                    select(*cols)
+                    .where(
+                        ENTRIES.c.cache_id == cache_id, ENTRIES.c.parse_state != PARSED, ENTRIES.c.key.in_(key_chunk)
+                    )
+                    .limit(min(PARSE_CHUNK, left))
+                ).fetchall()
             if rows:
                 left -= len(rows)
                 yield rows
@@ -425,9 +517,16 @@ def _pending_rows(db: Database, cache_id: int, wanted: list[str] | None, total: 
         last_id = 0
         while left > 0:
             with db.engine.connect() as conn:
-                rows = conn.execute(select(*cols).where(
-                    ENTRIES.c.cache_id == cache_id, ENTRIES.c.parse_state == state, ENTRIES.c.id > last_id,
-                ).order_by(ENTRIES.c.id).limit(min(PARSE_CHUNK, left))).fetchall()
+                rows = conn.execute(
+                    select(*cols)
+                    .where(
+                        ENTRIES.c.cache_id == cache_id,
+                        ENTRIES.c.parse_state == state,
+                        ENTRIES.c.id > last_id,
+                    )
+                    .order_by(ENTRIES.c.id)
+                    .limit(min(PARSE_CHUNK, left))
+                ).fetchall()
             if not rows:
                 break
             last_id = rows[-1].id
@@ -497,9 +596,19 @@ class _Reader:
             jobs.append(Job(next(self.ids), chunk.run, self.root, r.kind, r.key, r.ref, (), self.root_id))
             chunk.jobs[jobs[-1].id] = [r.id]
         for i in range(0, len(light), LIGHT_BATCH):
-            part = light[i:i + LIGHT_BATCH]
-            jobs.append(Job(next(self.ids), chunk.run, self.root, BATCH, "", None,
-                            tuple((r.kind, r.key, r.ref) for r in part), self.root_id))
+            part = light[i : i + LIGHT_BATCH]
+            jobs.append(
+                Job(
+                    next(self.ids),
+                    chunk.run,
+                    self.root,
+                    BATCH,
+                    "",
+                    None,
+                    tuple((r.kind, r.key, r.ref) for r in part),
+                    self.root_id,
+                )
+            )
             chunk.jobs[jobs[-1].id] = [r.id for r in part]
         self.stream.submit(jobs)
 
@@ -539,8 +648,9 @@ class _Reader:
                 chunk.described.update((rid, result) for rid in rids)
 
 
-def _finish(db: Database, cache_id: int, reader: _Reader, chunk: _Chunk, out: ParseResult, total: int,
-            progress: Progress | None) -> None:
+def _finish(
+    db: Database, cache_id: int, reader: _Reader, chunk: _Chunk, out: ParseResult, total: int, progress: Progress | None
+) -> None:
     with db.engine.connect() as conn:
         read = reader.finish(conn, chunk)
     with db.engine.begin() as conn:
@@ -573,8 +683,7 @@ def _from_content(conn, rows) -> tuple[dict[int, Described], int]:
     return out, len(out)
 
 
-def _write_parsed(conn, cache_id: int, rows, described: dict[int, Described], read: set[int],
-                  out: ParseResult) -> None:
+def _write_parsed(conn, cache_id: int, rows, described: dict[int, Described], read: set[int], out: ParseResult) -> None:
     """Write what parsing said, for the rows still pending now (another process may have
     written them, or an eviction deleted them, since they were read)."""
     # SQLite: the write lock first (a no-op write; not of the key, whose change checks every child row)
@@ -582,8 +691,13 @@ def _write_parsed(conn, cache_id: int, rows, described: dict[int, Described], re
     ids = [r.id for r in rows]
     still: dict[int, int] = {}  # id -> parse state now
     for chunk in _chunks(ids):
-        still.update(conn.execute(select(ENTRIES.c.id, ENTRIES.c.parse_state).where(
-            ENTRIES.c.id.in_(chunk), ENTRIES.c.parse_state != PARSED)).all())
+        still.update(
+            conn.execute(
+                select(ENTRIES.c.id, ENTRIES.c.parse_state).where(
+                    ENTRIES.c.id.in_(chunk), ENTRIES.c.parse_state != PARSED
+                )
+            ).all()
+        )
     rows = [r for r in rows if r.id in still]
     if not rows:
         return
@@ -593,16 +707,24 @@ def _write_parsed(conn, cache_id: int, rows, described: dict[int, Described], re
         conn.execute(delete(REFS).where(REFS.c.entry_id.in_(chunk)))
         conn.execute(delete(ENTRY_SETS).where(ENTRY_SETS.c.entry_id.in_(chunk)))
     columns = ("alias", *PARSED_COLUMNS)
-    update_rows(conn, ENTRIES, ("id",), [
-        {"id": r.id, "parse_state": PARSED, **{c: row.get(c) for c in columns}}
-        for r in rows for row in (described[r.id].row,)])
+    update_rows(
+        conn,
+        ENTRIES,
+        ("id",),
+        [
+            {"id": r.id, "parse_state": PARSED, **{c: row.get(c) for c in columns}}
+            for r in rows
+            for row in (described[r.id].row,)
+        ],
+    )
     sets = ComponentSets(conn, [described[r.id].parts for r in rows])
     refs, entry_sets = [], []
     for r in rows:
         d = described[r.id]
         refs.extend({"entry_id": r.id, "kind": kind, "ref": ref} for kind, ref in d.refs)
-        entry_sets.extend({"entry_id": r.id, "part": part, "set_id": set_id}
-                          for part, set_id in sets.ids_for(d.parts).items())
+        entry_sets.extend(
+            {"entry_id": r.id, "part": part, "set_id": set_id} for part, set_id in sets.ids_for(d.parts).items()
+        )
         if d.row.get("corrupt") and len(out.corrupt) < MAX_REPORTED:
             out.corrupt.append((r.key, d.row["corrupt"]))
     sets.flush()
@@ -617,19 +739,37 @@ def _write_parsed(conn, cache_id: int, rows, described: dict[int, Described], re
 
 def _new_events(conn, cache_id: int, new_rows, described: dict[int, Described]) -> list[dict]:
     """A 'new' event per newly compiled graph; a recompile when its graph key had an entry before."""
-    graphs = [(r, d.row.get("graph_key")) for r in sorted(new_rows, key=lambda r: r.mtime)
-              if r.kind == Kind.FXGRAPH and not (d := described[r.id]).row.get("corrupt")]
+    graphs = [
+        (r, d.row.get("graph_key"))
+        for r in sorted(new_rows, key=lambda r: r.mtime)
+        if r.kind == Kind.FXGRAPH and not (d := described[r.id]).row.get("corrupt")
+    ]
     keys = list({gk for _, gk in graphs if gk})
     new_ids = [r.id for r, _ in graphs]
     known: set[str] = set()
     for chunk in _chunks(keys):
-        known.update(conn.execute(select(ENTRIES.c.graph_key).distinct().where(
-            ENTRIES.c.cache_id == cache_id, ENTRIES.c.graph_key.in_(chunk), ENTRIES.c.id.not_in(new_ids))).scalars())
+        known.update(
+            conn.execute(
+                select(ENTRIES.c.graph_key)
+                .distinct()
+                .where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.graph_key.in_(chunk), ENTRIES.c.id.not_in(new_ids))
+            ).scalars()
+        )
     events = []
     for r, gk in graphs:
-        events.append({"cache_id": cache_id, "ts": r.mtime, "kind": Ev.NEW, "entry_kind": r.kind, "entry_key": r.key,
-                       "graph_key": gk, "recompile": gk in known, "bytes": r.bytes,
-                       "seconds": described[r.id].row.get("compile_seconds")})
+        events.append(
+            {
+                "cache_id": cache_id,
+                "ts": r.mtime,
+                "kind": Ev.NEW,
+                "entry_kind": r.kind,
+                "entry_key": r.key,
+                "graph_key": gk,
+                "recompile": gk in known,
+                "bytes": r.bytes,
+                "seconds": described[r.id].row.get("compile_seconds"),
+            }
+        )
         known.add(gk)
     return events
 
@@ -640,8 +780,17 @@ def _keep_content(conn, rows, described: dict[int, Described]) -> None:
     for r in rows:
         d = described[r.id]
         if r.kind in CONTENT_NAMED and r.content and not d.row.get("corrupt"):
-            kept.append({"name": r.content, "bytes": r.bytes, "kind": r.kind, "row": d.row, "refs": d.refs,
-                         "parts": {p: digest for p, (digest, _) in d.parts.items()}, "parsed_at": time.time()})
+            kept.append(
+                {
+                    "name": r.content,
+                    "bytes": r.bytes,
+                    "kind": r.kind,
+                    "row": d.row,
+                    "refs": d.refs,
+                    "parts": {p: digest for p, (digest, _) in d.parts.items()},
+                    "parsed_at": time.time(),
+                }
+            )
     if not kept:
         return
     kept = list({(k["name"], k["bytes"]): k for k in kept}.values())
@@ -654,8 +803,9 @@ def _keep_content(conn, rows, described: dict[int, Described]) -> None:
 
 def forget_unused_content(conn) -> int:
     """Parse results no entry of any cache has any more."""
-    return conn.execute(delete(CONTENT).where(
-        ~select(ENTRIES.c.id).where(ENTRIES.c.content == CONTENT.c.name).exists())).rowcount
+    return conn.execute(
+        delete(CONTENT).where(~select(ENTRIES.c.id).where(ENTRIES.c.content == CONTENT.c.name).exists())
+    ).rowcount
 
 
 # -- shared row helpers ---------------------------------------------------------------------------
@@ -681,8 +831,11 @@ def _drop_unused_sets(conn, set_ids: set[int]) -> None:
     """Of these component sets, delete those no entry links to (only these are looked at: an
     index of many thousand sets is not scanned for each batch)."""
     for chunk in _chunks(sorted(set_ids)):
-        conn.execute(delete(SETS).where(
-            SETS.c.id.in_(chunk), ~select(ENTRY_SETS.c.set_id).where(ENTRY_SETS.c.set_id == SETS.c.id).exists()))
+        conn.execute(
+            delete(SETS).where(
+                SETS.c.id.in_(chunk), ~select(ENTRY_SETS.c.set_id).where(ENTRY_SETS.c.set_id == SETS.c.id).exists()
+            )
+        )
 
 
 class ComponentSets:
@@ -718,8 +871,11 @@ class ComponentSets:
         return out
 
     def flush(self) -> None:
-        rows = [{"set_id": self.known[d], "name": c.name, "hash": c.hash, "value": c.value}
-                for d, items in self.pending for c in items]
+        rows = [
+            {"set_id": self.known[d], "name": c.name, "hash": c.hash, "value": c.value}
+            for d, items in self.pending
+            for c in items
+        ]
         insert_rows(self.conn, SET_ITEMS, rows)
         self.pending.clear()
 
@@ -749,13 +905,17 @@ def upsert_rows(conn, table, key: tuple[str, ...], rows: list[dict]) -> None:
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
         q = pg_insert(table)
-        conn.execute(q.on_conflict_do_update(index_elements=list(key), set_={
-            n: q.excluded[n] for n in names if n not in key}), rows)
+        conn.execute(
+            q.on_conflict_do_update(index_elements=list(key), set_={n: q.excluded[n] for n in names if n not in key}),
+            rows,
+        )
         return
     quote = conn.dialect.identifier_preparer.quote
-    sql = (f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, names))}) VALUES ({', '.join('?' * len(names))}) "
-           f"ON CONFLICT ({', '.join(map(quote, key))}) DO UPDATE SET "
-           f"{', '.join(f'{quote(n)} = excluded.{quote(n)}' for n in names if n not in key)}")
+    sql = (
+        f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, names))}) VALUES ({', '.join('?' * len(names))}) "
+        f"ON CONFLICT ({', '.join(map(quote, key))}) DO UPDATE SET "
+        f"{', '.join(f'{quote(n)} = excluded.{quote(n)}' for n in names if n not in key)}"
+    )
     conn.exec_driver_sql(sql, [tuple([r[n] for n in names]) for r in rows])
 
 
@@ -768,12 +928,15 @@ def update_rows(conn, table, where: tuple[str, ...], rows: list[dict]) -> None:
     names = [n for n in rows[0] if n not in where]
     if conn.dialect.name != "sqlite":
         q = update(table).where(*(table.c[w] == bindparam("b_" + w) for w in where))
-        conn.execute(q.values(**{n: bindparam("b_" + n) for n in names}),
-                     [{"b_" + k: v for k, v in r.items()} for r in rows])
+        conn.execute(
+            q.values(**{n: bindparam("b_" + n) for n in names}), [{"b_" + k: v for k, v in r.items()} for r in rows]
+        )
         return
     quote = conn.dialect.identifier_preparer.quote
-    sql = (f"UPDATE {quote(table.name)} SET {', '.join(quote(n) + ' = ?' for n in names)} "
-           f"WHERE {' AND '.join(quote(w) + ' = ?' for w in where)}")
+    sql = (
+        f"UPDATE {quote(table.name)} SET {', '.join(quote(n) + ' = ?' for n in names)} "
+        f"WHERE {' AND '.join(quote(w) + ' = ?' for w in where)}"
+    )
     order = names + list(where)
     conn.exec_driver_sql(sql, [tuple([r[n] for n in order]) for r in rows])
 

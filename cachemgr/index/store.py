@@ -123,8 +123,9 @@ def open_sqlite(path: str, write: bool = False) -> sqlite3.Connection | None:
     if not os.path.isfile(path):
         return None
     try:
-        conn = sqlite3.connect(f"file:{quote(path)}?mode={'rw' if write else 'ro'}", uri=True, timeout=30,
-                               isolation_level=None)
+        conn = sqlite3.connect(
+            f"file:{quote(path)}?mode={'rw' if write else 'ro'}", uri=True, timeout=30, isolation_level=None
+        )
         conn.execute("PRAGMA busy_timeout=30000")
         return conn
     except sqlite3.Error:
@@ -135,7 +136,7 @@ def sqlite_path(url: str) -> str | None:
     """The file of a `sqlite:///PATH` URL (None for other databases, or SQLite in memory)."""
     if not url.startswith("sqlite:///"):
         return None
-    path = url[len("sqlite:///"):]
+    path = url[len("sqlite:///") :]
     return None if path in ("", ":memory:") else path
 
 
@@ -191,11 +192,18 @@ class Totals:
     def as_dict(self) -> dict[str, Any]:
         t = self.total
         return {
-            "cache_dir": self.root, "entries": t.entries, "files": t.files, "bytes": t.bytes,
-            "corrupt": self.corrupt, "not_parsed": self.pending, "pinned": self.pinned,
-            "oldest": iso_time(self.oldest), "newest": iso_time(self.newest),
+            "cache_dir": self.root,
+            "entries": t.entries,
+            "files": t.files,
+            "bytes": t.bytes,
+            "corrupt": self.corrupt,
+            "not_parsed": self.pending,
+            "pinned": self.pinned,
+            "oldest": iso_time(self.oldest),
+            "newest": iso_time(self.newest),
             "by_kind": {k: asdict(u) for k, u in self.by_kind.items()},
-            "last_scan": iso_time(self.last_scan), "last_eviction": iso_time(self.last_eviction),
+            "last_scan": iso_time(self.last_scan),
+            "last_eviction": iso_time(self.last_eviction),
         }
 
 
@@ -265,8 +273,13 @@ e.torch_version_hash, e.system_hash, e.corrupt, COALESCE(e.parse_state, 0), e.un
 
 def _entry(row: Sequence[Any], pins: Mapping[str, str | None] | None = None) -> Entry:
     e = Entry(*row[:25])
-    e = replace(e, bytes=int(e.bytes or 0), files=int(e.files or 0), hit_count=int(e.hit_count or 0),
-                parse_state=int(e.parse_state or 0))
+    e = replace(
+        e,
+        bytes=int(e.bytes or 0),
+        files=int(e.files or 0),
+        hit_count=int(e.hit_count or 0),
+        parse_state=int(e.parse_state or 0),
+    )
     if pins:
         pin = next((k for k in (e.key, e.graph_key, e.ref) if k and k in pins), None)
         if pin is not None:
@@ -374,8 +387,11 @@ class ModelUsage:
     last_access: float | None
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "compile_seconds": round(self.compile_seconds, 3),
-                "last_access": iso_time(self.last_access)}
+        return {
+            **asdict(self),
+            "compile_seconds": round(self.compile_seconds, 3),
+            "last_access": iso_time(self.last_access),
+        }
 
 
 # -- the store --------------------------------------------------------------------------------------
@@ -494,9 +510,10 @@ class Store:
         corrupt = pending = 0
         oldest = newest = None
         for kind, n, files, size, bad, unparsed, lo, hi in self._rows(
-                "SELECT kind, COUNT(*), SUM(files), SUM(bytes), SUM(CASE WHEN corrupt IS NULL THEN 0 ELSE 1 END), "
-                "SUM(CASE WHEN parse_state = 0 THEN 0 ELSE 1 END), MIN(mtime), MAX(mtime) "
-                "FROM entries WHERE cache_id = :cache GROUP BY kind"):
+            "SELECT kind, COUNT(*), SUM(files), SUM(bytes), SUM(CASE WHEN corrupt IS NULL THEN 0 ELSE 1 END), "
+            "SUM(CASE WHEN parse_state = 0 THEN 0 ELSE 1 END), MIN(mtime), MAX(mtime) "
+            "FROM entries WHERE cache_id = :cache GROUP BY kind"
+        ):
             by_kind[kind] = Usage(int(n), int(files or 0), int(size or 0))
             corrupt += int(bad or 0)
             pending += int(unparsed or 0)
@@ -504,14 +521,25 @@ class Store:
             newest = hi if newest is None else max(newest, hi)
         pins = int(self._scalar("SELECT COUNT(*) FROM pins WHERE cache_id = :cache") or 0)
         c = self.cache_row()
-        return Totals(self.root, by_kind, corrupt, pending, pins, oldest, newest,
-                      c.last_scan if c else None, c.last_eviction if c else None)
+        return Totals(
+            self.root,
+            by_kind,
+            corrupt,
+            pending,
+            pins,
+            oldest,
+            newest,
+            c.last_scan if c else None,
+            c.last_eviction if c else None,
+        )
 
     def idle_usage(self, older_than: float, now: float | None = None) -> Usage:
         """Entries not accessed for `older_than` seconds."""
         cutoff = (time.time() if now is None else now) - older_than
-        n, files, size = self._rows("SELECT COUNT(*), SUM(files), SUM(bytes) FROM entries "
-                                    "WHERE cache_id = :cache AND last_access <= :cutoff", cutoff=cutoff)[0]
+        n, files, size = self._rows(
+            "SELECT COUNT(*), SUM(files), SUM(bytes) FROM entries WHERE cache_id = :cache AND last_access <= :cutoff",
+            cutoff=cutoff,
+        )[0]
         return Usage(int(n or 0), int(files or 0), int(size or 0))
 
     # -- entries ------------------------------------------------------------------------------------
@@ -533,9 +561,12 @@ class Store:
             params["larger"] = f.larger_than
         if f.corrupt:
             where.append("e.corrupt IS NOT NULL")
-        order = {"size": "e.bytes DESC", "age": "e.last_access ASC",
-                 "cost": "CASE WHEN e.compile_seconds IS NULL THEN 1 ELSE 0 END, e.compile_seconds DESC",
-                 "name": "e.key"}[f.sort]
+        order = {
+            "size": "e.bytes DESC",
+            "age": "e.last_access ASC",
+            "cost": "CASE WHEN e.compile_seconds IS NULL THEN 1 ELSE 0 END, e.compile_seconds DESC",
+            "name": "e.key",
+        }[f.sort]
         sql = f"SELECT {ENTRY_COLUMNS} FROM entries e WHERE {' AND '.join(where)}"
         pins = self.pin_map()
         if f.graphs is not None:
@@ -558,10 +589,15 @@ class Store:
     def references(self, e: Entry) -> list[dict[str, Any]]:
         """What an entry needs: (kind, name, present in the index)."""
         out = []
-        for kind, ref in self._rows("SELECT kind, ref FROM entry_refs WHERE entry_id = :id ORDER BY kind, ref",
-                                    id=e.id):
-            present = self._rows("SELECT 1 FROM entries WHERE cache_id = :cache AND kind = :kind AND "
-                                 "(ref = :ref OR alias = :ref) LIMIT 1", kind=kind, ref=ref)
+        for kind, ref in self._rows(
+            "SELECT kind, ref FROM entry_refs WHERE entry_id = :id ORDER BY kind, ref", id=e.id
+        ):
+            present = self._rows(
+                "SELECT 1 FROM entries WHERE cache_id = :cache AND kind = :kind AND "
+                "(ref = :ref OR alias = :ref) LIMIT 1",
+                kind=kind,
+                ref=ref,
+            )
             out.append({"kind": kind, "ref": ref, "present": bool(present)})
         return out
 
@@ -570,8 +606,13 @@ class Store:
         names = [n for n in (e.ref, e.alias) if n]
         if not names:
             return []
-        rows = self._chunked(f"SELECT {ENTRY_COLUMNS} FROM entries e JOIN entry_refs r ON r.entry_id = e.id "
-                             "WHERE e.cache_id = :cache AND r.kind = :kind AND {in}", "r.ref", names, kind=e.kind)
+        rows = self._chunked(
+            f"SELECT {ENTRY_COLUMNS} FROM entries e JOIN entry_refs r ON r.entry_id = e.id "
+            "WHERE e.cache_id = :cache AND r.kind = :kind AND {in}",
+            "r.ref",
+            names,
+            kind=e.kind,
+        )
         return sorted({r[1]: _entry(r) for r in rows}.values(), key=lambda x: x.key)
 
     def component_count(self, e: Entry) -> int:
@@ -595,8 +636,10 @@ class Store:
         if exact:
             return Match(spec, _newest(exact), spec)
         if len(spec) < PREFIX_MIN:
-            raise NotFound(f"no entry {spec!r} in the index of {self.root} (a prefix needs at least "
-                           f"{PREFIX_MIN} characters; see: cachemgr ls)")
+            raise NotFound(
+                f"no entry {spec!r} in the index of {self.root} (a prefix needs at least "
+                f"{PREFIX_MIN} characters; see: cachemgr ls)"
+            )
         head, slash, tail = spec.partition("/")
         limit = f" LIMIT {CANDIDATES * 20}"
         found: dict[int, Entry] = {}
@@ -625,18 +668,27 @@ class Store:
         for e in sorted(hits, key=lambda e: e.key):
             groups.setdefault(e.ref if (e.ref and not slash) else e.key, e)
         candidates = list(groups.values())[:CANDIDATES]
-        raise AmbiguousKey(spec, candidates, len(groups) > CANDIDATES or len(by_key) >= CANDIDATES * 20
-                           or len(by_ref) >= CANDIDATES * 20, self.short_keys(candidates))
+        raise AmbiguousKey(
+            spec,
+            candidates,
+            len(groups) > CANDIDATES or len(by_key) >= CANDIDATES * 20 or len(by_ref) >= CANDIDATES * 20,
+            self.short_keys(candidates),
+        )
 
     def short_keys(self, entries: Iterable[Entry | GraphEntry]) -> dict[str, str]:
         """key -> short key of each entry (see the module's docstring)."""
         entries = list(entries)
         if not entries:
             return {}
-        names = sorted({n for (n,) in self._rows(
-            "SELECT DISTINCT COALESCE(ref, key) FROM entries WHERE cache_id = :cache")})
-        shared = {ref for (ref,) in self._rows(
-            "SELECT ref FROM entries WHERE cache_id = :cache AND ref IS NOT NULL GROUP BY ref HAVING COUNT(*) > 1")}
+        names = sorted(
+            {n for (n,) in self._rows("SELECT DISTINCT COALESCE(ref, key) FROM entries WHERE cache_id = :cache")}
+        )
+        shared = {
+            ref
+            for (ref,) in self._rows(
+                "SELECT ref FROM entries WHERE cache_id = :cache AND ref IS NOT NULL GROUP BY ref HAVING COUNT(*) > 1"
+            )
+        }
         wanted = sorted({e.ref for e in entries if e.ref and e.ref in shared})
         siblings: dict[str, list[str]] = {}
         for ref, key in self._chunked("SELECT ref, key FROM entries WHERE cache_id = :cache AND {in}", "ref", wanted):
@@ -655,8 +707,9 @@ class Store:
 
     def short_graph_keys(self, graph_keys: Iterable[str]) -> dict[str, str]:
         """graph key (or any ref) -> its short form."""
-        names = sorted({n for (n,) in self._rows(
-            "SELECT DISTINCT COALESCE(ref, key) FROM entries WHERE cache_id = :cache")})
+        names = sorted(
+            {n for (n,) in self._rows("SELECT DISTINCT COALESCE(ref, key) FROM entries WHERE cache_id = :cache")}
+        )
         return {g: unique_prefix(g, names) for g in graph_keys}
 
     # -- pins ---------------------------------------------------------------------------------------
@@ -669,10 +722,13 @@ class Store:
 
     def pins(self) -> list[Pin]:
         out = []
-        for key, reason, created in self._rows("SELECT key, reason, created FROM pins WHERE cache_id = :cache "
-                                               "ORDER BY created, key"):
-            n = self._scalar("SELECT COUNT(*) FROM entries WHERE cache_id = :cache AND "
-                             "(key = :k OR graph_key = :k OR ref = :k)", k=key)
+        for key, reason, created in self._rows(
+            "SELECT key, reason, created FROM pins WHERE cache_id = :cache ORDER BY created, key"
+        ):
+            n = self._scalar(
+                "SELECT COUNT(*) FROM entries WHERE cache_id = :cache AND (key = :k OR graph_key = :k OR ref = :k)",
+                k=key,
+            )
             out.append(Pin(key, reason, float(created), int(n or 0)))
         return out
 
@@ -682,16 +738,24 @@ class Store:
         rows = self._rows("SELECT key, reason, created FROM pins WHERE cache_id = :cache AND key = :k", k=key)
         if rows:
             if reason is not None:
-                self.driver.write("UPDATE pins SET reason = :r WHERE cache_id = :cache AND key = :k",
-                                  {"cache": self.cache_id, "k": key, "r": reason})
+                self.driver.write(
+                    "UPDATE pins SET reason = :r WHERE cache_id = :cache AND key = :k",
+                    {"cache": self.cache_id, "k": key, "r": reason},
+                )
             return Pin(*rows[0])
-        self.driver.write("INSERT INTO pins (cache_id, key, reason, created) VALUES (:cache, :k, :r, :t)",
-                          {"cache": self.cache_id, "k": key, "r": reason, "t": time.time() if now is None else now})
+        self.driver.write(
+            "INSERT INTO pins (cache_id, key, reason, created) VALUES (:cache, :k, :r, :t)",
+            {"cache": self.cache_id, "k": key, "r": reason, "t": time.time() if now is None else now},
+        )
         return None
 
     def remove_pin(self, key: str) -> bool:
-        return self.driver.write("DELETE FROM pins WHERE cache_id = :cache AND key = :k",
-                                 {"cache": self.cache_id, "k": key}) > 0
+        return (
+            self.driver.write(
+                "DELETE FROM pins WHERE cache_id = :cache AND key = :k", {"cache": self.cache_id, "k": key}
+            )
+            > 0
+        )
 
     # -- shapes and models --------------------------------------------------------------------------
 
@@ -699,8 +763,9 @@ class Store:
         """Recorded input signatures (cachemgr.record), per model in first-seen order."""
         where = "" if model is None else " WHERE model = :m"
         cols = ("model", "signature_hash", "signature", "spec", "options", "host", "count", "first_seen", "last_seen")
-        rows = self.driver.rows(f"SELECT {', '.join(cols)} FROM shapes{where} ORDER BY model, first_seen, id",
-                                {"m": model})
+        rows = self.driver.rows(
+            f"SELECT {', '.join(cols)} FROM shapes{where} ORDER BY model, first_seen, id", {"m": model}
+        )
         return [dict(zip(cols, r, strict=True)) for r in rows]
 
     def models(self) -> list[str]:
@@ -717,32 +782,46 @@ class Store:
         signatures = [s["signature"] for s in self.shapes(model)]
         if not signatures:
             known = len(self.models())
-            raise NotFound(f"no recorded shapes for model {model!r}" + (
-                f" ({known} other models are recorded: cachemgr shapes lists them)" if known else
-                " (the shapes table is empty: record the model with cachemgr.record, or use --graph KEY)"))
-        found = _graphs_with(signatures, self._rows(
-            "SELECT graph_key, signature FROM entries WHERE cache_id = :cache AND kind = 'fxgraph' "
-            "AND graph_key IS NOT NULL"))
+            raise NotFound(
+                f"no recorded shapes for model {model!r}"
+                + (
+                    f" ({known} other models are recorded: cachemgr shapes lists them)"
+                    if known
+                    else " (the shapes table is empty: record the model with cachemgr.record, or use --graph KEY)"
+                )
+            )
+        found = _graphs_with(
+            signatures,
+            self._rows(
+                "SELECT graph_key, signature FROM entries WHERE cache_id = :cache AND kind = 'fxgraph' "
+                "AND graph_key IS NOT NULL"
+            ),
+        )
         if not found:
-            raise NotFound(f"model {model!r} has {len(signatures)} recorded signatures, but no fxgraph entry "
-                           "has those inputs (run: cachemgr scan)")
+            raise NotFound(
+                f"model {model!r} has {len(signatures)} recorded signatures, but no fxgraph entry "
+                "has those inputs (run: cachemgr scan)"
+            )
         return found
 
     def model_usage(self) -> list[ModelUsage]:
         """Per recorded model: its graphs, and the entries and bytes they hold (an entry several
         models need counts in each)."""
-        fx = self._rows("SELECT id, graph_key, signature, bytes, COALESCE(hit_count, 0), compile_seconds, "
-                        "last_access, ref FROM entries WHERE cache_id = :cache AND kind = 'fxgraph' "
-                        "AND graph_key IS NOT NULL")
+        fx = self._rows(
+            "SELECT id, graph_key, signature, bytes, COALESCE(hit_count, 0), compile_seconds, "
+            "last_access, ref FROM entries WHERE cache_id = :cache AND kind = 'fxgraph' "
+            "AND graph_key IS NOT NULL"
+        )
         # fxgraph entry id -> {entry id: bytes} of what it needs, and of the AOT entries that name it
         deps: dict[int, dict[int, int]] = {}
         for fid, did, size in self._rows(
-                "SELECT v.id, d.id, d.bytes FROM entries v JOIN entry_refs r ON r.entry_id = v.id "
-                "JOIN entries d ON d.cache_id = v.cache_id AND d.kind = r.kind AND (d.ref = r.ref OR d.alias = r.ref) "
-                "WHERE v.cache_id = :cache AND v.kind = 'fxgraph' "
-                "UNION SELECT v.id, a.id, a.bytes FROM entries a JOIN entry_refs r ON r.entry_id = a.id "
-                "AND r.kind = 'fxgraph' JOIN entries v ON v.cache_id = a.cache_id AND v.ref = r.ref "
-                "WHERE a.cache_id = :cache AND a.kind = 'aotautograd'"):
+            "SELECT v.id, d.id, d.bytes FROM entries v JOIN entry_refs r ON r.entry_id = v.id "
+            "JOIN entries d ON d.cache_id = v.cache_id AND d.kind = r.kind AND (d.ref = r.ref OR d.alias = r.ref) "
+            "WHERE v.cache_id = :cache AND v.kind = 'fxgraph' "
+            "UNION SELECT v.id, a.id, a.bytes FROM entries a JOIN entry_refs r ON r.entry_id = a.id "
+            "AND r.kind = 'fxgraph' JOIN entries v ON v.cache_id = a.cache_id AND v.ref = r.ref "
+            "WHERE a.cache_id = :cache AND a.kind = 'aotautograd'"
+        ):
             deps.setdefault(fid, {})[did] = int(size or 0)
         by_model: dict[str, list[str]] = {}
         for s in self.shapes():
@@ -754,9 +833,18 @@ class Store:
             held = {r[0]: int(r[3] or 0) for r in rows}
             for r in rows:
                 held.update(deps.get(r[0], {}))
-            out.append(ModelUsage(model, len(signatures), len(graphs), len(held), sum(held.values()),
-                                  sum(int(r[4]) for r in rows), sum(float(r[5] or 0) for r in rows),
-                                  max((r[6] for r in rows), default=None)))
+            out.append(
+                ModelUsage(
+                    model,
+                    len(signatures),
+                    len(graphs),
+                    len(held),
+                    sum(held.values()),
+                    sum(int(r[4]) for r in rows),
+                    sum(float(r[5] or 0) for r in rows),
+                    max((r[6] for r in rows), default=None),
+                )
+            )
         return out
 
     # -- activity: compiles, loads, hits (cachemgr.explain.activity counts them) --------------------
@@ -764,8 +852,9 @@ class Store:
     def last_event_id(self) -> int:
         return int(self._scalar("SELECT MAX(id) FROM events WHERE cache_id = :cache") or 0)
 
-    def compile_events(self, since: float | None = None, after_id: int = 0,
-                       upto_id: int | None = None) -> list[CompileEvent]:
+    def compile_events(
+        self, since: float | None = None, after_id: int = 0, upto_id: int | None = None
+    ) -> list[CompileEvent]:
         """New fxgraph entries (events since `since`, or with ids in (after_id, upto_id]), oldest
         first. An entry is *loaded*, not compiled, when a load said so (a 'loaded' event) or when
         its bytes were known to the index before it appeared: torch names an entry file by the
@@ -779,18 +868,27 @@ class Store:
             f"WHERE v.cache_id = :cache AND v.kind IN ('{Event.NEW.value}', '{Event.LOADED.value}') "
             "AND v.entry_kind = 'fxgraph' AND v.ts >= :since AND v.id > :after AND v.id <= :upto "
             "ORDER BY v.ts, v.id",
-            since=-1.0 if since is None else since, after=after_id, upto=upto_id if upto_id is not None else 1 << 62)
-        return [CompileEvent(int(i), float(ts), key, gk, None if s is None else float(s),
-                             kind == Event.LOADED or bool(copy), eid)
-                for i, ts, key, gk, s, kind, eid, copy in rows]
+            since=-1.0 if since is None else since,
+            after=after_id,
+            upto=upto_id if upto_id is not None else 1 << 62,
+        )
+        return [
+            CompileEvent(
+                int(i), float(ts), key, gk, None if s is None else float(s), kind == Event.LOADED or bool(copy), eid
+            )
+            for i, ts, key, gk, s, kind, eid, copy in rows
+        ]
 
     def event_counts(self, since: float | None = None, after_id: int = 0, upto_id: int | None = None) -> dict[str, int]:
         """Events by kind (hits: reads of fxgraph entries; evictions)."""
         rows = self._rows(
             "SELECT kind, COUNT(*) FROM events WHERE cache_id = :cache AND ts >= :since AND id > :after "
             "AND id <= :upto AND (kind <> :hit OR entry_kind = 'fxgraph') GROUP BY kind",
-            since=-1.0 if since is None else since, after=after_id, upto=upto_id if upto_id is not None else 1 << 62,
-            hit=Event.HIT.value)
+            since=-1.0 if since is None else since,
+            after=after_id,
+            upto=upto_id if upto_id is not None else 1 << 62,
+            hit=Event.HIT.value,
+        )
         return {k: int(n) for k, n in rows}
 
     def mark_loaded(self, keys: Iterable[str]) -> int:
@@ -802,14 +900,21 @@ class Store:
             n += self.driver.write(
                 f"UPDATE events SET kind = '{Event.LOADED.value}' WHERE cache_id = :cache AND kind = "
                 f"'{Event.NEW.value}' AND entry_key IN ({', '.join(':' + k for k in names)})",
-                {"cache": self.cache_id, **names})
+                {"cache": self.cache_id, **names},
+            )
         return n
 
     def hit_graphs(self, since: float) -> set[str]:
         """Graph keys read (hit) since `since`."""
-        return {g for (g,) in self._rows("SELECT DISTINCT graph_key FROM events WHERE cache_id = :cache AND "
-                                         "kind = :hit AND ts >= :since AND graph_key IS NOT NULL",
-                                         hit=Event.HIT.value, since=since)}
+        return {
+            g
+            for (g,) in self._rows(
+                "SELECT DISTINCT graph_key FROM events WHERE cache_id = :cache AND "
+                "kind = :hit AND ts >= :since AND graph_key IS NOT NULL",
+                hit=Event.HIT.value,
+                since=since,
+            )
+        }
 
     def push_candidates(self) -> tuple[list[tuple], dict[int, list[str]]]:
         """The readable fxgraph and AOT entries, as (id, key, kind, ref, mtime, compile_seconds,
@@ -817,12 +922,16 @@ class Store:
         rows = self._rows(
             "SELECT id, key, kind, ref, mtime, compile_seconds, torch_version, signature_hash FROM entries "
             "WHERE cache_id = :cache AND kind IN (:fx, :aot) AND corrupt IS NULL",
-            fx=Kind.FXGRAPH.value, aot=Kind.AOTAUTOGRAD.value)
+            fx=Kind.FXGRAPH.value,
+            aot=Kind.AOTAUTOGRAD.value,
+        )
         edges: dict[int, list[str]] = {}
         for eid, ref in self._rows(
-                "SELECT r.entry_id, r.ref FROM entry_refs r JOIN entries e ON e.id = r.entry_id "
-                "WHERE e.cache_id = :cache AND e.kind = :aot AND r.kind = :fx",
-                fx=Kind.FXGRAPH.value, aot=Kind.AOTAUTOGRAD.value):
+            "SELECT r.entry_id, r.ref FROM entry_refs r JOIN entries e ON e.id = r.entry_id "
+            "WHERE e.cache_id = :cache AND e.kind = :aot AND r.kind = :fx",
+            fx=Kind.FXGRAPH.value,
+            aot=Kind.AOTAUTOGRAD.value,
+        ):
             edges.setdefault(eid, []).append(ref)
         return rows, edges
 
@@ -836,17 +945,21 @@ class Store:
         """Every fxgraph entry of the cache that parsed cleanly, oldest first, with its sets."""
         sets: dict[int, dict[str, int]] = {}
         for eid, part, set_id in self._rows(
-                "SELECT s.entry_id, s.part, s.set_id FROM entry_component_sets s JOIN entries e ON e.id = s.entry_id "
-                "WHERE e.cache_id = :cache AND e.kind = 'fxgraph'"):
+            "SELECT s.entry_id, s.part, s.set_id FROM entry_component_sets s JOIN entries e ON e.id = s.entry_id "
+            "WHERE e.cache_id = :cache AND e.kind = 'fxgraph'"
+        ):
             sets.setdefault(eid, {})[part] = set_id
         rows = self._rows(
             "SELECT e.id, e.key, e.ref, e.graph_key, e.mtime, e.guards, e.unrecorded, "
             "COALESCE(e.torch_version, (SELECT f.name FROM fingerprints f WHERE f.kind = 'torch' AND "
             "f.hash = e.torch_version_hash ORDER BY f.last_seen DESC LIMIT 1)) "
             "FROM entries e WHERE e.cache_id = :cache AND e.kind = 'fxgraph' AND e.corrupt IS NULL "
-            "AND e.parse_state = 0 ORDER BY e.mtime, e.id")
-        return [GraphEntry(int(i), k, r, g, float(m), gu, un, tv, sets.get(int(i), {}))
-                for i, k, r, g, m, gu, un, tv in rows]
+            "AND e.parse_state = 0 ORDER BY e.mtime, e.id"
+        )
+        return [
+            GraphEntry(int(i), k, r, g, float(m), gu, un, tv, sets.get(int(i), {}))
+            for i, k, r, g, m, gu, un, tv in rows
+        ]
 
     def component_sets(self, set_ids: Iterable[int], values: bool = True) -> dict[int, dict[str, Component]]:
         """set id -> {component name: (hash, value)}; without `values` the value is None (the
@@ -854,8 +967,8 @@ class Store:
         out: dict[int, dict[str, Component]] = {}
         column = "value" if values else "NULL"
         for set_id, name, h, value in self._chunked(
-                f"SELECT set_id, name, hash, {column} FROM component_set_items WHERE {{in}}", "set_id",
-                sorted(set(set_ids))):
+            f"SELECT set_id, name, hash, {column} FROM component_set_items WHERE {{in}}", "set_id", sorted(set(set_ids))
+        ):
             out.setdefault(set_id, {})[name] = (h, value)
         return out
 
@@ -863,22 +976,33 @@ class Store:
 
     def fleet_hosts(self) -> list[tuple[str, int, int, int, int, float | None]]:
         """(host, caches, entries, bytes, hit_count, last scan) of every host."""
-        return [(h, int(c), int(n), int(b or 0), int(hits or 0), last) for h, c, n, b, hits, last in self._rows(
-            "SELECT c.host, COUNT(DISTINCT c.id), COUNT(e.id), SUM(e.bytes), SUM(e.hit_count), MAX(c.last_scan) "
-            "FROM caches c LEFT JOIN entries e ON e.cache_id = c.id GROUP BY c.host ORDER BY c.host")]
+        return [
+            (h, int(c), int(n), int(b or 0), int(hits or 0), last)
+            for h, c, n, b, hits, last in self._rows(
+                "SELECT c.host, COUNT(DISTINCT c.id), COUNT(e.id), SUM(e.bytes), SUM(e.hit_count), MAX(c.last_scan) "
+                "FROM caches c LEFT JOIN entries e ON e.cache_id = c.id GROUP BY c.host ORDER BY c.host"
+            )
+        ]
 
     def fleet_hits(self, since: float) -> dict[str, int]:
         """host -> fxgraph hits since `since`."""
-        return {h: int(n) for h, n in self._rows(
-            "SELECT c.host, COUNT(*) FROM events v JOIN caches c ON c.id = v.cache_id "
-            "WHERE v.kind = :hit AND v.entry_kind = 'fxgraph' AND v.ts >= :since GROUP BY c.host",
-            hit=Event.HIT.value, since=since)}
+        return {
+            h: int(n)
+            for h, n in self._rows(
+                "SELECT c.host, COUNT(*) FROM events v JOIN caches c ON c.id = v.cache_id "
+                "WHERE v.kind = :hit AND v.entry_kind = 'fxgraph' AND v.ts >= :since GROUP BY c.host",
+                hit=Event.HIT.value,
+                since=since,
+            )
+        }
 
     def host_torch_version(self, host: str) -> str | None:
         """The torch version of a host's newest fxgraph entry."""
         return self._scalar(
             "SELECT e.torch_version FROM entries e JOIN caches c ON c.id = e.cache_id WHERE c.host = :host "
-            "AND e.kind = 'fxgraph' AND e.torch_version IS NOT NULL ORDER BY e.mtime DESC LIMIT 1", host=host)
+            "AND e.kind = 'fxgraph' AND e.torch_version IS NOT NULL ORDER BY e.mtime DESC LIMIT 1",
+            host=host,
+        )
 
     def shared_graphs(self, min_hosts: int, limit: int) -> list[dict[str, Any]]:
         """Graphs that `min_hosts` or more hosts hold, most hosts first."""
@@ -887,18 +1011,34 @@ class Store:
             "MAX(e.compile_seconds), MAX(e.torch_version) FROM entries e JOIN caches c ON c.id = e.cache_id "
             "WHERE e.kind = 'fxgraph' AND e.graph_key IS NOT NULL GROUP BY e.graph_key "
             "HAVING COUNT(DISTINCT c.host) >= :min_hosts "
-            "ORDER BY COUNT(DISTINCT c.host) DESC, SUM(e.bytes) DESC, e.graph_key", min_hosts=min_hosts)
-        return [{"graph_key": g, "hosts": int(nh), "entries": int(n), "bytes": int(size or 0),
-                 "redundant_bytes": int(size or 0) - int(biggest or 0),
-                 "compile_seconds": None if cost is None else round(float(cost), 3), "torch_version": tv}
-                for g, nh, n, size, biggest, cost, tv in rows[:limit]]
+            "ORDER BY COUNT(DISTINCT c.host) DESC, SUM(e.bytes) DESC, e.graph_key",
+            min_hosts=min_hosts,
+        )
+        return [
+            {
+                "graph_key": g,
+                "hosts": int(nh),
+                "entries": int(n),
+                "bytes": int(size or 0),
+                "redundant_bytes": int(size or 0) - int(biggest or 0),
+                "compile_seconds": None if cost is None else round(float(cost), 3),
+                "torch_version": tv,
+            }
+            for g, nh, n, size, biggest, cost, tv in rows[:limit]
+        ]
 
     def torch_versions(self) -> list[tuple[str, int, int, int]]:
         """(version, fxgraph entries, their bytes, hosts) of every torch version in the index."""
-        return sorted(((v, int(n), int(size or 0), int(nh)) for v, n, size, nh in self._rows(
-            "SELECT e.torch_version, COUNT(*), SUM(e.bytes), COUNT(DISTINCT c.host) FROM entries e "
-            "JOIN caches c ON c.id = e.cache_id WHERE e.torch_version IS NOT NULL GROUP BY e.torch_version")),
-            key=lambda r: str(r[0]))
+        return sorted(
+            (
+                (v, int(n), int(size or 0), int(nh))
+                for v, n, size, nh in self._rows(
+                    "SELECT e.torch_version, COUNT(*), SUM(e.bytes), COUNT(DISTINCT c.host) FROM entries e "
+                    "JOIN caches c ON c.id = e.cache_id WHERE e.torch_version IS NOT NULL GROUP BY e.torch_version"
+                )
+            ),
+            key=lambda r: str(r[0]),
+        )
 
     def version_dependents(self) -> list[tuple[str, int, int]]:
         """(torch version, entry id, bytes) of entries without a version of their own (kernels, modules,
@@ -906,17 +1046,21 @@ class Store:
         they name. `kind || ''` keeps SQLite's planner (no ANALYZE statistics) off the
         (cache_id, kind) index and on (cache_id, ref|alias): without it this takes minutes on
         40,000 entries instead of a second."""
-        return [(v, int(i), int(b or 0)) for v, i, b in self._rows(
-            "SELECT v.torch_version, d.id, d.bytes FROM entries v JOIN entry_refs r ON r.entry_id = v.id "
-            "JOIN entries d ON d.cache_id = v.cache_id AND d.ref = r.ref AND d.kind || '' = r.kind "
-            "WHERE v.torch_version IS NOT NULL "
-            "UNION SELECT v.torch_version, d.id, d.bytes FROM entries v JOIN entry_refs r ON r.entry_id = v.id "
-            "JOIN entries d ON d.cache_id = v.cache_id AND d.alias = r.ref AND d.kind || '' = r.kind "
-            "WHERE v.torch_version IS NOT NULL "
-            "UNION SELECT v.torch_version, a.id, a.bytes FROM entries a "
-            "JOIN entry_refs r ON r.entry_id = a.id AND r.kind = 'fxgraph' "
-            "JOIN entries v ON v.cache_id = a.cache_id AND v.ref = r.ref AND v.kind || '' = 'fxgraph' "
-            "WHERE a.kind = 'aotautograd' AND v.torch_version IS NOT NULL")]
+        return [
+            (v, int(i), int(b or 0))
+            for v, i, b in self._rows(
+                "SELECT v.torch_version, d.id, d.bytes FROM entries v JOIN entry_refs r ON r.entry_id = v.id "
+                "JOIN entries d ON d.cache_id = v.cache_id AND d.ref = r.ref AND d.kind || '' = r.kind "
+                "WHERE v.torch_version IS NOT NULL "
+                "UNION SELECT v.torch_version, d.id, d.bytes FROM entries v JOIN entry_refs r ON r.entry_id = v.id "
+                "JOIN entries d ON d.cache_id = v.cache_id AND d.alias = r.ref AND d.kind || '' = r.kind "
+                "WHERE v.torch_version IS NOT NULL "
+                "UNION SELECT v.torch_version, a.id, a.bytes FROM entries a "
+                "JOIN entry_refs r ON r.entry_id = a.id AND r.kind = 'fxgraph' "
+                "JOIN entries v ON v.cache_id = a.cache_id AND v.ref = r.ref AND v.kind || '' = 'fxgraph' "
+                "WHERE a.kind = 'aotautograd' AND v.torch_version IS NOT NULL"
+            )
+        ]
 
     # -- the cache check (cachemgr.check): learned fingerprints, the fleet's fragmentation ---------
 
@@ -928,22 +1072,32 @@ class Store:
             "INSERT INTO fingerprints (kind, hash, host, name, first_seen, last_seen) "
             "VALUES (:kind, :hash, :host, :name, :now, :now) "
             "ON CONFLICT (kind, hash, host) DO UPDATE SET name = :name, last_seen = :now",
-            {"kind": kind[:16], "hash": hash_[:64], "host": self.host[:255], "name": name[:255], "now": now})
+            {"kind": kind[:16], "hash": hash_[:64], "host": self.host[:255], "name": name[:255], "now": now},
+        )
 
     def fingerprints(self, kind: str | None = None) -> list[dict[str, Any]]:
         """Every learned fingerprint of every host, newest first."""
         cols = ("kind", "hash", "host", "name", "first_seen", "last_seen")
         where = "" if kind is None else " WHERE kind = :kind"
-        return [dict(zip(cols, r, strict=True)) for r in self.driver.rows(
-            f"SELECT {', '.join(cols)} FROM fingerprints{where} ORDER BY last_seen DESC, kind, hash", {"kind": kind})]
+        return [
+            dict(zip(cols, r, strict=True))
+            for r in self.driver.rows(
+                f"SELECT {', '.join(cols)} FROM fingerprints{where} ORDER BY last_seen DESC, kind, hash", {"kind": kind}
+            )
+        ]
 
     def fleet_graph_sets(self) -> list[tuple[str, int, str | None, str, int]]:
         """(host, entry id, graph key, part, component set id) of every parsed fxgraph entry of
         every cache in the index: what the fragmentation report groups by graph code."""
-        return [(h, int(i), g, p, int(s)) for h, i, g, p, s in self.driver.rows(
-            "SELECT c.host, e.id, e.graph_key, s.part, s.set_id FROM entries e "
-            "JOIN caches c ON c.id = e.cache_id JOIN entry_component_sets s ON s.entry_id = e.id "
-            "WHERE e.kind = 'fxgraph' AND e.corrupt IS NULL AND e.parse_state = 0 ORDER BY c.host, e.id", {})]
+        return [
+            (h, int(i), g, p, int(s))
+            for h, i, g, p, s in self.driver.rows(
+                "SELECT c.host, e.id, e.graph_key, s.part, s.set_id FROM entries e "
+                "JOIN caches c ON c.id = e.cache_id JOIN entry_component_sets s ON s.entry_id = e.id "
+                "WHERE e.kind = 'fxgraph' AND e.corrupt IS NULL AND e.parse_state = 0 ORDER BY c.host, e.id",
+                {},
+            )
+        ]
 
 
 SORT_KEYS = {
@@ -1035,6 +1189,20 @@ def rescan_unchanged(path: str, head: str, host: str, root: str) -> int | None:
 
 
 __all__ = [
-    "AmbiguousKey", "CacheRow", "CompileEvent", "Entry", "Filters", "GraphEntry", "Match", "ModelUsage", "Pin",
-    "Store", "Totals", "Usage", "open_sqlite", "rescan_unchanged", "sqlite_path", "unique_prefix",
+    "AmbiguousKey",
+    "CacheRow",
+    "CompileEvent",
+    "Entry",
+    "Filters",
+    "GraphEntry",
+    "Match",
+    "ModelUsage",
+    "Pin",
+    "Store",
+    "Totals",
+    "Usage",
+    "open_sqlite",
+    "rescan_unchanged",
+    "sqlite_path",
+    "unique_prefix",
 ]

@@ -75,8 +75,12 @@ class _Worker:
     def __init__(self) -> None:
         from cachemgr import procs
 
-        self.proc = procs.spawn([sys.executable, "-m", "cachemgr.index.workers"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.proc = procs.spawn(
+            [sys.executable, "-m", "cachemgr.index.workers"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         self.job: Job | None = None
         self.started = 0.0
         self.buf = b""
@@ -98,7 +102,7 @@ class _Worker:
         (n,) = HEADER.unpack_from(self.buf)
         if len(self.buf) < HEADER.size + n:
             return None
-        data, self.buf = self.buf[HEADER.size:HEADER.size + n], self.buf[HEADER.size + n:]
+        data, self.buf = self.buf[HEADER.size : HEADER.size + n], self.buf[HEADER.size + n :]
         return pickle.loads(data)  # noqa: S301 - our own worker's output
 
     def kill(self) -> str:

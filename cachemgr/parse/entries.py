@@ -148,7 +148,7 @@ def _fx_fields(p: Parsed, obj: Any, st: dict[str, Any], graph_key: str | None) -
     inputs = []
     for c in p.components:
         if c.name.startswith("example_inputs["):
-            idx = c.name[len("example_inputs["):-1]
+            idx = c.name[len("example_inputs[") : -1]
             if idx.isdigit():
                 inputs.append((int(idx), c.value))
         elif c.name == "torch_version":
@@ -202,8 +202,9 @@ def parse_aotautograd(data: bytes) -> Parsed:
     if st is None:
         return p
     p.guards = text(st.get("guards_expr"), MAX_GUARDS)
-    times = [s for name in ("forward_time_taken_ns", "backward_time_taken_ns")
-             if (s := seconds(st.get(name))) is not None]
+    times = [
+        s for name in ("forward_time_taken_ns", "backward_time_taken_ns") if (s := seconds(st.get(name))) is not None
+    ]
     p.compile_seconds = sum(times) if times else None
     if p.compile_seconds is None:
         p.missing.append(COMPILE_TIME)

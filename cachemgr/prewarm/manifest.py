@@ -26,11 +26,23 @@ from cachemgr.errors import ConfigError, NotFound
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 AUTOCAST = ("float16", "bfloat16")
-DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64", "i64": "int64",
-          "i32": "int32", "i16": "int16", "i8": "int8", "u8": "uint8", "b8": "bool"}
+DTYPES = {
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "f32": "float32",
+    "f64": "float64",
+    "i64": "int64",
+    "i32": "int32",
+    "i16": "int16",
+    "i8": "int8",
+    "u8": "uint8",
+    "b8": "bool",
+}
 DTYPE_NAMES = set(DTYPES.values()) | {"complex64"}
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-SHAPE_RE = re.compile(r"^(?P<dtype>[a-z0-9]+)\[(?P<dims>(?:\d{1,18}(?:,\d{1,18})*)?)\](?P<grad>\*?)$")  # spaces removed first
+SHAPE_RE = re.compile(
+    r"^(?P<dtype>[a-z0-9]+)\[(?P<dims>(?:\d{1,18}(?:,\d{1,18})*)?)\](?P<grad>\*?)$"
+)  # spaces removed first
 MODEL_KEYS = {"name", "factory", "factory_kwargs", "compile", "device", "autocast", "train", "shapes"}
 COMPILE_KEYS = {"mode", "dynamic", "fullgraph", "options", "backend"}
 
@@ -51,9 +63,16 @@ class ModelSpec:
     shapes: str | list = "recorded"  # "recorded" or a list of input specs (record.input_spec form)
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "factory": self.factory, "factory_kwargs": self.factory_kwargs,
-                "compile": self.compile, "device": self.device, "autocast": self.autocast, "train": self.train,
-                "shapes": self.shapes}
+        return {
+            "name": self.name,
+            "factory": self.factory,
+            "factory_kwargs": self.factory_kwargs,
+            "compile": self.compile,
+            "device": self.device,
+            "autocast": self.autocast,
+            "train": self.train,
+            "shapes": self.shapes,
+        }
 
 
 @dataclass(frozen=True)
@@ -82,8 +101,9 @@ def load(path: str) -> Manifest:
 def parse(doc: dict, path: str = "<manifest>") -> Manifest:
     unknown = set(doc) - {"model"}
     if unknown:
-        raise ManifestError(f"manifest {path}: unknown top-level key(s) {', '.join(sorted(unknown))} "
-                            "(models go in [[model]] tables)")
+        raise ManifestError(
+            f"manifest {path}: unknown top-level key(s) {', '.join(sorted(unknown))} (models go in [[model]] tables)"
+        )
     tables = doc.get("model")
     if not isinstance(tables, list) or not tables:
         raise ManifestError(f"manifest {path}: no [[model]] tables")
@@ -132,8 +152,16 @@ def _model(t: Any) -> ModelSpec:
     train = t.get("train", False)
     if not isinstance(train, bool):
         raise _FieldError("train", f"must be true or false, got {train!r}")
-    return ModelSpec(name=name, factory=factory, factory_kwargs=fkw, compile=_compile(t.get("compile")),
-                     device=device, autocast=autocast, train=train, shapes=_shapes(t.get("shapes", "recorded"), train))
+    return ModelSpec(
+        name=name,
+        factory=factory,
+        factory_kwargs=fkw,
+        compile=_compile(t.get("compile")),
+        device=device,
+        autocast=autocast,
+        train=train,
+        shapes=_shapes(t.get("shapes", "recorded"), train),
+    )
 
 
 def _compile(c: Any) -> dict | None:
@@ -154,7 +182,7 @@ def _compile(c: Any) -> dict | None:
         if d == "auto":
             d = None
         if d is not None and not isinstance(d, bool):
-            raise _FieldError("compile.dynamic", f"must be true, false or \"auto\", got {d!r}")
+            raise _FieldError("compile.dynamic", f'must be true, false or "auto", got {d!r}')
         if d is not None:
             out["dynamic"] = d
     if "fullgraph" in c:
@@ -177,7 +205,7 @@ def _shapes(s: Any, train: bool) -> str | list:
     if s == "recorded":
         return s
     if not isinstance(s, list) or not s:
-        raise _FieldError("shapes", f"must be \"recorded\" or a non-empty list of input lists, got {s!r}")
+        raise _FieldError("shapes", f'must be "recorded" or a non-empty list of input lists, got {s!r}')
     out = []
     for i, call in enumerate(s):
         where = f"shapes[{i}]"
@@ -189,8 +217,13 @@ def _shapes(s: Any, train: bool) -> str | list:
             args, kwargs = call, {}
         else:
             raise _FieldError(where, f"must be a list of arguments, got {call!r}")
-        out.append({"args": [_arg(a, f"{where}[{j}]") for j, a in enumerate(args)],
-                    "kwargs": {k: _arg(v, f"{where}.{k}") for k, v in kwargs.items()}, "grad": train})
+        out.append(
+            {
+                "args": [_arg(a, f"{where}[{j}]") for j, a in enumerate(args)],
+                "kwargs": {k: _arg(v, f"{where}.{k}") for k, v in kwargs.items()},
+                "grad": train,
+            }
+        )
     return out
 
 
@@ -207,15 +240,21 @@ def _arg(a: Any, where: str) -> dict:
     if isinstance(a, str):
         m = SHAPE_RE.match(a.replace(" ", ""))
         if not m:
-            raise _FieldError(where, f"tensor spec must look like 'f32[8,32]' or 'bfloat16[4,3,224,224]' "
-                                     f"(whole numbers between the commas), got {a!r}")
+            raise _FieldError(
+                where,
+                f"tensor spec must look like 'f32[8,32]' or 'bfloat16[4,3,224,224]' "
+                f"(whole numbers between the commas), got {a!r}",
+            )
         dims = [int(d) for d in m["dims"].split(",") if d]
         return _tensor(m["dtype"], dims, bool(m["grad"]), where)
     if isinstance(a, dict):
         extra = set(a) - {"shape", "dtype", "requires_grad"}
-        if extra or not isinstance(a.get("shape"), list) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62 for d in a["shape"]):
-            raise _FieldError(where, "a tensor table is {shape = [..ints..], dtype = \"float32\", requires_grad = false}")
+        if (
+            extra
+            or not isinstance(a.get("shape"), list)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62 for d in a["shape"])
+        ):
+            raise _FieldError(where, 'a tensor table is {shape = [..ints..], dtype = "float32", requires_grad = false}')
         return _tensor(a.get("dtype", "float32"), a["shape"], bool(a.get("requires_grad", False)), where)
     raise _FieldError(where, f"unsupported argument {a!r}")
 
@@ -228,5 +267,11 @@ def _tensor(dtype: str, dims: list[int], grad: bool, where: str) -> dict:
     for d in reversed(dims):
         stride.append(acc)
         acc *= max(d, 1)
-    return {"t": "tensor", "shape": dims, "dtype": dtype, "device": None, "requires_grad": grad,
-            "stride": list(reversed(stride))}
+    return {
+        "t": "tensor",
+        "shape": dims,
+        "dtype": dtype,
+        "device": None,
+        "requires_grad": grad,
+        "stride": list(reversed(stride)),
+    }

@@ -76,8 +76,14 @@ class IngestResult:
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
-        return {"files": self.files, "lines": self.lines, "new_shapes": self.new_shapes,
-                "updated_shapes": self.updated_shapes, "bad_lines": self.bad_lines, "seconds": round(self.seconds, 3)}
+        return {
+            "files": self.files,
+            "lines": self.lines,
+            "new_shapes": self.new_shapes,
+            "updated_shapes": self.updated_shapes,
+            "bad_lines": self.bad_lines,
+            "seconds": round(self.seconds, 3),
+        }
 
 
 def ingest(db: Database, spool_dir: str) -> IngestResult:
@@ -106,8 +112,7 @@ def ingest(db: Database, spool_dir: str) -> IngestResult:
         totals["lines"] += done[0]
         totals["new"] += done[1]
         totals["updated"] += done[2]
-    return IngestResult(totals["files"], totals["lines"], totals["new"], totals["updated"], bad,
-                        time.monotonic() - t0)
+    return IngestResult(totals["files"], totals["lines"], totals["new"], totals["updated"], bad, time.monotonic() - t0)
 
 
 def waiting(spool_dir: str) -> bool:
@@ -165,8 +170,11 @@ def _ingest_file(db: Database, path: str, recovering: bool, bad: list[str]) -> t
     except FileNotFoundError:
         return None
     except OSError as e:
-        _set_aside(path, "a symbolic link (never followed)" if e.errno == errno.ELOOP
-                   else f"cannot open it ({e.strerror})", bad)
+        _set_aside(
+            path,
+            "a symbolic link (never followed)" if e.errno == errno.ELOOP else f"cannot open it ({e.strerror})",
+            bad,
+        )
         return None
     try:
         st = os.fstat(fd)
@@ -244,6 +252,7 @@ def _ingest_lines(db: Database, fd: int, name: str, recovering: bool, bad: list[
 
 
 # -- one line -------------------------------------------------------------------------------------
+
 
 def parse_line(raw: bytes) -> dict:
     """One spool line as the recorder wrote it, checked; LineError says what is wrong."""
@@ -345,8 +354,11 @@ _NONFINITE = ("nan", "inf", "-inf")  # how cachemgr.record writes such a float a
 
 def spec_problem(spec: Any) -> str | None:
     """What is wrong with a recorded input spec (as cachemgr.record writes them), or None."""
-    if not isinstance(spec, dict) or not isinstance(spec.get("args", []), list) \
-            or not isinstance(spec.get("kwargs", {}), dict):
+    if (
+        not isinstance(spec, dict)
+        or not isinstance(spec.get("args", []), list)
+        or not isinstance(spec.get("kwargs", {}), dict)
+    ):
         return "spec is not {args: [...], kwargs: {...}}"
     if not isinstance(spec.get("grad", True), bool):
         return "spec: grad is not true or false"
@@ -374,9 +386,14 @@ def _arg_problem(a: object) -> str | None:
     """One argument's own fields (not its items: spec_problem walks those)."""
     t = a.get("t") if isinstance(a, dict) else None
     if t == "tensor":
-        ok = (_ints(a.get("shape"), 0) and isinstance(a.get("dtype"), str) and bool(_DTYPE.match(a["dtype"]))
-              and isinstance(a.get("device") or "", str) and (a.get("stride") is None or _ints(a["stride"], -MAX_DIM))
-              and isinstance(a.get("requires_grad", False), bool))
+        ok = (
+            _ints(a.get("shape"), 0)
+            and isinstance(a.get("dtype"), str)
+            and bool(_DTYPE.match(a["dtype"]))
+            and isinstance(a.get("device") or "", str)
+            and (a.get("stride") is None or _ints(a["stride"], -MAX_DIM))
+            and isinstance(a.get("requires_grad", False), bool)
+        )
         return None if ok else "a tensor without an integer shape, a dtype and a device"
     if t in _SCALARS:
         v = a.get("v")
@@ -396,6 +413,7 @@ def _arg_problem(a: object) -> str | None:
 
 
 # -- into the index -------------------------------------------------------------------------------
+
 
 def _upsert(db: Database, lines: list[tuple[int, dict]], recovering: bool) -> tuple[int, int, list[tuple[int, str]]]:
     """(new rows, updated rows, lines the index refused with why). One transaction; if the index
@@ -436,9 +454,14 @@ def _upsert_batch(db: Database, lines: list[dict], recovering: bool) -> tuple[in
     new = updated = 0
     with db.session() as s:
         keys = {(d["model"], d["signature_hash"]) for d in lines}
-        rows = {(r.model, r.signature_hash): r for r in s.scalars(
-            select(Shape).where(Shape.model.in_({m for m, _ in keys}),
-                                Shape.signature_hash.in_({h for _, h in keys})))}
+        rows = {
+            (r.model, r.signature_hash): r
+            for r in s.scalars(
+                select(Shape).where(
+                    Shape.model.in_({m for m, _ in keys}), Shape.signature_hash.in_({h for _, h in keys})
+                )
+            )
+        }
         for d in lines:
             k = (d["model"], d["signature_hash"])
             ts = float(d.get("ts") or time.time())
@@ -446,10 +469,17 @@ def _upsert_batch(db: Database, lines: list[dict], recovering: bool) -> tuple[in
             if row is None:
                 # the signature shown is made from the spec, not taken from the line: what is
                 # printed is what will be replayed
-                row = Shape(model=d["model"], signature_hash=d["signature_hash"],
-                            signature=signature_text(d["spec"]), spec=json.dumps(d["spec"], sort_keys=True),
-                            options=json.dumps(d.get("options") or {}, sort_keys=True), host=d.get("host"),
-                            count=1, first_seen=ts, last_seen=ts)
+                row = Shape(
+                    model=d["model"],
+                    signature_hash=d["signature_hash"],
+                    signature=signature_text(d["spec"]),
+                    spec=json.dumps(d["spec"], sort_keys=True),
+                    options=json.dumps(d.get("options") or {}, sort_keys=True),
+                    host=d.get("host"),
+                    count=1,
+                    first_seen=ts,
+                    last_seen=ts,
+                )
                 s.add(row)
                 rows[k] = row
                 new += 1
@@ -484,9 +514,19 @@ def list_shapes(db: Database, model: str | None = None) -> list[dict]:
             continue
         if spec_problem(spec) is not None or not isinstance(options, dict):
             continue
-        out.append({"model": r.model, "signature_hash": r.signature_hash, "signature": r.signature,
-                    "spec": spec, "options": options, "host": r.host, "count": r.count,
-                    "first_seen": r.first_seen, "last_seen": r.last_seen})
+        out.append(
+            {
+                "model": r.model,
+                "signature_hash": r.signature_hash,
+                "signature": r.signature,
+                "spec": spec,
+                "options": options,
+                "host": r.host,
+                "count": r.count,
+                "first_seen": r.first_seen,
+                "last_seen": r.last_seen,
+            }
+        )
     varied = varied_dims(out)
     for d in out:
         d["varied"] = varied.get(d["model"], [])
@@ -510,8 +550,7 @@ def varied_dims(shapes: list[dict]) -> dict[str, list[str]]:
         for path, shape in _tensor_shapes(d["spec"]):
             for i, n in enumerate(shape):
                 per.setdefault(f"{path}.{i}", set()).add(n)
-    return {m: sorted(p for p, vals in per.items() if len(vals) > 1)
-            for m, per in seen.items()}
+    return {m: sorted(p for p, vals in per.items() if len(vals) > 1) for m, per in seen.items()}
 
 
 def _tensor_shapes(spec: dict):

@@ -29,13 +29,19 @@ from typing import Any
 from cachemgr import procs
 from cachemgr.prewarm.manifest import Manifest, ModelSpec
 
-COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
-            ("inductor", "fxgraph_cache_bypass"), ("aot_autograd", "autograd_cache_hit"),
-            ("aot_autograd", "autograd_cache_miss"), ("aot_autograd", "autograd_cache_saved"),
-            ("aot_autograd", "autograd_cache_bypass"))
+COUNTERS = (
+    ("inductor", "fxgraph_cache_hit"),
+    ("inductor", "fxgraph_cache_miss"),
+    ("inductor", "fxgraph_cache_bypass"),
+    ("aot_autograd", "autograd_cache_hit"),
+    ("aot_autograd", "autograd_cache_miss"),
+    ("aot_autograd", "autograd_cache_saved"),
+    ("aot_autograd", "autograd_cache_bypass"),
+)
 
 
 # -- the plan ----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -99,16 +105,22 @@ class RunResult:
             if not r.ok:
                 out.append(f"model {r.model!r} shape #{r.index} {r.signature} on {r.device}: {r.error}")
             elif verify and r.phase == "verify" and r.misses:
-                out.append(f"model {r.model!r} shape #{r.index} {r.signature} on {r.device}: verify saw "
-                           f"{r.counters.get('fxgraph_cache_miss', 0)} fxgraph and "
-                           f"{r.aot_misses} autograd cache misses "
-                           "(expected only hits)")
+                out.append(
+                    f"model {r.model!r} shape #{r.index} {r.signature} on {r.device}: verify saw "
+                    f"{r.counters.get('fxgraph_cache_miss', 0)} fxgraph and "
+                    f"{r.aot_misses} autograd cache misses "
+                    "(expected only hits)"
+                )
         return out
 
     def as_dict(self) -> dict:
-        return {"shapes": [asdict(r) for r in self.shapes],
-                "model_errors": [{"model": m, "error": e} for m, e in self.model_errors],
-                "imported": self.imported, "exported": self.exported, "seconds": round(self.seconds, 3)}
+        return {
+            "shapes": [asdict(r) for r in self.shapes],
+            "model_errors": [{"model": m, "error": e} for m, e in self.model_errors],
+            "imported": self.imported,
+            "exported": self.exported,
+            "seconds": round(self.seconds, 3),
+        }
 
     def learned(self) -> list[tuple[str, str, str]]:
         """(kind, hash, name) the workers' torch reported: 'torch' (the torch_version component hash
@@ -132,9 +144,14 @@ def plan(manifest: Manifest, recorded: list[dict]) -> tuple[list[ModelPlan], lis
         if m.shapes == "recorded":
             rows = by_model.get(m.name, [])
             if not rows:
-                errors.append((m.name, f"manifest {manifest.path}: model {m.name!r}: field 'shapes': \"recorded\" but "
-                                       "no shapes are recorded for this name (did the workload run with "
-                                       "cachemgr.record.compile(name=...), and was the spool ingested by scan?)"))
+                errors.append(
+                    (
+                        m.name,
+                        f"manifest {manifest.path}: model {m.name!r}: field 'shapes': \"recorded\" but "
+                        "no shapes are recorded for this name (did the workload run with "
+                        "cachemgr.record.compile(name=...), and was the spool ingested by scan?)",
+                    )
+                )
                 continue
             shapes = [Shape(i, r["signature_hash"], r["signature"], r["spec"]) for i, r in enumerate(rows)]
             compile_kw = m.compile if m.compile is not None else _recorded_options(rows)
@@ -145,8 +162,13 @@ def plan(manifest: Manifest, recorded: list[dict]) -> tuple[list[ModelPlan], lis
             shapes = [Shape(i, signature_hash(s, compile_kw), signature_text(s), s) for i, s in enumerate(m.shapes)]
         bad = [k for k, v in compile_kw.items() if isinstance(v, str) and v.startswith("<")]
         if bad:
-            errors.append((m.name, f"manifest {manifest.path}: model {m.name!r}: field 'compile': the recorded "
-                                   f"option(s) {', '.join(bad)} are Python objects; give them in the manifest"))
+            errors.append(
+                (
+                    m.name,
+                    f"manifest {manifest.path}: model {m.name!r}: field 'compile': the recorded "
+                    f"option(s) {', '.join(bad)} are Python objects; give them in the manifest",
+                )
+            )
             continue
         plans.append(ModelPlan(m, compile_kw, shapes))
     return plans, errors
@@ -158,8 +180,13 @@ def _recorded_options(rows: list[dict]) -> dict:
 
 # -- what can be checked before torch starts -----------------------------------------------------
 
-def precheck(plans: list[ModelPlan], search_path: list[str], devices: list[str] | None = None,
-             environ: Mapping[str, str] = os.environ) -> tuple[list[ModelPlan], list[tuple[str, str]]]:
+
+def precheck(
+    plans: list[ModelPlan],
+    search_path: list[str],
+    devices: list[str] | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> tuple[list[ModelPlan], list[tuple[str, str]]]:
     """Drop the models that cannot run, naming why, without importing torch or the models: a
     factory module that is nowhere on the worker's path, or a CUDA device this host lacks (each
     model's own device; `devices` from --devices are checked by the caller)."""
@@ -248,7 +275,7 @@ def distribute(plans: list[ModelPlan], devices: list[str], replicate: bool = Fal
     jobs: Jobs = [(d, []) for d in devices]
     for p in plans:
         for w, (_, slices) in enumerate(jobs):
-            idx = [s.index for s in p.shapes] if replicate else [s.index for s in p.shapes][w::len(devices)]
+            idx = [s.index for s in p.shapes] if replicate else [s.index for s in p.shapes][w :: len(devices)]
             if idx:
                 slices.append(_slice(p, idx))
     return jobs
@@ -297,9 +324,17 @@ class _Workers:
             procs.wait_group_gone(proc.pid)  # torch's compile workers in the group too
 
 
-def run(jobs: Jobs, env: dict[str, str], *, phase: str = "prewarm", timeout: float | None = None,
-        on_event: Callable[[Event], None] | None = None, import_bundle: str | None = None,
-        export: dict | None = None, check: dict | None = None) -> RunResult:
+def run(
+    jobs: Jobs,
+    env: dict[str, str],
+    *,
+    phase: str = "prewarm",
+    timeout: float | None = None,
+    on_event: Callable[[Event], None] | None = None,
+    import_bundle: str | None = None,
+    export: dict | None = None,
+    check: dict | None = None,
+) -> RunResult:
     """Run the jobs' workers concurrently (at least one, on the CPU); return every shape's result.
 
     Interrupted (KeyboardInterrupt, or any exception in this thread), it kills every worker's
@@ -330,10 +365,22 @@ def run(jobs: Jobs, env: dict[str, str], *, phase: str = "prewarm", timeout: flo
     try:
         for i, (d, slices) in enumerate(jobs or [("cpu", [])]):
             # daemon threads: an interrupted run never waits at exit for a thread whose worker is dead
-            t = threading.Thread(target=_drive, daemon=True,
-                                 args=(d, slices, env, phase, timeout, emit, workers,
-                                       import_bundle if i == 0 else None, export if i == 0 else None,
-                                       check if i == 0 else None))
+            t = threading.Thread(
+                target=_drive,
+                daemon=True,
+                args=(
+                    d,
+                    slices,
+                    env,
+                    phase,
+                    timeout,
+                    emit,
+                    workers,
+                    import_bundle if i == 0 else None,
+                    export if i == 0 else None,
+                    check if i == 0 else None,
+                ),
+            )
             t.start()
             threads.append(t)
         for t in threads:
@@ -342,28 +389,67 @@ def run(jobs: Jobs, env: dict[str, str], *, phase: str = "prewarm", timeout: flo
         workers.stop()
         raise
     results.sort(key=lambda r: (r.model, r.phase, r.index, r.device, not r.lead_in))
-    return RunResult(results, model_errors, extra.get("imported"), extra.get("exported"), time.monotonic() - t0,
-                     extra.get("host_side"), fingerprints)
+    return RunResult(
+        results,
+        model_errors,
+        extra.get("imported"),
+        extra.get("exported"),
+        time.monotonic() - t0,
+        extra.get("host_side"),
+        fingerprints,
+    )
 
 
-def _job_doc(device: str, slices: list[Slice], phase: str, import_bundle: str | None, export: dict | None,
-             check: dict | None = None) -> dict:
-    return {"device": device, "phase": phase, "import_bundle": import_bundle, "export": export, "check": check,
-            "models": [{"spec": s.model.spec.as_dict(), "compile": s.model.compile,
-                        "shapes": ([{**asdict(s.model.shapes[s.lead_in]), "lead_in": True}]
-                                   if s.lead_in is not None else [])
-                                  + [asdict(s.model.shapes[i]) for i in s.indices]} for s in slices]}
+def _job_doc(
+    device: str,
+    slices: list[Slice],
+    phase: str,
+    import_bundle: str | None,
+    export: dict | None,
+    check: dict | None = None,
+) -> dict:
+    return {
+        "device": device,
+        "phase": phase,
+        "import_bundle": import_bundle,
+        "export": export,
+        "check": check,
+        "models": [
+            {
+                "spec": s.model.spec.as_dict(),
+                "compile": s.model.compile,
+                "shapes": ([{**asdict(s.model.shapes[s.lead_in]), "lead_in": True}] if s.lead_in is not None else [])
+                + [asdict(s.model.shapes[i]) for i in s.indices],
+            }
+            for s in slices
+        ],
+    }
 
 
-def _drive(device: str, slices: list[Slice], env: dict[str, str], phase: str, timeout: float | None,
-           emit: Callable[[Event], None], workers: _Workers, import_bundle: str | None, export: dict | None,
-           check: dict | None = None) -> None:
+def _drive(
+    device: str,
+    slices: list[Slice],
+    env: dict[str, str],
+    phase: str,
+    timeout: float | None,
+    emit: Callable[[Event], None],
+    workers: _Workers,
+    import_bundle: str | None,
+    export: dict | None,
+    check: dict | None = None,
+) -> None:
     """One device: run a worker; if it dies or hangs, fail that shape and start another for the rest."""
     remaining = list(slices)
     first = True
     while (remaining or first) and not workers.stopped:
-        job = _job_doc(device, remaining, phase, import_bundle if first else None, export if first else None,
-                       check if first else None)
+        job = _job_doc(
+            device,
+            remaining,
+            phase,
+            import_bundle if first else None,
+            export if first else None,
+            check if first else None,
+        )
         first = False
         done: set[tuple[str, int]] = set()
         current: list[Any] = [None]
@@ -385,13 +471,26 @@ def _drive(device: str, slices: list[Slice], env: dict[str, str], phase: str, ti
             return
         cur = current[0]
         if cur is None:  # died between shapes, or before the first: blame the next one
-            nxt = next(((s.model.spec.name, i) for s in remaining for i in s.indices
-                        if (s.model.spec.name, i) not in done), None)
+            nxt = next(
+                ((s.model.spec.name, i) for s in remaining for i in s.indices if (s.model.spec.name, i) not in done),
+                None,
+            )
             if nxt is None:
                 return
             cur = {"model": nxt[0], "index": nxt[1], "signature": _sig(remaining, *nxt), "lead_in": False}
-        emit({"e": "shape", "model": cur["model"], "index": cur["index"], "signature": cur["signature"],
-              "device": device, "phase": phase, "ok": False, "error": status, "lead_in": cur.get("lead_in", False)})
+        emit(
+            {
+                "e": "shape",
+                "model": cur["model"],
+                "index": cur["index"],
+                "signature": cur["signature"],
+                "device": device,
+                "phase": phase,
+                "ok": False,
+                "error": status,
+                "lead_in": cur.get("lead_in", False),
+            }
+        )
         if not cur.get("lead_in"):
             done.add((cur["model"], cur["index"]))
         else:  # the lead-in itself failed: the model's slice cannot be replayed faithfully
@@ -414,22 +513,36 @@ def _rest(s: Slice, done: set[tuple[str, int]]) -> Slice | None:
 MAX_EVENT = 1 << 20  # bytes of one event line from a worker; more is not ours (a model writing to the fd)
 
 
-def _one_worker(job: dict, env: dict[str, str], timeout: float | None, on: Callable[[Event], None],
-                workers: _Workers) -> str | None:
+def _one_worker(
+    job: dict, env: dict[str, str], timeout: float | None, on: Callable[[Event], None], workers: _Workers
+) -> str | None:
     """Run one child to the end. None when it finished; else why it did not."""
     r, w = os.pipe()
     try:
-        proc = procs.spawn([sys.executable, "-m", "cachemgr.prewarm.worker"], env={**env, "CACHEMGR_WORKER_FD": str(w)},
-                           stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(w,))
+        proc = procs.spawn(
+            [sys.executable, "-m", "cachemgr.prewarm.worker"],
+            env={**env, "CACHEMGR_WORKER_FD": str(w)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            pass_fds=(w,),
+        )
     finally:
         os.close(w)
     if not workers.add(proc):
         os.close(r)
         proc.wait()
         return "stopped"
-    on({"e": "worker_start", "device": job["device"], "pid": proc.pid, "phase": job["phase"],
-        "models": len(job["models"]),
-        "shapes": sum(1 for m in job["models"] for s in m["shapes"] if not s.get("lead_in"))})
+    on(
+        {
+            "e": "worker_start",
+            "device": job["device"],
+            "pid": proc.pid,
+            "phase": job["phase"],
+            "models": len(job["models"]),
+            "shapes": sum(1 for m in job["models"] for s in m["shapes"] if not s.get("lead_in")),
+        }
+    )
     stderr_tail: list[bytes] = []
     t_err = threading.Thread(target=_tail, args=(proc.stderr, stderr_tail), daemon=True)
     t_err.start()
@@ -490,6 +603,7 @@ def _tail(stream, out: list[bytes]) -> None:
 
 # -- the child: torch lives here ---------------------------------------------------------------
 
+
 def host_info() -> dict:
     import socket
 
@@ -506,8 +620,13 @@ def host_info() -> dict:
         for i in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(i)
             archs.append(f"sm_{major}{minor}")
-    return {"torch": torch.__version__, "triton": triton_version, "gpu_arch": sorted(set(archs)) or None,
-            "cuda": torch.version.cuda, "host": socket.gethostname()}
+    return {
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "gpu_arch": sorted(set(archs)) or None,
+        "cuda": torch.version.cuda,
+        "host": socket.gethostname(),
+    }
 
 
 class _Out:
@@ -535,8 +654,14 @@ def child_main() -> None:
 
     device = job["device"]
     adapter, fingerprint = _adapter(torch)
-    out(e="worker_ready", pid=os.getpid(), device=device, phase=job["phase"], torch=torch.__version__,
-        fingerprint=fingerprint)
+    out(
+        e="worker_ready",
+        pid=os.getpid(),
+        device=device,
+        phase=job["phase"],
+        torch=torch.__version__,
+        fingerprint=fingerprint,
+    )
     unusable = _device_problem(torch, device)
     if job.get("check") and not job.get("import_bundle"):
         out(e="host_side", **host_side(torch, adapter, fingerprint, job["check"]))
@@ -552,8 +677,10 @@ def child_main() -> None:
         _replay_model(m, device, job["phase"], out, torch, counters)
     if job.get("export"):
         out(e="export_start")
-        out(e="exported", **_export(job["export"], [m["spec"]["name"] for m in replay_models], device, adapter,
-                                    fingerprint))
+        out(
+            e="exported",
+            **_export(job["export"], [m["spec"]["name"] for m in replay_models], device, adapter, fingerprint),
+        )
     out(e="done")
 
 
@@ -586,8 +713,14 @@ def host_side(torch, adapter, fingerprint: dict | None, spec: dict) -> dict:
         raise RuntimeError(f"torch {torch.__version__}: cachemgr has no adapter for it")
     base = adapter.components(torch, {})
     have = set(base)
-    configs = [{"label": "defaults", "options": {}, "lines": base,
-                "mirrors": adapter.config_values(torch, {}, MIRRORED_OPTIONS)}]
+    configs = [
+        {
+            "label": "defaults",
+            "options": {},
+            "lines": base,
+            "mirrors": adapter.config_values(torch, {}, MIRRORED_OPTIONS),
+        }
+    ]
     seen, errors = {"{}"}, []
     for s in spec.get("option_sets") or []:
         try:
@@ -601,24 +734,43 @@ def host_side(torch, adapter, fingerprint: dict | None, spec: dict) -> dict:
                 continue
             seen.add(sig)
             lines = adapter.components(torch, patch)
-            configs.append({"label": s["label"], "options": patch, "lines": [ln for ln in lines if ln not in have],
-                            "mirrors": adapter.config_values(torch, patch, MIRRORED_OPTIONS)})
+            configs.append(
+                {
+                    "label": s["label"],
+                    "options": patch,
+                    "lines": [ln for ln in lines if ln not in have],
+                    "mirrors": adapter.config_values(torch, patch, MIRRORED_OPTIONS),
+                }
+            )
         except Exception as e:  # noqa: BLE001 - one bad option set is that set's error
             errors.append(f"{s.get('label')}: {_first_line(e)}")
     env = option_variables(os.environ)
     pristine = None
     if env:
         clean = {k: v for k, v in os.environ.items() if k not in env and k != "CACHEMGR_WORKER_FD"}
-        r = subprocess.run([sys.executable, "-m", "cachemgr.prewarm.worker", "--probe"], env=clean,
-                           capture_output=True, text=True, timeout=900)
+        r = subprocess.run(
+            [sys.executable, "-m", "cachemgr.prewarm.worker", "--probe"],
+            env=clean,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         if r.returncode == 0 and r.stdout.strip():
             pristine = [ln for ln in json.loads(r.stdout.strip().splitlines()[-1])["lines"] if ln not in have]
         else:
             errors.append(f"torch's own defaults (without {', '.join(sorted(env))}): the probe failed")
     info = host_info()
-    return {"torch": torch.__version__, "fingerprint": fingerprint, "configs": configs, "pristine": pristine,
-            "env": env, "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-            "triton": info["triton"], "gpu_arch": info["gpu_arch"], "errors": errors}
+    return {
+        "torch": torch.__version__,
+        "fingerprint": fingerprint,
+        "configs": configs,
+        "pristine": pristine,
+        "env": env,
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "triton": info["triton"],
+        "gpu_arch": info["gpu_arch"],
+        "errors": errors,
+    }
 
 
 def _device_problem(torch, device: str) -> str | None:
@@ -688,13 +840,21 @@ def _replay_model(m: dict, device: str, phase: str, out: _Out, torch, counters) 
             obj.train(spec["train"])
         compiled = torch.compile(obj, **m["compile"])
     except Exception as e:  # noqa: BLE001 - a model that raises does not stop the others
-        out(e="model_error", model=name, error=f"model {name!r}: factory {spec['factory']} or torch.compile "
-                                               f"raised {_reason(e)}")
+        out(
+            e="model_error",
+            model=name,
+            error=f"model {name!r}: factory {spec['factory']} or torch.compile raised {_reason(e)}",
+        )
         return
     out(e="model", model=name, device=device, phase=phase, shapes=sum(1 for s in m["shapes"] if not s.get("lead_in")))
     for s in m["shapes"]:
-        base = {"model": name, "index": s["index"], "signature": s["signature"], "lead_in": bool(s.get("lead_in")),
-            "worker": os.getpid()}
+        base = {
+            "model": name,
+            "index": s["index"],
+            "signature": s["signature"],
+            "lead_in": bool(s.get("lead_in")),
+            "worker": os.getpid(),
+        }
         out(e="shape_start", **base)
         before = {c: counters[g][c] for g, c in COUNTERS}
         t0 = time.perf_counter()
@@ -704,8 +864,15 @@ def _replay_model(m: dict, device: str, phase: str, out: _Out, torch, counters) 
             delta = {c: counters[g][c] - before[c] for g, c in COUNTERS}
             out(e="shape", device=device, phase=phase, ok=True, seconds=round(seconds, 4), counters=delta, **base)
         except Exception as e:  # noqa: BLE001 - one shape failing is that shape's result
-            out(e="shape", device=device, phase=phase, ok=False, seconds=round(time.perf_counter() - t0, 4),
-                error=_reason(e), **base)
+            out(
+                e="shape",
+                device=device,
+                phase=phase,
+                ok=False,
+                seconds=round(time.perf_counter() - t0, 4),
+                error=_reason(e),
+                **base,
+            )
 
 
 def _call(torch, compiled, spec: dict, device: str, model: dict) -> None:
@@ -713,8 +880,7 @@ def _call(torch, compiled, spec: dict, device: str, model: dict) -> None:
     kwargs = {k: _build(torch, v, device) for k, v in spec["kwargs"].items()}
     grad = bool(spec.get("grad", True)) or model["train"]
     dev_type = torch.device(device).type
-    autocast = (torch.autocast(dev_type, dtype=getattr(torch, model["autocast"])) if model.get("autocast")
-                else _null())
+    autocast = torch.autocast(dev_type, dtype=getattr(torch, model["autocast"])) if model.get("autocast") else _null()
     with torch.set_grad_enabled(grad), autocast:
         result = compiled(*args, **kwargs)
         if model["train"]:
@@ -726,9 +892,11 @@ def _call(torch, compiled, spec: dict, device: str, model: dict) -> None:
 
 
 class _null:
-    def __enter__(self): return self
+    def __enter__(self):
+        return self
 
-    def __exit__(self, *a): return False
+    def __exit__(self, *a):
+        return False
 
 
 def _tensors(torch, obj):
@@ -787,8 +955,7 @@ def check_bundle(path: str, b, torch, adapter, fingerprint: dict | None, spec: d
     from cachemgr.prewarm import bundle
 
     arts = bundle.artifacts(b.payload, path)
-    host = check.Host.of(host_side(torch, adapter, fingerprint, spec), spec.get("devices"),
-                         bool(spec.get("complete")))
+    host = check.Host.of(host_side(torch, adapter, fingerprint, spec), spec.get("devices"), bool(spec.get("complete")))
     report = check.check(bundle.graphs(arts, b.header), host, path)
     return {**report.as_dict(), "missing": bundle.completeness(arts, b.header.get("expects"))}
 
@@ -804,14 +971,22 @@ def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: di
         base = {"header": b.header, "check": doc}
         if doc["graphs"] and not doc["hit"]:
             causes = "; ".join(s["text"] for s in doc["summary"])
-            return {**base, "ok": False, "error": f"bundle {path}: none of its {doc['graphs']} graphs would hit here "
-                                                  f"({causes}): refusing to import it (export a bundle on a host with "
-                                                  "this image and GPU, or run `cachemgr prewarm` here)"}
+            return {
+                **base,
+                "ok": False,
+                "error": f"bundle {path}: none of its {doc['graphs']} graphs would hit here "
+                f"({causes}): refusing to import it (export a bundle on a host with "
+                "this image and GPU, or run `cachemgr prewarm` here)",
+            }
         if doc["missing"] and not spec.get("allow_partial"):
             n = len(doc["missing"])
-            return {**base, "ok": False, "error": f"bundle {path} is partial: {n} thing(s) its entries name are not "
-                                                  f"in it (first: {doc['missing'][0]}): refusing to import it "
-                                                  "(--allow-partial imports it anyway)"}
+            return {
+                **base,
+                "ok": False,
+                "error": f"bundle {path} is partial: {n} thing(s) its entries name are not "
+                f"in it (first: {doc['missing'][0]}): refusing to import it "
+                "(--allow-partial imports it anyway)",
+            }
         if spec.get("check_only"):
             return {**base, "ok": True, "loaded": False}
         info = torch.compiler.load_cache_artifacts(b.payload)
@@ -844,10 +1019,18 @@ def _export(export: dict, models: list[str], device: str, adapter, fingerprint: 
         missing = bundle.completeness(arts, expects)
         host = host_info()
         cpu_only = bool(models) and not device.startswith("cuda")  # replayed on CPU: no GPU entries
-        header = {**host, "format": 1, "created": time.time(), "models": models or None,
-                  "gpu_arch": None if cpu_only else host["gpu_arch"], "fingerprint": fingerprint,
-                  "artifacts": {k: len(v) for k, v in info.artifacts.items()}, "expects": expects,
-                  "complete": not missing, "missing": missing[:100]}
+        header = {
+            **host,
+            "format": 1,
+            "created": time.time(),
+            "models": models or None,
+            "gpu_arch": None if cpu_only else host["gpu_arch"],
+            "fingerprint": fingerprint,
+            "artifacts": {k: len(v) for k, v in info.artifacts.items()},
+            "expects": expects,
+            "complete": not missing,
+            "missing": missing[:100],
+        }
         return {"ok": True, "header": bundle.write(export["out"], header, payload), "out": export["out"]}
     except Exception as e:  # noqa: BLE001
         return {"ok": False, "error": _first_line(e)}

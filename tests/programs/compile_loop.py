@@ -49,10 +49,14 @@ def main() -> None:
         assert torch.allclose(y, ref, atol=1e-4), (n, y, ref)
         assert torch.allclose(g, w.grad, atol=1e-4), n
         done += 1
-    print(json.dumps({
-        "iterations": done,
-        **cache_counters(),
-    }))
+    print(
+        json.dumps(
+            {
+                "iterations": done,
+                **cache_counters(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

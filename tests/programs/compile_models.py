@@ -60,10 +60,14 @@ def main() -> None:
             y = torch.compile(scaled, options={"epilogue_fusion": False, "max_autotune": False})(x)
             assert torch.allclose(y, scaled(x), atol=1e-5)
             checksum += float(y.sum())
-    print(json.dumps({
-        **cache_counters(),
-        "checksum": checksum,
-    }))
+    print(
+        json.dumps(
+            {
+                **cache_counters(),
+                "checksum": checksum,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -55,11 +55,15 @@ def main() -> None:
     else:
         with torch.no_grad():
             assert torch.allclose(compiled(x), fn(x), atol=1e-5)
-    print(json.dumps({
-        "variant": args.variant,
-        "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
-        "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
-    }))
+    print(
+        json.dumps(
+            {
+                "variant": args.variant,
+                "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+                "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

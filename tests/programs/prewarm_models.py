@@ -98,10 +98,14 @@ def main() -> None:
         checksum += float(loss.detach())
         with torch.no_grad():
             checksum += float(head(torch.randn(b, 8), 0.5).sum())
-    print(json.dumps({
-        **cache_counters(),
-        "checksum": checksum,
-    }))
+    print(
+        json.dumps(
+            {
+                **cache_counters(),
+                "checksum": checksum,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -32,10 +32,16 @@ def fingerprint(torch: Any, hasher: Hasher) -> dict:
     key = torch_key()
     system = CacheBase.get_system()
     value = str(system.get("hash", ""))
-    return {"torch": torch.__version__, "torch_key": key.hex() if isinstance(key, bytes) else str(key),
-            "torch_version_hash": hasher(key), "system_hash": value, "system_component": hasher(value),
-            "system": system_description(system),
-            "cuda": getattr(torch.version, "cuda", None), "hip": getattr(torch.version, "hip", None)}
+    return {
+        "torch": torch.__version__,
+        "torch_key": key.hex() if isinstance(key, bytes) else str(key),
+        "torch_version_hash": hasher(key),
+        "system_hash": value,
+        "system_component": hasher(value),
+        "system": system_description(system),
+        "cuda": getattr(torch.version, "cuda", None),
+        "hip": getattr(torch.version, "hip", None),
+    }
 
 
 def components(torch: Any, patch: dict, lines_of: Callable[[Any], list[str]]) -> list[str]:
