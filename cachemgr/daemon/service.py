@@ -371,7 +371,7 @@ class Daemon:
     # -- components ----------------------------------------------------------------------------------
 
     def _open(self, s: Settings) -> None:
-        self.db = Database(s.db)  # migrates at start
+        self.db = Database(s.db, create_folder=s.defaulted("db"))  # migrates at start; a named one is not made
         self.cache_id = self.db.cache_id(s.host, s.cache_dir)
 
     def _start_metrics(self, s: Settings) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from cachemgr import layout, safefs
 from cachemgr.evict.policy import POLICIES, Clock, DiskState, Limits, Plan, Row, plan, select
 from cachemgr.index.db import Database
+from cachemgr.vocab import Kind
 
 __all__ = ["POLICIES", "EvictResult", "Limits", "Plan", "Row", "evict", "load_rows", "make_plan", "carry_out"]
 
@@ -56,72 +57,38 @@ def load_rows(db: Database, cache_id: int, root: safefs.Root | str) -> list[Row]
     if isinstance(root, str):
         with safefs.Root(root) as opened:
             return load_rows(db, cache_id, opened)
-    from sqlalchemy import select as sql_select
+    from cachemgr.index.models import PARSED
+    from cachemgr.index.store import Store
 
-    from cachemgr.index.models import PARSED, Entry, EntryRef
-    from cachemgr.index.queries import pin_keys, pinned_by
-
-    e, r = Entry.__table__, EntryRef.__table__
-    with db.engine.connect() as conn:
-        pins = pin_keys(conn, cache_id)
-        refs: dict[int, list[tuple[str, str]]] = {}
-        kinds: dict[str, str] = {}
-        for eid, kind, ref in conn.execute(
-            sql_select(r.c.entry_id, r.c.kind, r.c.ref).join(e, e.c.id == r.c.entry_id).where(e.c.cache_id == cache_id)
-        ):
-            refs.setdefault(eid, []).append((kinds.setdefault(kind, kind), ref))
-        cols = (
-            e.c.id,
-            e.c.key,
-            e.c.kind,
-            e.c.ref,
-            e.c.alias,
-            e.c.bytes,
-            e.c.files,
-            e.c.mtime,
-            e.c.last_access,
-            e.c.compile_seconds,
-            e.c.graph_key,
-            e.c.torch_version,
-            e.c.system_hash,
-            e.c.corrupt,
-            e.c.hit_count,
-            e.c.torch_version_hash,
-            e.c.parse_state,
-        )
-        rows = conn.execute(sql_select(*cols).where(e.c.cache_id == cache_id)).fetchall()
-    referenced = {ref for rs in refs.values() for kind, ref in rs if kind == "triton"}
+    store = Store.of_id(db, cache_id)
+    try:
+        pins = store.pin_map()
+        rows, refs = store.policy_rows()
+    finally:
+        store.close()
+    referenced = {ref for rs in refs.values() for kind, ref in rs if kind == Kind.TRITON}
     # Values most rows share (kind, torch version, system and version hashes) are kept once: the
     # driver makes a new string for every row, which at 1,000,000 files was tens of MB.
     shared: dict[str, str] = {}
     one = shared.setdefault
     out = []
-    for m in rows:
-        launcher = m.kind == "triton" and m.ref not in referenced and _holds_binary(root, m.key)
-        pinned = bool(pins) and pinned_by({"key": m.key, "graph_key": m.graph_key, "ref": m.ref}, pins) is not None
-        tv, sh, tvh = m.torch_version, m.system_hash, m.torch_version_hash
+    for m in rows:  # Store.POLICY_COLUMNS: Row's fields in order up to corrupt, then hits, version hash, state
+        eid, key, kind, ref, graph_key, tv, sh, tvh = m[0], m[1], m[2], m[3], m[10], m[11], m[12], m[15]
+        launcher = kind == Kind.TRITON and ref not in referenced and _holds_binary(root, key)
         out.append(
             Row(
-                m.id,
-                m.key,
-                one(m.kind, m.kind),
-                m.ref,
-                m.alias,
-                m.bytes,
-                m.files,
-                m.mtime,
-                m.last_access,
-                m.compile_seconds,
-                m.graph_key,
+                *m[:2],
+                one(kind, kind),
+                *m[3:11],
                 tv and one(tv, tv),
                 sh and one(sh, sh),
-                m.corrupt,
-                pinned,
-                m.hit_count or 0,
-                launcher,
-                tuple(refs.pop(m.id, ())),
-                tvh and one(tvh, tvh),
-                m.parse_state == PARSED,
+                m[13],
+                pinned=bool(pins) and any(k in pins for k in (key, graph_key, ref) if k),
+                hit_count=m[14] or 0,
+                launcher=launcher,
+                refs=tuple(refs.pop(eid, ())),
+                torch_version_hash=tvh and one(tvh, tvh),
+                parsed=m[16] == PARSED,
             )
         )
     return out

@@ -1,12 +1,16 @@
 """What a scan found, and the checks before one. Light: no SQLAlchemy, so the quick rescan of
-an unchanged tree (`queries.rescan_fast`) can answer without it."""
+an unchanged tree (`store.rescan_unchanged`) can answer without it."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from cachemgr.errors import CacheDirError
+
+if TYPE_CHECKING:  # (not at run time: scan imports SQLAlchemy)
+    from cachemgr.index.scan import ParseResult
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,7 @@ class ScanResult:
     parsed: int = 0  # entries read in this scan (phase two)
     new_keys: list[str] = field(default_factory=list)  # graph and AOT entries added or changed (capped)
 
-    def with_parsed(self, p) -> ScanResult:  # noqa: ANN001 - scan.ParseResult
+    def with_parsed(self, p: ParseResult) -> ScanResult:
         """This result after phase two read `p.parsed` pending entries."""
         return replace(
             self,

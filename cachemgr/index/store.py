@@ -935,6 +935,24 @@ class Store:
             edges.setdefault(eid, []).append(ref)
         return rows, edges
 
+    POLICY_COLUMNS = (
+        "id, key, kind, ref, alias, bytes, files, mtime, last_access, compile_seconds, graph_key, "
+        "torch_version, system_hash, corrupt, hit_count, torch_version_hash, parse_state"
+    )
+
+    def policy_rows(self) -> tuple[list[tuple], dict[int, list[tuple[str, str]]]]:
+        """Every entry of the cache as eviction plans over it (the POLICY_COLUMNS), and each
+        entry's references (kind, ref) by entry id."""
+        refs: dict[int, list[tuple[str, str]]] = {}
+        kinds: dict[str, str] = {}  # one string per kind, not one per reference (millions at scale)
+        for eid, kind, ref in self._rows(
+            "SELECT r.entry_id, r.kind, r.ref FROM entry_refs r JOIN entries e ON e.id = r.entry_id "
+            "WHERE e.cache_id = :cache"
+        ):
+            refs.setdefault(eid, []).append((kinds.setdefault(kind, kind), ref))
+        rows = self._rows(f"SELECT {self.POLICY_COLUMNS} FROM entries WHERE cache_id = :cache")
+        return rows, refs
+
     def fingerprint_names(self) -> dict[str, str]:
         """torch_version hash -> the torch build it names, as processes running it reported."""
         return dict(self._rows("SELECT hash, name FROM fingerprints WHERE kind = 'torch' ORDER BY last_seen"))
