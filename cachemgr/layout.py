@@ -285,7 +285,7 @@ def walk_units(root: safefs.Root, units: list[str]) -> tuple[list[Listing], DirW
     """Walk each of `units` (as `iter_dirs` handed them out) under `root`, in this process: the
     listings in order, and what the walk saw (mtimes, listed, unreadable; no entries)."""
     state = DirWalk({}, set(), {})
-    out = []
+    out: list[Listing] = []
     for unit in units:
         out.extend(iter_dirs(root, unit, None, False, state))
     return out, state
@@ -325,12 +325,12 @@ class _Walker:
                 return
             if kernel is None:  # (an empty listing too: the entries it had are gone)
                 yield Listing(rel, list(entries.values()))
-            split = self.units is not None and kernel is None and is_container(rel)
+            units = self.units if self.units is not None and kernel is None and is_container(rel) else None
             prefix = rel + "/" if rel else ""
             for name in subdirs:
                 key = prefix + name
-                if split and not is_container(key):
-                    self.units.append(key)  # walked by the caller, apart
+                if units is not None and not is_container(key):
+                    units.append(key)  # walked by the caller, apart
                 else:
                     yield from self._descend(fd, key, name, kernel)
             if kernel is not None and rel == kernel.key:

@@ -70,7 +70,7 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 
 def group_members(pgid: int) -> list[int]:
     """Pids of the live (not zombie) processes in process group `pgid` (Linux /proc)."""
-    out = []
+    out: list[int] = []
     try:
         names = os.listdir("/proc")
     except OSError:

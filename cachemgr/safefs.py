@@ -147,7 +147,7 @@ class Root:
             os.close(fd)
             raise
         with f:
-            yield f, fst  # type: ignore[misc]
+            yield f, fst
 
     def read(self, rel: str, limit: int) -> bytes:
         """The bytes of a regular file below the root (see open_regular); never more than `limit`."""

@@ -10,11 +10,15 @@ import os
 import sys
 from collections import defaultdict
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import click
 
 from cachemgr.cli.common import emit_json, json_option, pass_app, plural, short, terminal_width
 from cachemgr.errors import PrewarmError, UsageError
+
+if TYPE_CHECKING:
+    from cachemgr.check import Host
 
 SHOWN_DIFFERENCES = 12  # differences shown per group of graphs (--json has all)
 
@@ -56,7 +60,7 @@ def worker_device(devices: list[str] | None) -> str:
     return next((d for d in devices or () if d.startswith("cuda")), "cpu")
 
 
-def host_of(app, spec: dict, env: dict) -> object:
+def host_of(app, spec: dict, env: dict) -> Host:
     from cachemgr import check
     from cachemgr.cli.prewarm import _progress
     from cachemgr.prewarm import worker

@@ -162,7 +162,7 @@ def _progress(tty: bool, label: str = "prewarm"):
         yield on_line
         return
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
     with Progress(
@@ -172,7 +172,7 @@ def _progress(tty: bool, label: str = "prewarm"):
         TimeElapsedColumn(),
         console=Console(stderr=True),
     ) as p:
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
 
         def on(ev: dict) -> None:
             line = _progress_line(ev, label)

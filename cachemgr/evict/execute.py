@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import SupportsInt, cast
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import OperationalError
@@ -511,8 +512,7 @@ def _remove_quietly(dir_fd: int | None, name: str) -> None:
 
 def remaining_bytes(db: Database, cache_id: int) -> int:
     with db.engine.connect() as conn:
-        return int(
-            conn.execute(
-                select(func.coalesce(func.sum(ENTRIES.c.bytes), 0)).where(ENTRIES.c.cache_id == cache_id)
-            ).scalar()
-        )
+        total = conn.execute(
+            select(func.coalesce(func.sum(ENTRIES.c.bytes), 0)).where(ENTRIES.c.cache_id == cache_id)
+        ).scalar()
+        return int(cast(SupportsInt, total))  # never NULL (coalesce): an int, or on PostgreSQL a Decimal

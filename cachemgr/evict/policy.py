@@ -29,9 +29,13 @@ import bisect
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 from cachemgr.units import parse_size_or_percent
 from cachemgr.vocab import Held, Kind
+
+if TYPE_CHECKING:
+    from cachemgr.config import Settings
 
 POLICIES = ("lru", "cost")
 DEFAULT_COST = 1.0  # seconds, for a group whose compile time is unknown
@@ -48,7 +52,7 @@ class Limits:
     grace: float = 60.0
 
     @classmethod
-    def from_settings(cls, settings) -> Limits:  # noqa: ANN001 - cachemgr.config.Settings
+    def from_settings(cls, settings: Settings) -> Limits:
         return cls(
             settings.max_size,
             settings.max_age,
@@ -389,7 +393,7 @@ def needs(limits: Limits, total_bytes: int, total_files: int, disk: DiskState | 
         over_files = total_files - int(limits.max_files * limits.low_water)
     if limits.min_free and disk is not None:
         size, pct = parse_size_or_percent(limits.min_free)
-        floor = size if size is not None else int(pct * disk.total_bytes)
+        floor = size if size is not None else int(cast(float, pct) * disk.total_bytes)  # (one of the two is set)
         if disk.free_bytes < floor:
             short_free = floor - disk.free_bytes
     return over_bytes, over_files, short_free

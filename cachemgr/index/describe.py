@@ -13,6 +13,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from cachemgr import layout, parse, safefs
 from cachemgr.index.workers import BATCH, WALK, Job, Pool
@@ -46,12 +47,13 @@ class Describer:
         """A worker's answer to one job: a Described, a list of them (BATCH), or what a WALK saw:
         (listings, DirWalk), or None when the root is not the one the caller opened."""
         if job.kind == WALK:
-            if self._open(job) is not None:
+            root = self._open(job)
+            if isinstance(root, str):
                 return None
             try:
-                return layout.walk_units(self.root, list(job.items))
+                return layout.walk_units(root, list(job.items))
             finally:
-                self.root.forget()
+                root.forget()
         if job.kind == BATCH:
             return [
                 self.describe_job(Job(job.id, job.run, job.root, kind, key, ref, (), job.root_id))
@@ -59,8 +61,8 @@ class Describer:
             ]
         return self.describe_job(job)
 
-    def _open(self, job: Job) -> str | None:
-        """Open the job's root (kept across jobs); why not, if it cannot be or is not the same
+    def _open(self, job: Job) -> safefs.Root | str:
+        """The job's root, opened (kept across jobs); or why not, if it cannot be or is not the same
         directory the caller opened (renamed or swapped since)."""
         if job.run != self.run:
             self.run, self.sent = job.run, set()
@@ -76,18 +78,18 @@ class Describer:
             self.root.close()
             self.root = None
             return "the cache directory was replaced during the scan"
-        return None
+        return self.root
 
     def describe_job(self, job: Job) -> Described:
-        why = self._open(job)
-        if why is not None:
-            return failed(why)
+        root = self._open(job)
+        if isinstance(root, str):
+            return failed(root)
         try:
-            return self.describe(self.root, job.kind, job.key, job.ref)
+            return self.describe(root, job.kind, job.key, job.ref)
         except Exception as e:  # noqa: BLE001 - one entry's problem is that entry's, never the scan's
             return failed(parse.clean(f"cannot be read: {type(e).__name__}: {e}", 300))
         finally:
-            self.root.forget()  # directories may be replaced before the next job: no stale descriptors
+            root.forget()  # directories may be replaced before the next job: no stale descriptors
 
     def describe(self, root: safefs.Root, kind: str, key: str, ref: str | None) -> Described:
         """Row values, references and hash components of one entry, read from its files."""
@@ -222,7 +224,8 @@ def describe_all(
                 for d in light:
                     done(d.key, failed(f"unreadable: {e.strerror}"))
         for job, described in results:
-            done(job.key, described)
+            # (a worker's answer to a job of one entry is a Described: Describer.run_job)
+            done(job.key, cast(Described, described))
     finally:
         results.close()  # nothing left running if we got here by an exception
         if own:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import Row, bindparam, insert, select, update
 
 from cachemgr import layout, safefs
 from cachemgr.index.db import Database
@@ -85,7 +85,7 @@ def _apply_batch(
     exact = {sub for sub in subtrees if layout.is_kernel_dir(sub)}
     with db.engine.connect() as conn:  # read outside the write (see scan._sync_dirs)
         keys = list(set(classified) | set(disk) | exact)
-        known = {}
+        known: dict[str, Row] = {}
         for chunk in _chunks(keys):
             known.update(
                 (r.key, r)
@@ -142,7 +142,7 @@ def _write_hits(conn, cache_id: int, hits: dict[str, int], now: float) -> dict[s
     """Bump last_access and hit_count; write a 'hit' event per fxgraph use. Unknown keys are skipped."""
     if not hits:
         return {}
-    rows = {}
+    rows: dict[str, Row] = {}
     for chunk in _chunks(list(hits)):
         rows.update(
             (r.key, r)

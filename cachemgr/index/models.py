@@ -7,6 +7,8 @@ not ids, because the target may not be on disk (an AOT entry whose forward graph
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, ClassVar
+
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -36,6 +38,11 @@ NAMING_CONVENTION = {
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+    if TYPE_CHECKING:
+        # Declarative types it as any FromClause; every model here is mapped to a Table (one its
+        # __tablename__ makes, or one of its own), which insert(), update() and delete() take.
+        __table__: ClassVar[Table]
 
 
 class Cache(Base):

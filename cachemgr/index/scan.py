@@ -23,11 +23,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from sqlalchemy import bindparam, delete, func, insert, or_, select, tuple_, update
+from sqlalchemy import Insert, Row, bindparam, delete, func, insert, or_, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 
 from cachemgr import layout, parse, safefs
@@ -209,8 +209,8 @@ def index_names(
         _write_dirs(conn, cache_id, stored, state.mtimes, gone)
         if not sub:
             conn.execute(update(CACHES).where(CACHES.c.id == cache_id).values(last_scan=now))
-        unchanged = conn.execute(_count(conn, cache_id, sub)).scalar() - counts.added - counts.changed
-        pending = conn.execute(_count(conn, cache_id, sub).where(ENTRIES.c.parse_state != PARSED)).scalar()
+        unchanged = conn.execute(_count(conn, cache_id, sub)).scalar_one() - counts.added - counts.changed
+        pending = conn.execute(_count(conn, cache_id, sub).where(ENTRIES.c.parse_state != PARSED)).scalar_one()
     return ScanResult(
         root,
         counts.added,
@@ -320,7 +320,7 @@ def _sync_dirs(
     record the mtimes `seen` (those differing from `stored`) in it.
     `empty`: the cache had no rows when the scan began (a first scan reads none back)."""
     disk = {e.key: e for listing in batch for e in listing.entries}
-    known = {}
+    known: dict[str, Row] = {}
     if not empty:  # read outside the write: a SQLite reader cannot take the write lock after another commit
         with db.engine.connect() as conn:
             for chunk in _chunks([listing.dir for listing in batch]):
@@ -454,7 +454,7 @@ def parse_pending(
             .select_from(ENTRIES)
             .where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.parse_state != PARSED)
         )
-        total = conn.execute(q).scalar() if wanted is None else len(wanted)
+        total = conn.execute(q).scalar_one() if wanted is None else len(wanted)
     total = min(total, limit) if limit is not None else total
     if not total:
         return out
@@ -481,7 +481,7 @@ AHEAD = 2  # chunks handed to the workers beyond the one being written
 LIGHT_BATCH = 64  # entries that are not pickles (autotune results, C++ sources) per worker job
 
 
-def _pending_rows(db: Database, cache_id: int, wanted: list[str] | None, total: int) -> Iterator[list]:
+def _pending_rows(db: Database, cache_id: int, wanted: list[str] | None, total: int) -> Iterator[Sequence[Row]]:
     """The pending rows to read, PARSE_CHUNK at a time: those of `wanted`, or new entries then
     changed ones, each in id order. (One parse state at a time, so each read is a range of the
     (cache_id, parse_state) index from the last id on: `parse_state != PARSED` made SQLite read
@@ -572,7 +572,8 @@ class _Reader:
         chunk = _Chunk(rows, new_run(), {}, {}, {})
         chunk.described, chunk.hits = _from_content(conn, rows)
         first: dict[tuple[str, str, int], int] = {}
-        reads, light = [], []
+        reads: list[Row] = []
+        light: list[Row] = []
         for r in rows:
             if r.id in chunk.described:
                 continue
@@ -615,7 +616,7 @@ class _Reader:
     def finish(self, conn, chunk: _Chunk) -> set[int]:
         """Wait for the chunk's results; returns the ids of the rows whose files were read."""
         self._collect(chunk)
-        again = []
+        again: list[Row] = []
         for rid, others in chunk.copies.items():
             d = chunk.described[rid]
             if d.row.get("corrupt"):  # not the content's fault, perhaps (unreadable): each is read
@@ -718,7 +719,8 @@ def _write_parsed(conn, cache_id: int, rows, described: dict[int, Described], re
         ],
     )
     sets = ComponentSets(conn, [described[r.id].parts for r in rows])
-    refs, entry_sets = [], []
+    refs: list[dict[str, Any]] = []
+    entry_sets: list[dict[str, Any]] = []
     for r in rows:
         d = described[r.id]
         refs.extend({"entry_id": r.id, "kind": kind, "ref": ref} for kind, ref in d.refs)
@@ -746,7 +748,7 @@ def _new_events(conn, cache_id: int, new_rows, described: dict[int, Described]) 
     ]
     keys = list({gk for _, gk in graphs if gk})
     new_ids = [r.id for r, _ in graphs]
-    known: set[str] = set()
+    known: set[str | None] = set()
     for chunk in _chunks(keys):
         known.update(
             conn.execute(
@@ -794,11 +796,16 @@ def _keep_content(conn, rows, described: dict[int, Described]) -> None:
     if not kept:
         return
     kept = list({(k["name"], k["bytes"]): k for k in kept}.values())
+    q: Insert
     if conn.dialect.name == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert as upsert
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        q = sqlite_insert(CONTENT).on_conflict_do_nothing()
     else:
-        from sqlalchemy.dialects.postgresql import insert as upsert
-    conn.execute(upsert(CONTENT).on_conflict_do_nothing(), kept)
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        q = pg_insert(CONTENT).on_conflict_do_nothing()
+    conn.execute(q, kept)
 
 
 def forget_unused_content(conn) -> int:

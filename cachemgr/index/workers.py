@@ -33,8 +33,9 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import IO
 
 PARSE_SECONDS = 30.0  # one entry; a worker still at it then is killed and the entry marked corrupt
 WORKER_MEMORY = 512 << 20  # address space a worker may take beyond its start-up size
@@ -81,19 +82,27 @@ class _Worker:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # (PIPE)
+        self.stdin: IO[bytes] = self.proc.stdin
+        self.stdout: IO[bytes] = self.proc.stdout
         self.job: Job | None = None
         self.started = 0.0
         self.buf = b""
 
     def send(self, job: Job) -> None:
         data = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
-        self.proc.stdin.write(HEADER.pack(len(data)) + data)
-        self.proc.stdin.flush()
+        self.stdin.write(HEADER.pack(len(data)) + data)
+        self.stdin.flush()
         self.job, self.started = job, time.monotonic()
+
+    def current(self) -> Job:
+        """The job this busy worker holds (`send` gave it one)."""
+        assert self.job is not None
+        return self.job
 
     def read(self) -> tuple[int, object] | None:
         """A finished result, or None when more bytes are needed. Raises EOFError if it died."""
-        chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+        chunk = os.read(self.stdout.fileno(), 1 << 20)
         if not chunk:
             raise EOFError
         self.buf += chunk
@@ -111,7 +120,7 @@ class _Worker:
 
         procs.kill_group(self.proc)
         code = self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
+        for f in (self.stdin, self.stdout):
             try:
                 f.close()
             except OSError:
@@ -120,12 +129,12 @@ class _Worker:
 
     def close(self) -> None:
         try:
-            self.proc.stdin.close()  # EOF: it exits
+            self.stdin.close()  # EOF: it exits
             self.proc.wait(timeout=5)
         except (OSError, subprocess.TimeoutExpired):
             self.kill()
         else:
-            self.proc.stdout.close()
+            self.stdout.close()
 
 
 class Pool:
@@ -146,7 +155,7 @@ class Pool:
         while self.idle:
             self.idle.pop().close()
 
-    def run(self, jobs: Iterable[Job], failed: Callable[[Job, str], object]) -> Iterator[tuple[Job, object]]:
+    def run(self, jobs: Iterable[Job], failed: Callable[[Job, str], object]) -> _Run:
         """(job, result) for every job, in the order they finish; the first jobs are handed out
         at once, so the caller can do other work before it iterates. A job whose worker died or
         ran out of time gets `failed(job, why)` as its result."""
@@ -199,7 +208,7 @@ class _Run:
                 w.kill()
                 continue
             self.pending.popleft()
-            self.busy[w.proc.stdout.fileno()] = w
+            self.busy[w.stdout.fileno()] = w
 
     def wait(self, most: float = PARSE_SECONDS) -> None:
         timeout = max(0.0, min(w.started for w in self.busy.values()) + PARSE_SECONDS - time.monotonic())
@@ -211,11 +220,12 @@ class _Run:
                 out = w.read()
             except (EOFError, OSError):
                 del self.busy[fd]
-                self.ready.append((w.job, self.failed(w.job, f"the parse worker died ({w.kill()}): too much memory?")))
+                job = w.current()
+                self.ready.append((job, self.failed(job, f"the parse worker died ({w.kill()}): too much memory?")))
                 continue
             if out is not None:
                 del self.busy[fd]
-                job, w.job = w.job, None
+                job, w.job = w.current(), None
                 self.pool.idle.append(w)
                 self.ready.append((job, out[1]))
         now = time.monotonic()
@@ -223,7 +233,8 @@ class _Run:
             if now - w.started > PARSE_SECONDS:
                 del self.busy[fd]
                 w.kill()
-                self.ready.append((w.job, self.failed(w.job, f"took longer than {PARSE_SECONDS:g} s to parse")))
+                job = w.current()
+                self.ready.append((job, self.failed(job, f"took longer than {PARSE_SECONDS:g} s to parse")))
 
 
 class Stream:

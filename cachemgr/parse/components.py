@@ -8,7 +8,7 @@ stores a part shared by hundreds of graphs once.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from cachemgr.parse.unpickle import clean
 from cachemgr.vocab import Part
@@ -63,7 +63,7 @@ def components_of(debug_lines: Any) -> list[Component]:
     for line in debug_lines[:MAX_LINES]:
         if not isinstance(line, str):
             continue
-        c = _LINE_CACHE.get(line, False)
+        c: Component | None | Literal[False] = _LINE_CACHE.get(line, False)
         if c is False:
             c = _component(line)
             if len(line) < 4096:  # the graph code is one long line per graph: not worth keeping

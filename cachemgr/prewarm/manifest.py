@@ -111,7 +111,8 @@ def parse(doc: dict, path: str = "<manifest>") -> Manifest:
     errors: list[tuple[str, str]] = []
     names: set[str] = set()
     for i, t in enumerate(tables, 1):
-        label = t.get("name") if isinstance(t, dict) and isinstance(t.get("name"), str) else f"#{i}"
+        name = t.get("name") if isinstance(t, dict) else None
+        label = name if isinstance(name, str) else f"#{i}"
         try:
             m = _model(t)
             if m.name in names:

@@ -384,7 +384,9 @@ def _ints(v: Any, low: int) -> bool:
 
 def _arg_problem(a: object) -> str | None:
     """One argument's own fields (not its items: spec_problem walks those)."""
-    t = a.get("t") if isinstance(a, dict) else None
+    if not isinstance(a, dict):
+        return f"unknown argument {ascii(a)[:40]}"
+    t = a.get("t")
     if t == "tensor":
         ok = (
             _ints(a.get("shape"), 0)

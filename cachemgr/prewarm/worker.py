@@ -455,7 +455,12 @@ def _drive(
         current: list[Any] = [None]
 
         # `on` runs only within this iteration (one worker's events): the loop's names are its own
-        def on(ev: Event, done=done, current=current, remaining=remaining) -> None:  # noqa: ANN001
+        def on(
+            ev: Event,
+            done: set[tuple[str, int]] = done,
+            current: list[Any] = current,
+            remaining: list[Slice] = remaining,
+        ) -> None:
             if ev["e"] == "shape_start":
                 current[0] = ev
             elif ev["e"] == "shape":
@@ -605,14 +610,14 @@ def _tail(stream, out: list[bytes]) -> None:
 
 
 def host_info() -> dict:
+    import importlib
     import socket
 
     import torch
 
     try:
-        import triton
-
-        triton_version = triton.__version__
+        # (by name: CPU wheels of torch come without Triton, so it has no stubs to check against)
+        triton_version = importlib.import_module("triton").__version__
     except Exception:  # noqa: BLE001 - no Triton (CPU wheel) or a broken one: either way, none
         triton_version = None
     archs = []

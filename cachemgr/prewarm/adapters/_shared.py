@@ -5,13 +5,13 @@ Imports torch names that torch does not publish: only the adapters of this packa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 Hasher = Callable[[Any], str]
 
 
-def system_description(system: dict) -> str:
+def system_description(system: Mapping[str, Any]) -> str:
     """'NVIDIA H200, CUDA 13.0, Triton 3.6.0', or 'no GPU' (what CacheBase.get_system() names)."""
     device = system.get("device") or {}
     version = system.get("version") or {}
