@@ -292,8 +292,8 @@ def _print_stats(doc: dict, totals, act, models) -> None:
             ("entries", f"{t.entries:,}" + (f" ({state})" if state else "")),
             (
                 f"last {format_duration(act.window)}",
-                f"{plural(act.compiles, 'compile')} ({plural(act.recompiles, 'recompile')}), {plural(act.hits, 'hit')}, "
-                f"{act.loaded:,} loaded: hit ratio {ratio}",
+                f"{plural(act.compiles, 'compile')} ({plural(act.recompiles, 'recompile')}), "
+                f"{plural(act.hits, 'hit')}, {act.loaded:,} loaded: hit ratio {ratio}",
             ),
             ("", f"{act.compile_seconds:.1f} s compiling, {plural(act.evictions, 'eviction')}"),
         ]

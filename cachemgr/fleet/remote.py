@@ -35,13 +35,17 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 from cachemgr import layout, safefs
 from cachemgr.errors import NotFound, RemoteError, UsageError
 from cachemgr.index.describe import read_unseen
 from cachemgr.index.store import Store
+
+if TYPE_CHECKING:  # redis is imported where it is used: an optional dependency
+    from redis.typing import EncodableT, FieldT
 
 KEY_VERSION = 1  # the `:c1` suffix: remote_cache.RedisRemoteCache's `version`
 FX_CACHE_ID = "fx-graph-v1"
@@ -267,8 +271,9 @@ class Remote:
             return {}
         out: dict[str, dict] = {}
         for chunk in _chunks(rkeys):
-            values = self.call(lambda chunk=chunk: self.r.hmget(META_KEY, chunk))
-            for k, v in zip(chunk, values):
+            # (bytes: the client does not decode responses)
+            values = cast("list[bytes | None]", self.call(partial(self.r.hmget, META_KEY, chunk)))
+            for k, v in zip(chunk, values, strict=True):
                 if v is None:
                     continue
                 try:
@@ -320,7 +325,7 @@ class Remote:
         nbytes = 0
         now = time.time()
         for chunk in _chunks(items, 50):  # values are megabytes: small pipelines
-            taken = self.call(lambda chunk=chunk: _types(self.r, [it.rkey for it in chunk]))
+            taken = self.call(partial(_types, self.r, [it.rkey for it in chunk]))
             payload = []
             for it in chunk:
                 if taken.get(it.rkey, "none") not in ("none", "string") and not force:
@@ -356,7 +361,7 @@ class Remote:
 
             done = self.call(lambda: write()) if payload else []
             meta = {}
-            for (it, value), ok in zip(payload, done):
+            for (it, value), ok in zip(payload, done, strict=True):
                 if ok:
                     pushed.append(it.rkey)
                     nbytes += len(value)
@@ -373,7 +378,7 @@ class Remote:
                 else:
                     present.append(it.rkey)
             if meta:
-                self.call(lambda: self._remember(meta))
+                self.call(partial(self._remember, meta))
         return PushResult(pushed=pushed, present=present, missing=missing, bytes=nbytes, skipped=skipped)
 
     def _remember(self, fields: dict[str, str]) -> None:
@@ -381,7 +386,8 @@ class Remote:
         left alone: what cachemgr remembers is a cache, not a need."""
         typ = self.r.type(META_KEY)
         if (typ.decode(errors="replace") if isinstance(typ, bytes) else typ) in ("none", "hash"):
-            self.r.hset(META_KEY, mapping=fields)
+            # (a Mapping's key type is invariant: str keys are FieldTs all the same)
+            self.r.hset(META_KEY, mapping=cast("Mapping[FieldT, EncodableT]", fields))
 
     # -- eviction ----------------------------------------------------------------------------
 
@@ -418,7 +424,7 @@ class Remote:
             if k.bytes > MAX_VALUE:
                 skipped.append(Skipped(k.rkey, f"value of about {k.bytes} bytes, over the {MAX_VALUE} cachemgr reads"))
                 continue
-            raw = self.call(lambda k=k: _get_string(self.r, k.rkey))
+            raw = self.call(partial(_get_string, self.r, k.rkey))
             if raw is None:
                 continue  # gone, or no longer a string
             try:
@@ -446,9 +452,7 @@ class Remote:
         script = self.r.register_script(_EVICT_LUA)
         deleted: list[str] = []
         for chunk in _chunks(list(plan.victims)):
-            done = self.call(
-                lambda chunk=chunk: script(keys=[META_KEY, *(v.rkey for v in chunk)], args=[v.idle for v in chunk])
-            )
+            done = self.call(partial(script, keys=[META_KEY, *(v.rkey for v in chunk)], args=[v.idle for v in chunk]))
             deleted.extend(d.decode() if isinstance(d, bytes) else d for d in done)
         gone = set(deleted)
         freed = sum(v.bytes for v in plan.victims if v.rkey in gone)
@@ -462,7 +466,7 @@ def _types(r, rkeys: list[str]) -> dict[str, str]:
         p.type(k)
     return {
         k: (t.decode(errors="replace") if isinstance(t, bytes) else str(t))
-        for k, t in zip(rkeys, p.execute(raise_on_error=False))
+        for k, t in zip(rkeys, p.execute(raise_on_error=False), strict=True)
     }
 
 
@@ -695,7 +699,7 @@ def push_items(store: Store, model: str | None = None, graph: str | None = None)
         if graph is not None:
             seeds = {row[3] for row in rows if row[3] == graph}
             what = f"graph {graph!r}"
-        else:
+        elif model is not None:  # (it is: not both are None)
             graphs = store.model_graphs(model)
             seeds = {row[3] for row in rows if row[2] == "fxgraph" and row[3] in graphs}
             what = f"model {model!r}"

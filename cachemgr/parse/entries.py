@@ -189,7 +189,7 @@ def _fx_fields(p: Parsed, obj: Any, st: dict[str, Any], graph_key: str | None) -
 
 def _fx_family(obj: Any, st: dict[str, Any]) -> str | None:
     """The torch release family of an entry that records no version (docs/formats.md, section 7)."""
-    if getattr(type(obj), "_module", "") == "torch._inductor.codecache" and "_fx_graph_cache_key" not in st:
+    if getattr(type(obj), "pickled_module", "") == "torch._inductor.codecache" and "_fx_graph_cache_key" not in st:
         return "2.5.*"
     if "allocated_constant_name" in st:
         return "2.6.*"
@@ -284,7 +284,7 @@ def _instances(root: Any, name: str, budget: int = 200_000) -> list[Any]:
         node = queue.pop()
         seen += 1
         if isinstance(node, Stub):
-            if node._name == name:
+            if node.pickled_name == name:
                 out.append(node)
                 continue
             queue.extend(node.args)

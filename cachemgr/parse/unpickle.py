@@ -27,8 +27,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 class Stub:
     """Stand-in for any class a pickle names. Keeps constructor args and state as plain data."""
 
-    _module = ""
-    _name = ""
+    pickled_module = ""  # the global the pickle named (set on each stand-in class)
+    pickled_name = ""
     args: tuple = ()  # class-level defaults: NEWOBJ makes instances without calling __init__
     state: Any = None
 
@@ -59,7 +59,9 @@ class SafeUnpickler(pickle.Unpickler):
         if cls is None:
             if len(self.stubs) >= MAX_CLASSES:
                 raise pickle.UnpicklingError(f"names more than {MAX_CLASSES} classes")
-            cls = self.stubs[(module, name)] = type(str(name)[:200], (Stub,), {"_module": module, "_name": name})
+            cls = self.stubs[(module, name)] = type(
+                str(name)[:200], (Stub,), {"pickled_module": module, "pickled_name": name}
+            )
         return cls
 
     def persistent_load(self, pid: Any) -> None:
@@ -83,7 +85,7 @@ def state_of(obj: Any) -> dict[str, Any]:
 
 
 def class_name(obj: Any) -> str:
-    return text(type(obj)._name, 200) or "?" if isinstance(obj, Stub) else type(obj).__name__
+    return text(type(obj).pickled_name, 200) or "?" if isinstance(obj, Stub) else type(obj).__name__
 
 
 # -- values out of hostile state: checked, bounded, fit for any database ---------------------------
