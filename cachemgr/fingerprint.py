@@ -22,11 +22,18 @@ import pickle
 import pkgutil
 import re
 from dataclasses import dataclass, field
+from typing import Protocol
 
 FAMILY_ONLY = ("2.5.", "2.6.")  # releases whose entries record no torch_version hash
 
 
-def _code_hash(roots: list[str], prefix: str, h) -> None:  # noqa: ANN001 - a hashlib object
+class _Hash(Protocol):
+    """A hashlib object."""
+
+    def update(self, data: bytes, /) -> None: ...
+
+
+def _code_hash(roots: list[str], prefix: str, h: _Hash) -> None:
     for lib in sorted(pkgutil.iter_modules(roots, prefix), key=lambda m: m.name):
         spec = lib.module_finder.find_spec(lib.name, None)  # a directory scan: nothing is imported
         if spec is None or not spec.origin or not os.path.isfile(spec.origin):

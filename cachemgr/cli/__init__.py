@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         code = e.exit_code
     except BrokenPipeError:
         code = 0
-    except Exception as e:  # noqa: BLE001 - the one boundary where a bug becomes a message
+    except Exception as e:  # the one boundary where a bug becomes a message
         if os.environ.get("CACHEMGR_DEBUG"):
             raise
         if type(e).__module__.startswith("sqlalchemy."):  # the index failed mid-command: read-only, full, ...

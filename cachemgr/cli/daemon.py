@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from cachemgr.cli.common import DURATION, SIZE, emit_json, json_option, pass_app
@@ -93,7 +95,7 @@ def config_show(app, as_json: bool) -> None:
         click.echo(f"{k:<15} {v:<{width}}  {s.sources[k]}")
 
 
-def _show(v, unit: str | None) -> str:  # noqa: ANN001 - any option's value
+def _show(v: Any, unit: str | None) -> str:  # any option's value
     """An option's value as people write it: sizes in KiB/MiB/GiB, durations in s/m/h/d."""
     if v is None:
         return "-"

@@ -122,7 +122,7 @@ class Reader:
                 return
             try:
                 self.handle(self.ino.read())
-            except Exception as e:  # noqa: BLE001 - one bad event must not end the watching
+            except Exception as e:  # one bad event must not end the watching
                 log.exception("handling inotify events failed: %s: %s", type(e).__name__, e)
 
 

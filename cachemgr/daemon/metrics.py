@@ -12,13 +12,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from cachemgr import explain
 from cachemgr.index.store import Store
+
+if TYPE_CHECKING:
+    from cachemgr.index.db import Database
 
 log = logging.getLogger("cachemgr.metrics")
 
@@ -45,7 +48,7 @@ class Metrics:
 
     # -- wiring ------------------------------------------------------------------------------------
 
-    def watch(self, db, cache_id: int) -> None:  # noqa: ANN001 - cachemgr.index.Database
+    def watch(self, db: Database, cache_id: int) -> None:
         """Read figures from this index from now on (events before now are not counted)."""
         store = Store.of_id(db, cache_id)
         last = store.last_event_id()

@@ -225,7 +225,7 @@ class Watcher:
         except CachemgrError as e:
             log.error("applying %d changed paths failed: %s (the next full scan repairs the index)", len(paths), e)
             return
-        except Exception as e:  # noqa: BLE001 - the consumer must outlive one bad batch
+        except Exception as e:  # the consumer must outlive one bad batch
             log.exception("applying a batch failed: %s: %s", type(e).__name__, e)
             return
         if r.added or r.changed or r.removed or r.hits:
@@ -255,7 +255,7 @@ class Watcher:
         except CachemgrError as e:
             log.error("parsing pending entries failed: %s (tried again at the next scan)", e)
             return
-        except Exception as e:  # noqa: BLE001 - the consumer must outlive it
+        except Exception as e:  # the consumer must outlive it
             log.exception("parsing pending entries failed: %s: %s", type(e).__name__, e)
             return
         for key, reason in p.corrupt:

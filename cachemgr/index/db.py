@@ -8,8 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event, select, text
+from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry
 
 from cachemgr.errors import DatabaseError
 from cachemgr.index.models import Cache
@@ -25,7 +27,7 @@ def migrations_dir() -> Path:
     raise DatabaseError("cannot find cachemgr's migrations (is the package installed completely?)")
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:  # noqa: ANN001 - DB-API connection
+def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
     """Per connection. WAL (readers never block the daemon's writes) is the file's own setting:
     `migrate` sets it once the file is known to be cachemgr's."""
     cur = dbapi_conn.cursor()
