@@ -38,9 +38,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from synth import build_tree, child_env, extract_fixture, renamed  # noqa: E402
+from synth import build_tree, child_env, extract_fixture, renamed
 
-from cachemgr import layout  # noqa: E402
+from cachemgr import layout
 
 HOST = "bench"
 

@@ -33,13 +33,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from sqlalchemy import func, select  # noqa: E402
-from synth import check_room, child_env, extract_fixture, link_copies, renamed_key, tag  # noqa: E402
+from sqlalchemy import func, select
+from synth import check_room, child_env, extract_fixture, link_copies, renamed_key, tag
 
-from cachemgr import layout  # noqa: E402
-from cachemgr.index.db import Database  # noqa: E402
-from cachemgr.index.models import Entry, EntryRef  # noqa: E402
-from cachemgr.index.scan import insert_rows, reconcile  # noqa: E402
+from cachemgr import layout
+from cachemgr.index.db import Database
+from cachemgr.index.models import Entry, EntryRef
+from cachemgr.index.scan import insert_rows, reconcile
 
 MB = 1 << 20
 EVICT = """

@@ -25,12 +25,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from synth import extract_fixture, fixture_path, renamed  # noqa: E402
+from synth import extract_fixture, fixture_path, renamed
 
-from cachemgr import layout  # noqa: E402
-from cachemgr.index.db import Database  # noqa: E402
-from cachemgr.index.describe import describe_all  # noqa: E402
-from cachemgr.index.scan import reconcile  # noqa: E402
+from cachemgr import layout
+from cachemgr.index.db import Database
+from cachemgr.index.describe import describe_all
+from cachemgr.index.scan import reconcile
 
 
 def build_tree(src: Path, dst: Path, entries: int) -> int:
@@ -148,7 +148,8 @@ def main() -> None:
         db_sqlite, db_pg = max(sqlite["scan"] - base, 1e-9), max(pg["scan"] - base, 1e-9)
         print(f"{'database share (s)':24}{db_sqlite:10.2f}{db_pg:12.2f}{db_pg / db_sqlite:8.2f}")
         print(
-            f"\n{n} entries, {sqlite['side_rows']} ref/component rows, {sqlite['bytes'] / 2**20:.0f} MiB indexed in each"
+            f"\n{n} entries, {sqlite['side_rows']} ref/component rows, "
+            f"{sqlite['bytes'] / 2**20:.0f} MiB indexed in each"
         )
         ratio = pg["scan"] / sqlite["scan"]
         print(f"PostgreSQL / SQLite, first scan: {ratio:.2f}x (target <= 2x: {'met' if ratio <= 2 else 'NOT met'})")

@@ -25,9 +25,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from synth import REPO, extract_fixture  # noqa: E402
+from synth import REPO, extract_fixture
 
-import hostile  # noqa: E402
+import hostile
 
 MB = 1 << 20
 
@@ -89,7 +89,7 @@ def workers_of(pid: int) -> list[int]:
     return out
 
 
-def watch(proc: subprocess.Popen, until) -> tuple[int, int]:  # noqa: ANN001 - a callable
+def watch(proc: subprocess.Popen, until) -> tuple[int, int]:  # until: a callable
     """Sample (peak RSS of the process, peak RSS of any of its parse workers) until `until()`."""
     own = worker = 0
     while not until():

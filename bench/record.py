@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import cachemgr.record as record  # noqa: E402
+import cachemgr.record as record
 
 
 def per_call(fn, calls: int) -> float:

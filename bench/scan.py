@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synth import build_tree, child_env, distinct_names, shared_names  # noqa: E402
+from synth import build_tree, child_env, distinct_names, shared_names
 
 MB = 1 << 20
 

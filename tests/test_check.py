@@ -321,7 +321,7 @@ def _export(cache: Path, out: Path, db_url: str) -> dict:
     return json.loads(r.stdout)["exported"]["header"]
 
 
-def _rewrite(src: Path, dst: Path, edit) -> None:  # noqa: ANN001 - edit(arts) changes the artifacts
+def _rewrite(src: Path, dst: Path, edit) -> None:  # edit(arts) changes the artifacts
     b = bundle.read(str(src))
     arts = bundle.artifacts(b.payload)
     edit(arts)
@@ -339,7 +339,7 @@ def test_a_bundle_missing_a_kernel_a_graph_or_an_autotune_result_is_caught(tmp_p
     assert bundle.completeness(arts, header["expects"]) == []
 
     # one kernel removed: every file of one kernel the first graph launches gets another (same-length) name
-    def drop_kernel(arts):  # noqa: ANN001
+    def drop_kernel(arts):
         key, content = arts["inductor"][0]
         names, files, _ = bundle.kernels_of(content)
         name = names[0]
@@ -356,7 +356,7 @@ def test_a_bundle_missing_a_kernel_a_graph_or_an_autotune_result_is_caught(tmp_p
     assert problems == [f"graph {key}: Triton kernel {name} is not in the bundle"]
 
     # one kernel's binary dropped (torch#172542): the kernel is there, its .cubin is not
-    def drop_cubin(arts):  # noqa: ANN001
+    def drop_cubin(arts):
         k, content = arts["inductor"][0]
         name = bundle.kernels_of(content)[0][0]
         arts["inductor"][0] = (k, content.replace(f"{name}.cubin".encode(), f"{name}.cubix".encode()))
@@ -368,7 +368,7 @@ def test_a_bundle_missing_a_kernel_a_graph_or_an_autotune_result_is_caught(tmp_p
     assert f"graph {k}: Triton kernel {name} has no binary (.cubin, .hsaco, .zebin, .spv) in the bundle" in problems
 
     # a graph an AOTAutograd entry names, and an autotune result
-    def drop_graph_and_tuning(arts):  # noqa: ANN001
+    def drop_graph_and_tuning(arts):
         from cachemgr.parse import parse_aotautograd
 
         ref = parse_aotautograd(arts["aot_autograd"][0][1]).refs[0][1]
@@ -408,7 +408,7 @@ def test_import_checks_first(fixture_cache, tmp_path, db_url):
     assert not (tmp_path / "empty" / "fxgraph").exists()
 
     # a partial bundle: refused, or imported with --allow-partial
-    def drop_graph(arts):  # noqa: ANN001
+    def drop_graph(arts):
         from cachemgr.parse import parse_aotautograd
 
         ref = parse_aotautograd(arts["aot_autograd"][0][1]).refs[0][1]

@@ -953,7 +953,8 @@ shapes = [["f32[8,3]"]]
     assert r.returncode == 0, r.stderr[-2000:]
     assert (
         re.fullmatch(
-            rf"check: 1 of 1 graphs will hit here\nimported {re.escape(str(out))} into {re.escape(str(tmp_path / 'other'))}: \d+ inductor.*\n",
+            rf"check: 1 of 1 graphs will hit here\nimported {re.escape(str(out))} "
+            rf"into {re.escape(str(tmp_path / 'other'))}: \d+ inductor.*\n",
             r.stdout,
         )
         and "{" not in r.stdout

@@ -82,7 +82,7 @@ def test_kernel_dirs_swapped_for_symlinks_mid_eviction(gpu_cache_master, tmp_pat
         stop = threading.Event()
         pause = [0, 1e-4, 1e-3, 5e-3][attempt % 4]
 
-        def racer() -> None:
+        def racer(stop=stop, cache=cache, kernels=kernels, pause=pause) -> None:
             time.sleep(rng.random() * 0.5)  # the swap lands at a different moment each run
             while not stop.is_set():
                 if rng.random() < 0.5:  # the folder above the kernels, for a mirror of it

@@ -64,7 +64,7 @@ def test_daemon_unit_shape():
     # every hardening line carries a comment: each run of directives follows a comment, and is short
     lines = (UNITS / "cachemgr.service").read_text().split("--- hardening", 1)[1].split("[Install]")[0].splitlines()[1:]
     run = 0
-    for prev, line in zip(["#"] + lines, lines):
+    for prev, line in zip(["#"] + lines, lines, strict=False):  # (the last line is no line's prev)
         if line.strip() and not line.startswith("#"):
             run = run + 1 if not prev.startswith("#") else 1
             assert prev.startswith("#") or run > 1, f"hardening line without a comment: {line}"
