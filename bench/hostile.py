@@ -25,9 +25,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from synth import REPO, extract_fixture
-
 import hostile
+from synth import REPO, extract_fixture
 
 MB = 1 << 20
 

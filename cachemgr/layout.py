@@ -44,6 +44,7 @@ from cachemgr.vocab import Kind
 KINDS = tuple(k.value for k in Kind)  # plain strings (click shows an enum by its name)
 TRASH_DIR = ".cachemgr-trash"  # inside the root, same file system: rename there, then unlink
 LOCKS_DIR = "locks"
+HIT_FOLDERS = frozenset({"fxgraph", "aotautograd"})  # top folders of the entries whose reads are cache hits
 
 _TWO_CHAR = re.compile(r"^[a-z0-9]{2}$")
 _CODE_NAME = re.compile(r"^(c[a-z0-9]{20,})(\..+)$")

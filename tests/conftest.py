@@ -35,7 +35,8 @@ print("ok")
 
 
 def subprocess_env(cache_dir: Path | str | None = None, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEMGR_", "TORCHINDUCTOR_"))}
+    # COLUMNS: pytest-xdist workers inherit one; output to a pipe is then cut as on a terminal
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEMGR_", "TORCHINDUCTOR_", "COLUMNS", "LINES"))}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     if cache_dir is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
@@ -60,6 +61,8 @@ def run_program(cache_dir: Path, *args: str, timeout: float = 600, **env: str) -
 def isolated_state_dir(tmp_path_factory):
     """No test may touch the user's own index ($XDG_STATE_HOME/cachemgr) or spool."""
     state = tmp_path_factory.mktemp("xdg-state")
+    for name in ("COLUMNS", "LINES"):  # output is cut to fit only where a test asks for a width
+        os.environ.pop(name, None)
     old = os.environ.get("XDG_STATE_HOME")
     os.environ["XDG_STATE_HOME"] = str(state)
     yield state
@@ -67,6 +70,38 @@ def isolated_state_dir(tmp_path_factory):
         os.environ.pop("XDG_STATE_HOME", None)
     else:
         os.environ["XDG_STATE_HOME"] = old
+
+
+REDIS_HOST = os.environ.get("CACHEMGR_TEST_REDIS", "127.0.0.1:6379")
+CLAIM = "cachemgr-test:claim"  # not under cachemgr: (that prefix is the tool's own)
+
+
+@pytest.fixture(scope="session")
+def redis_db():
+    """A Redis db number of our own for the session (each pytest-xdist worker claims its own):
+    Inductor has no key prefix, only the /N of its URL, so tests (and other users of this server)
+    are kept apart by db number. Only an empty db is claimed, and the claim is a key in it."""
+    import redis
+
+    for n in range(15, 0, -1):
+        r = redis.Redis.from_url(f"redis://{REDIS_HOST}/{n}")
+        if r.dbsize() == 0 and r.set(CLAIM, os.getpid(), nx=True, ex=7200):
+            yield n
+            r.flushdb()
+            return
+    pytest.fail(f"no empty Redis db on {REDIS_HOST} to claim")
+
+
+@pytest.fixture
+def redis_url(redis_db):
+    """The session's Redis db, emptied for this test (the claim key stays)."""
+    import redis
+
+    url = f"redis://{REDIS_HOST}/{redis_db}"
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    r.set(CLAIM, os.getpid(), ex=7200)
+    return url
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import NO_TORCH_PROGRAM, REPO, run_program, subprocess_env
 
 from cachemgr import layout
 from cachemgr.errors import UnsafePath
-from conftest import NO_TORCH_PROGRAM, REPO, run_program, subprocess_env
 
 HOUR = 3600
 

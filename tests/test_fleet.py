@@ -13,7 +13,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import Cli, subprocess_env
 from test_index import find_bytes
 

@@ -17,14 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-from cachemgr import procs
 from conftest import PROGRAMS, REPO, Cli, subprocess_env
 from test_daemon import start, wait_until  # noqa: F401 - start: a fixture (daemon processes)
 from test_fleet import pg_url  # noqa: F401 - fixture: a throwaway PostgreSQL database
 
-REDIS_HOST = os.environ.get("CACHEMGR_TEST_REDIS", "127.0.0.1:6379")
-REDIS_DB = 13  # this file's own Redis database: flushed before and after each test, no other
+from cachemgr import procs
+
 PREWARM_ENV = {"PYTHONPATH": os.pathsep.join((str(REPO), str(PROGRAMS)))}
 
 
@@ -344,16 +342,11 @@ print(json.dumps([str(x.message) for x in w]))
 
 
 @pytest.fixture
-def redis13():
-    """(URL, client) of this file's own Redis database, emptied before and after."""
+def own_redis(redis_url):
+    """(URL, client) of the session's own Redis database, emptied for this test."""
     import redis
 
-    url = f"redis://{REDIS_HOST}/{REDIS_DB}"
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    r.set("cachemgr-test:claim", os.getpid(), ex=7200)  # test_remote's fixture takes only empty dbs
-    yield url, r
-    r.flushdb()
+    yield redis_url, redis.Redis.from_url(redis_url)
 
 
 ATTACK = "pickle-ran"  # a file the hostile pickle would create if anything executed it
@@ -407,11 +400,11 @@ def _age(r, key: str | bytes, seconds: int) -> None:
     r.restore(key, 0, r.dump(key), replace=True, idletime=seconds)
 
 
-def test_hostile_redis_values_are_skipped_items_with_reasons(redis13, tmp_path, db_url):
+def test_hostile_redis_values_are_skipped_items_with_reasons(own_redis, tmp_path, db_url):
     """stats, evict --dry-run and evict: each hostile key or value is a skipped item with its
     reason (in the text and in --json), nothing executes, the command exits 0, and eviction
     deletes only values Inductor could have written."""
-    url, r = redis13
+    url, r = own_redis
     key_problems, value_problems = hostile_redis(r, tmp_path)
     r.set("pt2:fx-graph-v1::fgood:c1", json.dumps({"data": "AAAA", "time_taken_ms": 5}))
     cli = Cli(tmp_path / "cache", db_url)
@@ -455,8 +448,8 @@ def test_hostile_redis_values_are_skipped_items_with_reasons(redis13, tmp_path, 
     assert not (tmp_path / ATTACK).exists()
 
 
-def test_a_meta_key_of_the_wrong_type_is_ignored(redis13, tmp_path, db_url):
-    url, r = redis13
+def test_a_meta_key_of_the_wrong_type_is_ignored(own_redis, tmp_path, db_url):
+    url, r = own_redis
     r.set("pt2:fx-graph-v1::fgood:c1", json.dumps({"data": "AAAA", "time_taken_ms": 5}))
     r.rpush("cachemgr:meta", "x")
     cli = Cli(tmp_path / "cache", db_url)
@@ -470,8 +463,8 @@ def test_a_meta_key_of_the_wrong_type_is_ignored(redis13, tmp_path, db_url):
     )
 
 
-def test_push_skips_a_key_that_holds_another_type(redis13, gpu_cache, tmp_path, db_url):
-    url, r = redis13
+def test_push_skips_a_key_that_holds_another_type(own_redis, gpu_cache, tmp_path, db_url):
+    url, r = own_redis
     cli = Cli(gpu_cache, db_url)
     assert cli.proc("scan").returncode == 0
     fx = json.loads(cli.proc("ls", "--kind", "fxgraph", "--json").stdout)

@@ -268,7 +268,7 @@ def plant_bad_files(root: Path) -> list[Path]:
     made.append(ctl)
     stem = code.name.removesuffix(".py")
     (folder / (stem + ".main.cpp")).symlink_to("/dev/zero")
-    other = sorted(root.glob("??/c*.py"))[1]
+    other = next(p for p in sorted(root.glob("??/c*.py")) if p != code)
     os.mkfifo(other.parent / (other.name.removesuffix(".py") + ".main.cpp"))
     sparse_dir = root / "fxgraph" / "zz" / ("f" + "z" * 51)
     sparse_dir.mkdir(parents=True)

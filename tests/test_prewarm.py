@@ -293,10 +293,8 @@ def test_shapes_are_shared_in_order_and_automatic_dynamic_slices_lead_in_with_th
     assert "model 'new': field 'shapes': \"recorded\" but no shapes are recorded" in errors[0][1]
 
 
-def test_target_redis_fills_pytorchs_remote_cache(world, tmp_path):
-    redis = pytest.importorskip("redis")
-    url = "redis://127.0.0.1:6379/11"  # a database of this test's own: emptied first
-    redis.Redis.from_url(url).flushdb()
+def test_target_redis_fills_pytorchs_remote_cache(world, tmp_path, redis_url):
+    url = redis_url  # the session's own Redis database, emptied for this test
     cfg = tmp_path / "config.toml"
     cfg.write_text(world["cli"].config.read_text() + f'redis_url = "{url}"\n')
     cli = ConfCli(tmp_path / "local", world["cli"].db_url, cfg)

@@ -9,40 +9,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import Cli, run_program, subprocess_env
 from test_daemon import start, wait_until  # noqa: F401 - start: a fixture (daemon processes)
 from test_fleet import pg_url  # noqa: F401 - fixture: a throwaway PostgreSQL database
 from test_index import INSPECT_WITHOUT_TORCH
-
-REDIS_HOST = os.environ.get("CACHEMGR_TEST_REDIS", "127.0.0.1:6379")
-CLAIM = "cachemgr-test:claim"  # not under cachemgr: (that prefix is the tool's own)
-
-
-@pytest.fixture(scope="session")
-def redis_db():
-    """A Redis db number of our own for the session: Inductor has no key prefix, only the /N of
-    its URL, so tests (and other users of this server) are kept apart by db number."""
-    import redis
-
-    for n in range(15, 0, -1):
-        r = redis.Redis.from_url(f"redis://{REDIS_HOST}/{n}")
-        if r.dbsize() == 0 and r.set(CLAIM, os.getpid(), nx=True, ex=7200):
-            yield n
-            r.flushdb()
-            return
-    pytest.fail(f"no empty Redis db on {REDIS_HOST} to claim")
-
-
-@pytest.fixture
-def redis_url(redis_db):
-    import redis
-
-    url = f"redis://{REDIS_HOST}/{redis_db}"
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    r.set(CLAIM, os.getpid(), ex=7200)
-    return url
 
 
 @pytest.fixture

@@ -72,14 +72,22 @@ def load_rows(db: Database, cache_id: int, root: safefs.Root | str) -> list[Row]
     shared: dict[str, str] = {}
     one = shared.setdefault
     out = []
-    for m in rows:  # Store.POLICY_COLUMNS: Row's fields in order up to corrupt, then hits, version hash, state
+    for m in rows:  # in Store.POLICY_COLUMNS order
         eid, key, kind, ref, graph_key, tv, sh, tvh = m[0], m[1], m[2], m[3], m[10], m[11], m[12], m[15]
         launcher = kind == Kind.TRITON and ref not in referenced and _holds_binary(root, key)
         out.append(
             Row(
-                *m[:2],
+                eid,
+                key,
                 one(kind, kind),
-                *m[3:11],
+                ref,
+                m[4],  # alias
+                m[5],  # bytes
+                m[6],  # files
+                m[7],  # mtime
+                m[8],  # last_access
+                m[9],  # compile_seconds
+                graph_key,
                 tv and one(tv, tv),
                 sh and one(sh, sh),
                 m[13],

@@ -10,6 +10,7 @@ run it meets its digest, since hundreds of graphs share one options part.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,6 +144,23 @@ def _kernel_source_ref(root: safefs.Root, key: str) -> str | None:
             continue
         return parse.cpp_source_ref(source.decode("utf-8", "replace"))
     return None
+
+
+def prepare_unseen_reads(root: str) -> None:
+    """Make the trash folder that read_unseen links through, before a walk records the root's
+    mtime (made later, it would change that mtime and no rescan could trust the root again).
+    Only in a root that holds entries to read (an fxgraph or aotautograd folder): a directory
+    that is no Inductor cache gets nothing. Where it cannot be made, reads are plain reads."""
+    try:
+        with safefs.Root(root) as r:
+            if any(
+                stat.S_ISDIR(os.stat(d, dir_fd=r.fd, follow_symlinks=False).st_mode)
+                for d in os.listdir(r.fd)
+                if d in layout.HIT_FOLDERS
+            ):
+                os.mkdir(layout.TRASH_DIR, 0o700, dir_fd=r.fd)
+    except OSError:  # there already (the usual case), a read-only or full file system, a root that will not open
+        pass
 
 
 def read_unseen(r: safefs.Root, path: str, limit: int) -> bytes:

@@ -32,7 +32,7 @@ from sqlalchemy.exc import IntegrityError
 
 from cachemgr import layout, parse, safefs
 from cachemgr.index.db import Database
-from cachemgr.index.describe import Described, Parts, failed, new_run
+from cachemgr.index.describe import Described, Parts, failed, new_run, prepare_unseen_reads
 from cachemgr.index.models import (
     PARSED,
     PENDING,
@@ -162,6 +162,7 @@ def index_names(
     the workers of `pool`, if given (see `_walk`)."""
     t0 = time.monotonic()
     check_root(root)
+    prepare_unseen_reads(root)
     sub = subtree.strip("/")
     with db.engine.connect() as conn:
         q = select(DIRS.c.path, DIRS.c.mtime_ns).where(DIRS.c.cache_id == cache_id)

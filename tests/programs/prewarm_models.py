@@ -79,8 +79,9 @@ def sleepy():
 
 
 def main() -> None:
-    import cachemgr.record
     from cache_counters import cache_counters
+
+    import cachemgr.record
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="4,8,16")
