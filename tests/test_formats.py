@@ -438,11 +438,6 @@ def test_dynamo_entries_in_an_evict_dry_run(name, cache_of, cli_for):
     assert {k: planned[k]["reason"] for k in heads if k in planned} == {k: "size" for k in pre[2:]}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: evict/execute.py _guarding_locks checks locks/<ref>.lock only, never the "
-    "filelock torch holds beside a PGO profile (dynamo/code_state_<job>.pkl.lock)",
-)
 @pytest.mark.parametrize("name", DYNAMO)
 def test_a_pgo_profile_is_kept_while_its_lock_is_held(name, cache_of, cli_for):
     import fcntl

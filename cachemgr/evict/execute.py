@@ -184,8 +184,8 @@ class Executor:
             out.append(f"{layout.LOCKS_DIR}/{ref}.lock")
         elif kind == Kind.CODE and ref:
             out.append(f"{layout.LOCKS_DIR}/{ref}.lock")  # a build may have just made it
-        if kind == Kind.TRITON:
-            out.append(key + ".lock")  # Triton's bundler locks <kernel dir>.lock
+        if kind in (Kind.TRITON, Kind.PGO):
+            out.append(key + ".lock")  # Triton's bundler locks <kernel dir>.lock, dynamo's PGO <profile>.lock
         return out
 
     def _stem_names(self, folder: str, stem: str) -> list[str]:
