@@ -375,18 +375,51 @@ def test_dynamo_entries_are_indexed_by_kind(name, cache_of, cli_for):
     assert by_kind["other"]["entries"] == 0
 
 
-_NEWOBJ_ARGS = (
-    "product bug: cachemgr/parse/unpickle.py Stub keeps constructor args only from REDUCE (__init__), "
-    "not from NEWOBJ (cls.__new__(cls, *args)), the opcode torch.torch_version.TorchVersion (a str "
-    "subclass) is pickled with: parse_precompile reads system_info.torch_version as empty; 2.13 "
-    "entries get the version from their inline graphs' runnable_graph_str, 2.14 ones (empty there) none"
-)
+class _Version(str):
+    """Pickled as torch.torch_version.TorchVersion is: a str subclass, NEWOBJ (protocol 2+)."""
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_NEWOBJ_ARGS)) if "2.14" in n else n for n in DYNAMO],
-)
+class _Reduced:
+    """Pickled as torch.utils._ordered_set.OrderedSet is: REDUCE, `cls(items)`."""
+
+    def __init__(self, items=()):
+        self.items = list(items)
+
+    def __reduce__(self):
+        return (type(self), (self.items,))
+
+
+class _KwOnly:
+    """Pickled with NEWOBJ_EX (protocol 4+): `cls.__new__(cls, *args, **kwargs)`."""
+
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls)
+
+    def __getnewargs_ex__(self):
+        return ("2.14.1", 7), {"flag": True}
+
+
+def test_the_reader_keeps_constructor_args_of_every_construction():
+    """REDUCE (`cls(*args)`), NEWOBJ and NEWOBJ_EX (`cls.__new__(cls, *args)`): the stand-in keeps
+    the positional args whichever built it, and runs nothing of the class."""
+    import pickle
+    import pickletools
+
+    from cachemgr.parse.unpickle import Stub, safe_load
+
+    for obj, protocol, opcode, args in (
+        (_Version("2.14.1+cu130"), 2, "NEWOBJ", ("2.14.1+cu130",)),
+        (_KwOnly(), 4, "NEWOBJ_EX", ("2.14.1", 7)),
+        (_Reduced(["cpu"]), 2, "REDUCE", (["cpu"],)),
+    ):
+        data = pickle.dumps(obj, protocol=protocol)
+        assert opcode in {op.name for op, _, _ in pickletools.genops(data)}
+        got = safe_load(data)
+        assert isinstance(got, Stub) and type(got).pickled_name == type(obj).__name__
+        assert got.args == args
+
+
+@pytest.mark.parametrize("name", DYNAMO)
 def test_a_precompile_entry_names_its_torch(name, cache_of, cli_for):
     """Its `_DynamoCacheEntry.system_info.torch_version` holds the version string (docs/formats.md,
     section 2): on 2.14 the only one any entry stores."""

@@ -264,8 +264,9 @@ def parse_precompile(data: bytes) -> Parsed:
     info = dynamo.get("system_info")
     info = info if isinstance(info, dict) else state_of(info)
     version = info.get("torch_version")
-    version = version if isinstance(version, str) else next(iter(items(getattr(version, "args", ()))), None)
-    p.torch_version = text(version, 64) if isinstance(version, str) else None
+    if isinstance(version, Stub):  # a TorchVersion: a str subclass, built by NEWOBJ from the string
+        version = next(iter(items(version.args)), None)
+    p.torch_version = text(version, 64)
     if p.torch_version is None:
         p.missing.append(VERSION)
     p.missing.append(COMPILE_TIME)

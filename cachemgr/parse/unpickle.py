@@ -25,15 +25,27 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Stub:
-    """Stand-in for any class a pickle names. Keeps constructor args and state as plain data."""
+    """Stand-in for any class a pickle names. Keeps constructor args and state as plain data.
+
+    The args are kept however the pickle builds the object: REDUCE calls the class
+    (`cls(*args)`), NEWOBJ and NEWOBJ_EX call `cls.__new__(cls, *args, **kwargs)` without
+    `__init__` (how a str or tuple subclass pickles, e.g. torch's TorchVersion). Both pass
+    through `__new__`. Keyword args (NEWOBJ_EX only) are dropped: no reader needs them. The args
+    are the objects the pickle already built, kept by reference: nothing is copied or grown.
+    """
 
     pickled_module = ""  # the global the pickle named (set on each stand-in class)
     pickled_name = ""
-    args: tuple = ()  # class-level defaults: NEWOBJ makes instances without calling __init__
+    args: tuple = ()
     state: Any = None
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Stub:
+        obj = super().__new__(cls)
+        obj.args = args
+        return obj
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
+        pass  # (REDUCE calls it after __new__, which kept the args)
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
