@@ -186,3 +186,21 @@ class Result:
 @pytest.fixture
 def cli_for(db_url):
     return lambda cache_dir, **kw: Cli(cache_dir, kw.pop("db", db_url), **kw)
+
+
+# -- the two tiers -----------------------------------------------------------------------------------
+
+# A test that uses one of these is in the integration tier (`slow`): a cache compiled by
+# torch.compile in this session, a daemon process, PostgreSQL, Redis. `pytest -m "not slow"` is
+# the fast tier: pure functions, synthetic trees and rows, the CLI on the repository's fixtures.
+INTEGRATION_FIXTURES = frozenset(
+    {"cpu_cache", "cpu_cache_master", "aged_cpu", "start", "pg_url", "redis_db", "redis_url", "rconn", "own_redis"}
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {}).values()  # a fixture named by a parameter
+        named = {p for p in params if isinstance(p, str)}
+        if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())) or INTEGRATION_FIXTURES & named:
+            item.add_marker(pytest.mark.slow)

@@ -13,8 +13,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import PROGRAMS, subprocess_env
 from test_evict import HOUR, age_files, assert_index_matches_disk
+
+pytestmark = pytest.mark.slow  # real compiles in a loop beside eviction
 
 LOOP = PROGRAMS / "compile_loop.py"
 SEED = "main:3,main:4,other:3"

@@ -744,6 +744,7 @@ def _cleanup(worker: int | None, run: Running) -> None:
         run.proc.wait()
 
 
+@pytest.mark.slow  # a prewarm worker starts torch
 def test_ctrl_c_during_prewarm_stops_the_worker(tmp_path, db_url):
     """SIGINT while the worker compiles: the CLI kills the worker's process group (torch's compile
     processes in it too) and waits for it, then exits 130; nothing compiles or writes after."""
@@ -765,6 +766,7 @@ def test_ctrl_c_during_prewarm_stops_the_worker(tmp_path, db_url):
         _cleanup(worker, p)
 
 
+@pytest.mark.slow  # a prewarm worker starts torch
 def test_a_killed_prewarm_takes_its_worker_with_it(tmp_path, db_url):
     """SIGKILL of the CLI (no chance to clean up): the worker dies too (PR_SET_PDEATHSIG)."""
     (tmp_path / "m.toml").write_text(HANGING)
@@ -833,6 +835,7 @@ def test_die_with_parent_exits_when_the_parent_is_already_gone():
 # -- 6. prewarm checks what it can before torch, and says what it does -----------------------------
 
 
+@pytest.mark.slow  # a prewarm worker starts torch
 def test_cuda_on_a_host_without_cuda_is_exit_2_before_any_worker(tmp_path, db_url):
     if os.path.exists("/proc/driver/nvidia/version"):
         pytest.skip("this host has an NVIDIA driver")
@@ -896,6 +899,7 @@ def test_manifest_shapes_with_empty_dims_are_refused(tmp_path, db_url):
     one_error_line(r, 2, "field 'shapes[0][0]'", "whole numbers between the commas", "'f32[8,,32]'")
 
 
+@pytest.mark.slow  # a prewarm worker starts torch
 def test_progress_from_the_start_the_real_cause_of_a_shape_failure_and_human_bundle_lines(tmp_path, db_url):
     """A line when the worker starts (before torch is up), per model and per shape; a wrong input
     shape names the mismatch, not torch's wrapper; export and import print lines, not dicts;

@@ -62,6 +62,7 @@ def agrees_with_disk(cli) -> dict:
 # -- deletion never leaves the root ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the race, many times over
 def test_kernel_dirs_swapped_for_symlinks_mid_eviction(gpu_cache_master, tmp_path, cli_for):
     """A racer keeps swapping kernel directories (and the triton/0 folder above them) for symlinks
     into a victim tree while `evict --max-size 0` runs: at different moments, over many runs, the

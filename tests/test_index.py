@@ -550,6 +550,7 @@ def test_index_is_wal(cpu_cache, cli_for, db_url):
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
+@pytest.mark.slow  # builds a wheel
 def test_migrations_ship_in_the_wheel(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
