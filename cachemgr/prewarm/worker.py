@@ -655,10 +655,10 @@ def child_main() -> None:
     out = _Out(int(os.environ["CACHEMGR_WORKER_FD"]))
     job = json.loads(sys.stdin.read())
     import torch
-    from torch._dynamo.utils import counters
 
     device = job["device"]
     adapter, fingerprint = _adapter(torch)
+    counters = adapter.counters()
     out(
         e="worker_ready",
         pid=os.getpid(),

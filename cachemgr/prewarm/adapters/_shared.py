@@ -26,6 +26,14 @@ def system_description(system: Mapping[str, Any]) -> str:
     return ", ".join(parts) or "no GPU"
 
 
+def counters() -> Any:
+    """torch's own event counters (counters['inductor']['fxgraph_cache_hit'], ...): what a
+    compile did, as torch counts it."""
+    from torch._dynamo.utils import counters as torch_counters
+
+    return torch_counters
+
+
 def fingerprint(torch: Any, hasher: Hasher) -> dict:
     from torch._inductor.codecache import CacheBase, torch_key
 

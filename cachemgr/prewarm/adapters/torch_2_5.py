@@ -7,7 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from cachemgr.prewarm.adapters import _shared
-from cachemgr.prewarm.adapters._shared import config_values, known_option, mode_options, record_artifacts
+from cachemgr.prewarm.adapters._shared import (  # noqa: F401 - the adapter's interface
+    config_values,
+    counters,
+    known_option,
+    mode_options,
+    record_artifacts,
+)
 
 FIRST = (2, 5)
 
