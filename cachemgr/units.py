@@ -91,4 +91,4 @@ def format_duration(seconds: float | None) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds / size:.1f}".removesuffix(".0") + unit
-    return f"{seconds:.0f}s"
+    return (f"{seconds:.1f}".removesuffix(".0") if seconds < 10 else f"{seconds:.0f}") + "s"

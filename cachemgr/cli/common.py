@@ -287,7 +287,7 @@ def human_size(n: int | None) -> str:
 
 
 def age(ts: float | None) -> str:
-    return "-" if ts is None else format_duration(time.time() - ts)
+    return "-" if ts is None else format_duration(round(time.time() - ts))  # ages in whole seconds
 
 
 def seconds(s: float | None) -> str:
