@@ -375,6 +375,37 @@ def test_dynamo_entries_are_indexed_by_kind(name, cache_of, cli_for):
     assert by_kind["other"]["entries"] == 0
 
 
+_AOT_TIMES = ("forward_time_taken_ns", "backward_time_taken_ns")
+_INTS = ("BININT", "BININT1", "BININT2", "LONG1", "LONG4", "INT", "LONG")
+
+
+def _aot_time_ns(data: bytes) -> int:
+    """The sum of every `forward_time_taken_ns` and `backward_time_taken_ns` value in a pickle, read
+    off its opcode stream (pickletools: nothing is unpickled). A field name is a string pushed, or
+    fetched back from the memo (a repeated name is stored once), and its value the int pushed next."""
+    import pickletools
+
+    memo: dict[int, object] = {}
+    last: object = None  # the value the previous opcode pushed (for MEMOIZE / PUT)
+    field: str | None = None  # a time field's name was just pushed: its value comes next
+    total = 0
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "FRAME":
+            continue
+        if op.name == "MEMOIZE":
+            memo[len(memo)] = last
+            continue
+        if op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[int(arg)] = last
+            continue
+        value = memo.get(int(arg)) if op.name in ("GET", "BINGET", "LONG_BINGET") else arg
+        if field is not None and op.name in _INTS:
+            total += value
+        field = value if isinstance(value, str) and value in _AOT_TIMES else None
+        last = value
+    return total
+
+
 class _Version(str):
     """Pickled as torch.torch_version.TorchVersion is: a str subclass, NEWOBJ (protocol 2+)."""
 
@@ -422,12 +453,17 @@ def test_the_reader_keeps_constructor_args_of_every_construction():
 @pytest.mark.parametrize("name", DYNAMO)
 def test_a_precompile_entry_names_its_torch(name, cache_of, cli_for):
     """Its `_DynamoCacheEntry.system_info.torch_version` holds the version string (docs/formats.md,
-    section 2): on 2.14 the only one any entry stores."""
-    _, meta, cli = _scanned(name, cache_of, cli_for)
+    section 2): on 2.14 the only one any entry stores. And it records its compile time: the
+    forward and backward times of the AOT results it holds inline."""
+    root, meta, cli = _scanned(name, cache_of, cli_for)
     pre = cli.json("ls", "--kind", "precompile")
     assert len(pre) == _find(meta, "dynamo/*/entry")
     assert {e["key"]: e["torch_version"] for e in pre} == {e["key"]: meta["torch"][0] for e in pre}
     assert all("torch version string" not in (e["unrecorded"] or "") for e in pre)
+    assert all("compile time" not in (e["unrecorded"] or "") for e in pre)
+    for e in pre:
+        want = _aot_time_ns((root / e["key"]).read_bytes()) / 1e9
+        assert want > 0 and e["compile_seconds"] == pytest.approx(want, rel=1e-9), e["key"]
 
 
 def _plan(cli, *args: str) -> tuple[dict[str, dict], dict[str, str]]:

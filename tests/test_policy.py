@@ -53,6 +53,19 @@ def test_cost_policy_keeps_what_is_dear_per_byte_and_what_is_hit():
     assert p.clock is not None and p.clock.value > 0  # the clock rose to each victim's H in turn
 
 
+def test_cost_counts_a_precompile_entrys_own_compile_time():
+    """A precompile entry heads a group of its own (nothing names it): its compile seconds (a whole
+    function's compile, held inline) are the group's cost, not the 1 s of an unknown one."""
+
+    def precompile(i: int, name: str, cost: float, used: float) -> Row:
+        return Row(i, f"dynamo/{name * 8}/entry", "precompile", name * 8, None, MB, 1, used, used, cost)
+
+    rows = [precompile(1, "dear", 30.0, NOW - 9000), precompile(2, "chea", 0.1, NOW - 60)]
+    limits = Limits(max_size=MB, low_water=1.0, grace=0)
+    assert [u.entries[0].key for u in plan(rows, limits, "lru", NOW).units] == [rows[0].key]
+    assert [u.entries[0].key for u in plan(rows, limits, "cost", NOW).units] == [rows[1].key]
+
+
 def test_the_clock_makes_recency_count_across_runs():
     """Two groups of the same cost and size: the one used after the clock last rose (in an
     earlier run) has the higher L, so it stays; without the clock they would tie."""

@@ -378,9 +378,12 @@ def candidates(g: Graph) -> tuple[list[_Candidate], list[_Candidate], list[_Cand
 
 
 def _group_cost(members: Sequence[Row]) -> float:
+    """Seconds to compile the group again: its AOT entry's (which includes its graphs'), its
+    graphs' summed, or a precompile entry's (a function's whole compile, held inline)."""
     aot = max((r.compile_seconds or 0.0 for r in members if r.kind == "aotautograd"), default=0.0)
     fx = sum(r.compile_seconds or 0.0 for r in members if r.kind == "fxgraph")
-    return max(aot, fx) or DEFAULT_COST
+    whole = sum(r.compile_seconds or 0.0 for r in members if r.kind == Kind.PRECOMPILE)
+    return max(aot, fx, whole) or DEFAULT_COST
 
 
 def needs(limits: Limits, total_bytes: int, total_files: int, disk: DiskState | None) -> tuple[int, int, int]:
