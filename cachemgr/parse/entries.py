@@ -291,21 +291,22 @@ def _backend_seconds(backends: Any) -> float | None:
     """A precompile entry's compile seconds: the sum over its backends (one per compiled graph
     of the function, each a BundledAOTAutogradCacheArtifact holding an AOT result) of the AOT
     result's forward + backward time (`_aot_seconds`); a backend that records neither counts the
-    `_time_taken_ns` of the CompiledFxGraphs it holds inline. Dynamo's own tracing time is
-    recorded nowhere. None: no backend records any time."""
+    `_time_taken_ns` of the CompiledFxGraphs it holds inline (those are looked for in one walk,
+    within one budget). Dynamo's own tracing time is recorded nowhere. None: no backend records
+    any time."""
     if not isinstance(backends, dict):
         return None
-    total: float | None = None
+    times, bare = [], []
     for backend in itertools.islice(backends.values(), MAX_REFS):
-        content = state_of(backend).get("content")
-        spent = _aot_seconds(state_of(content))
+        spent = _aot_seconds(state_of(state_of(backend).get("content")))
         if spent is None:
-            graphs = [seconds(state_of(g).get("_time_taken_ns")) for g in _instances(backend, "CompiledFxGraph")]
-            known = [s for s in graphs if s is not None]
-            spent = sum(known) if known else None
-        if spent is not None:
-            total = (total or 0.0) + spent
-    return total
+            bare.append(backend)
+        else:
+            times.append(spent)
+    for graph in _instances(bare, "CompiledFxGraph") if bare else []:
+        if (spent := seconds(state_of(graph).get("_time_taken_ns"))) is not None:
+            times.append(spent)
+    return sum(times) if times else None
 
 
 def _instances(root: Any, name: str, budget: int = 200_000) -> list[Any]:
