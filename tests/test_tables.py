@@ -44,7 +44,7 @@ def gpu(fixture_cache, cli_for, db_url):
     with sqlite3.connect(db_url.split(":///", 1)[1]) as c:  # a recorded model, as cachemgr.record leaves it
         c.execute(
             "INSERT INTO shapes (model, signature_hash, signature, spec, options, count, first_seen, last_seen) "
-            "VALUES ('a-model-with-a-rather-long-name-for-its-column', 'x', ?, '[]', '{}', 2, 0, 0)",
+            "VALUES ('a-model-with-a-rather-long-name-for-its-column', 'x', ?, '{\"args\": []}', '{}', 2, 0, 0)",
             (sig.split(";")[0].split("(")[0],),
         )
     return cli
@@ -210,3 +210,49 @@ def test_wide_cuts_nothing(gpu, monkeypatch):
         c = cells(line)
         e = rows[c[0]]
         assert "…" not in line and (not e["signature"] or line.endswith(e["signature"]))
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_shapes_fleet_report_and_a_prewarm_run(gpu, cli_for, monkeypatch, capsys, tmp_path, width):
+    monkeypatch.setenv("COLUMNS", str(width))
+    lines = fits(gpu("shapes").stdout, width)
+    assert cells(lines[0]) == ["model", "signature", "hash", "processes", "varied", "options", "last seen"]
+    row = cells(lines[1])
+    assert row[0].startswith("a-model") and row[2:4] == ["x", "2"] and AGE.match(row[-1])
+
+    # two hosts sharing graphs: hosts, shared graphs and torch versions, each table whole where it counts
+    import shutil
+
+    second = shutil.copytree(gpu.cache_dir, tmp_path / "second-host-cache", symlinks=True)
+    cli_for(second, host="a-second-host-with-a-long-name-indeed")("scan")
+    doc = gpu.json("fleet", "report", "--min-hosts", "2")
+    lines = fits(gpu("fleet", "report", "--min-hosts", "2").stdout, width)
+    hosts = [cells(x) for x in lines[2:4]]
+    assert sorted(h[1:5] for h in hosts) == sorted(
+        [str(h["caches"]), str(h["entries"]), format_size(h["bytes"]), str(h["hit_count"])] for h in doc["hosts"]
+    )
+    assert doc["shared_graphs"] and any(x.startswith("graphs on 2+ hosts") for x in lines)
+
+    from types import SimpleNamespace
+
+    from cachemgr.cli.prewarm import _print_run
+
+    shape = SimpleNamespace(
+        model="a-model-with-a-rather-long-name",
+        index=3,
+        signature="f32[8, 256](256, 1)cpu; f32[256, 256](256, 1)cpu; i64[8](1)cpu",
+        lead_in=False,
+        device="cpu",
+        phase="cold",
+        seconds=12.5,
+        counters={"fxgraph_cache_hit": 2, "fxgraph_cache_miss": 1, "autograd_cache_hit": 0, "autograd_cache_miss": 1},
+        ok=False,
+        error="RuntimeError: a and b must have same reduction dim, but got [8, 3] X [16, 32]",
+    )
+    _print_run(SimpleNamespace(shapes=[shape]), "cold")
+    lines = fits(capsys.readouterr().out, width)
+    assert cells(lines[1])[:2] == ["model", "#"]
+    row = cells(lines[2])
+    assert (
+        row[1] == "3" and row[3:8] == ["cpu", "cold", "12.50", "2/1", "0/1"] and row[8].startswith("RuntimeErr")
+    )  # a reason may be cut

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import click
 
-from cachemgr.cli.common import DURATION, SIZE, emit_json, human_size, json_option, pass_app, short, table
+from cachemgr.cli.common import DURATION, SIZE, Col, age, emit_json, human_size, json_option, pass_app, table
 from cachemgr.errors import UsageError
 
 
@@ -53,7 +53,16 @@ def report(app, min_hosts: int, limit: int, window: float, as_json: bool) -> Non
         click.echo("no hosts in this index yet (run: cachemgr scan on each host)")
         return
     table(
-        ("host", "caches", "entries", "bytes", "hits", f"hits {window / 3600:g}h", "torch", "last scan"),
+        (
+            Col("host", cut=True),
+            Col("caches", right=True),
+            Col("entries", right=True),
+            Col("bytes", right=True),
+            Col("hits", right=True),
+            Col(f"hits {window / 3600:g}h", right=True),
+            Col("torch", cut=True, min=8),
+            Col("last scan", right=True),
+        ),
         [
             (
                 h["host"],
@@ -63,7 +72,7 @@ def report(app, min_hosts: int, limit: int, window: float, as_json: bool) -> Non
                 h["hit_count"],
                 h["hits_in_window"],
                 h["torch_version"] or "-",
-                h["last_scan"] or "-",
+                age(h["last_scan_ts"]),
             )
             for h in r.hosts
         ],
@@ -71,10 +80,17 @@ def report(app, min_hosts: int, limit: int, window: float, as_json: bool) -> Non
     )
     if r.shared_graphs:
         table(
-            ("graph", "hosts", "entries", "bytes", "redundant", "compile"),
+            (
+                Col("graph", cut=True, min=12),
+                Col("hosts", right=True),
+                Col("entries", right=True),
+                Col("bytes", right=True),
+                Col("redundant", right=True),
+                Col("compile", right=True),
+            ),
             [
                 (
-                    short(g["graph_key"], 24),
+                    g["graph_key"],
                     g["hosts"],
                     g["entries"],
                     human_size(g["bytes"]),
@@ -88,7 +104,13 @@ def report(app, min_hosts: int, limit: int, window: float, as_json: bool) -> Non
     else:
         click.echo(f"no graph is held by {min_hosts} or more hosts")
     table(
-        ("torch", "in use", "hosts", "fxgraph entries", "bytes"),
+        (
+            Col("torch", cut=True, min=8),
+            Col("in use"),
+            Col("hosts", right=True),
+            Col("fxgraph entries", right=True),
+            Col("bytes", right=True),
+        ),
         [
             (
                 v["torch_version"],

@@ -12,7 +12,7 @@ from contextlib import contextmanager, suppress
 
 import click
 
-from cachemgr.cli.common import emit_json, ingest_spool, json_option, pass_app, short, table
+from cachemgr.cli.common import Col, emit_json, ingest_spool, json_option, pass_app, table
 from cachemgr.errors import PrewarmError, UsageError
 
 PREWARM_EXIT_CODES = """
@@ -98,7 +98,8 @@ def _check_line(doc: dict) -> str:
 def shapes(app, model: str | None, as_json: bool) -> None:
     """List the input signatures cachemgr.record captured, per model, in first-seen order.
 
-    The recorder's spool is ingested into the index first.
+    The recorder's spool is ingested into the index first. `processes` counts the workload
+    processes that saw a signature (a recorder writes each one once per process, not per call).
 
     \b
     Example:
@@ -117,15 +118,23 @@ def shapes(app, model: str | None, as_json: bool) -> None:
     from cachemgr.cli.common import age
 
     table(
-        ("model", "signature", "hash", "count", "varied", "options", "last seen"),
+        (
+            Col("model", cut=True, min=6),
+            Col("signature", cut=True, min=12),
+            Col("hash"),
+            Col("processes", right=True),
+            Col("varied", cut=True, min=6),
+            Col("options", cut=True, min=7),
+            Col("last seen", right=True),
+        ),
         [
             (
                 r["model"],
-                short(r["signature"], 60),
+                r["signature"],
                 r["signature_hash"],
                 r["count"],
                 ",".join(r["varied"]) or "-",
-                short(",".join(f"{k}={v}" for k, v in r["options"].items()) or "-", 30),
+                ",".join(f"{k}={v}" for k, v in r["options"].items()) or "-",
                 age(r["last_seen"]),
             )
             for r in rows
@@ -221,38 +230,35 @@ def _progress_line(ev: dict, label: str) -> str | None:
 
 
 def _print_run(result, title: str) -> None:
-    rows = []
-    for r in result.shapes:
-        c = r.counters
-        rows.append(
-            (
-                r.model,
-                r.index,
-                short(r.signature, 40) + (" (lead-in)" if r.lead_in else ""),
-                r.device,
-                r.phase,
-                "-" if r.seconds is None else f"{r.seconds:.2f}",
-                c.get("fxgraph_cache_hit", "-"),
-                c.get("fxgraph_cache_miss", "-"),
-                c.get("autograd_cache_hit", "-"),
-                c.get("autograd_cache_miss", "-"),
-                "ok" if r.ok else short(r.error, 70),
-            )
+    def hm(c: dict, kind: str) -> str:  # 'hits/misses' of one of torch's caches
+        return f"{c.get(kind + '_cache_hit', '-')}/{c.get(kind + '_cache_miss', '-')}"
+
+    rows = [
+        (
+            r.model,
+            r.index,
+            r.signature + (" (lead-in)" if r.lead_in else ""),
+            r.device,
+            r.phase,
+            "-" if r.seconds is None else f"{r.seconds:.2f}",
+            hm(r.counters, "fxgraph"),
+            hm(r.counters, "autograd"),
+            "ok" if r.ok else r.error,
         )
+        for r in result.shapes
+    ]
     if rows:
         table(
             (
-                "model",
-                "#",
-                "signature",
-                "device",
-                "phase",
-                "seconds",
-                "fx hit",
-                "fx miss",
-                "aot hit",
-                "aot miss",
-                "result",
+                Col("model", cut=True, min=6),
+                Col("#", right=True),
+                Col("signature", cut=True, min=10),
+                Col("device", cut=True, min=6),
+                Col("phase"),
+                Col("seconds", right=True),
+                Col("fx h/m", right=True),
+                Col("aot h/m", right=True),
+                Col("result", cut=True, min=6),
             ),
             rows,
             title=title,

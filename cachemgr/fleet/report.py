@@ -56,6 +56,7 @@ def fleet_report(
             "hits_in_window": hits.get(host, 0),
             "torch_version": store.host_torch_version(host),
             "last_scan": iso_time(last_scan),
+            "last_scan_ts": last_scan,
         }
         for host, caches, entries, size, hit_count, last_scan in store.fleet_hosts()
     ]
