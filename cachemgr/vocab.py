@@ -78,6 +78,15 @@ class Held(StrEnum):
     UNPARSED = "not parsed yet"  # what it references is unknown until the entry is parsed
 
 
+class Fate(StrEnum):
+    """What eviction would do with an entry now, under the configured limits (`show`)."""
+
+    EVICTED = "would be evicted now"  # in the plan, and no keep rule of the executor holds it
+    KEPT = "kept"  # the plan wants it, but a keep rule holds it (a `Held` reason)
+    NOT_PLANNED = "not planned"  # no limit takes it
+    UNKNOWN = "unknown"  # the cache directory cannot be opened to ask
+
+
 class Policy(StrEnum):
     LRU = "lru"
     COST = "cost"

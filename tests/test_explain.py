@@ -286,16 +286,32 @@ def test_parse_input_and_groups():
     ]
 
 
-def test_not_recorded_is_said_never_guessed(fixture_cache, cli_for):
+def test_not_recorded_is_said_never_guessed(fixture_cache, cli_for, tmp_path):
     """torch 2.5.1 records no hash components: diff says so and compares only what both record;
     explain says why is not recorded. Never 'same hash components' for such entries."""
+    import re
+
+    from cachemgr.vocab import LOSS, Kind
+
     cli = cli_for(fixture_cache("mixed-2.5.1-2.13.0-cpu"))
     cli("scan")
     fx = cli.json("ls", "--kind", "fxgraph")
     old = [e for e in fx if e["unrecorded"] and "hash components" in e["unrecorded"]]
     new = [e for e in fx if not e["unrecorded"]]
     assert old and new
-    assert "not recorded  hash components, torch version string" in cli("show", old[0]["short"]).stdout
+    shown = cli("show", old[0]["short"]).stdout
+    assert "not recorded  hash components, torch version string" in shown
+    # show also says what losing it costs, and what eviction would do with it: no limit is set ...
+    assert f"if lost {LOSS[Kind.FXGRAPH]}" in " ".join(shown.split())
+    assert re.search(r"^eviction +not planned: no limit is set\b", shown, re.M), shown
+    # ... and under a size cap of 0 it goes, as `evict --dry-run` plans it
+    config = tmp_path / "config.toml"
+    config.write_text('max_size = "0"\ngrace = "0s"\n')
+    planned = {
+        e["key"]: e["reason"] for e in cli.json("evict", "--max-size", "0", "--grace", "0", "--dry-run")["entries"]
+    }
+    shown = cli("--config", str(config), "show", old[0]["short"]).stdout
+    assert re.search(rf"^eviction +would be evicted now: {planned[old[0]['key']]}$", shown, re.M), shown
     d = cli.json("diff", old[0]["short"], old[1]["short"])
     assert d["same"] is False and d["not_recorded"] and d["shared"] == 0
     assert all(g == "entry" for g in d["groups"])

@@ -531,11 +531,6 @@ def _strings(doc, key: str = "") -> list[tuple[str, str]]:
     return [(key, doc)] if isinstance(doc, str) else []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product gap: `show` does not say what losing an entry costs (vocab.LOSS is used nowhere) "
-    "nor what eviction would do with it under the configured limits",
-)
 @pytest.mark.parametrize("name", DYNAMO)
 def test_show_explains_a_dynamo_entry(name, cache_of, cli_for, tmp_path):
     from cachemgr.vocab import LOSS, Kind
@@ -544,13 +539,15 @@ def test_show_explains_a_dynamo_entry(name, cache_of, cli_for, tmp_path):
     config = tmp_path / "config.toml"
     config.write_text('max_size = "0"\ngrace = "0s"\n')  # the limits of the dry run, for `show` too
     planned, _ = _plan(cli, "--grace", "0")
-    shorts = {e["key"]: e["short"] for e in cli.json("ls")}
+    listed = cli.json("ls")
+    shorts = {e["key"]: e["short"] for e in listed}
+    refs = {e["key"]: e["ref"] for e in listed}
     files = _dynamo_files(root)
     for kind in (Kind.PRECOMPILE, Kind.PGO):
         key = next(k for k, v in files.items() if v == kind)
         reason = planned[key]["reason"]
         assert reason == "size"
-        for form in (key, shorts[key]):  # every form a command prints names it
+        for form in (key, shorts[key], refs[key]):  # every form a command prints names it
             out = cli("--config", str(config), "show", form).stdout
             assert re.search(rf"^key\s+{re.escape(key)}$", out, re.M), out
             assert re.search(rf"^kind\s+{kind}$", out, re.M), out

@@ -6,7 +6,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import click
 
@@ -31,7 +31,7 @@ from cachemgr.cli.common import (
 )
 from cachemgr.errors import NotFound, UsageError
 from cachemgr.layout import KINDS
-from cachemgr.vocab import Held, Kind, Policy
+from cachemgr.vocab import Fate, Held, Kind, Policy
 
 SHOWN = 20  # plan lines printed for people; --json has them all
 RECENT_HITS = 7 * 86400  # purge --stale: torch versions hit this recently are still in use
@@ -189,11 +189,12 @@ def evict(app, max_size, max_age, max_files, min_free, policy, model, grace, dry
         _evict(app, root, s, limits, model, dry_run, quiet, wide, as_json)
 
 
-def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, as_json: bool) -> None:
-    from cachemgr.evict import carry_out, disk_state, load_rows
+def plan_eviction(app, root, s, limits, now: float, model: str | None = None):
+    """The plan `evict` makes now, and the rows it is made from: every entry of the cache under
+    `limits`, by the settings' policy (with `model`, only that model's graphs may go)."""
+    from cachemgr.evict import disk_state, load_rows
     from cachemgr.evict.policy import plan
 
-    now = time.time()
     rows = load_rows(app.db, app.cache_id, root)
     mine = None
     if model:
@@ -201,6 +202,14 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
     p = plan(rows, limits, s.policy, now, disk_state(root))
     if mine is not None:  # entries of other models are not "kept": they were never candidates
         p = replace(p, skipped=tuple((k, why) for k, why in p.skipped if k in mine))
+    return p, rows
+
+
+def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, as_json: bool) -> None:
+    from cachemgr.evict import carry_out
+
+    now = time.time()
+    p, rows = plan_eviction(app, root, s, limits, now, model)
     loud = not (as_json or quiet)
     if loud:
         if not p.units and p.skipped:
@@ -225,6 +234,118 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
             _print_result(r, s.cache_dir, limits.grace)
         if (why := _unreachable(p, limits)) is not None:
             say(why + (f" ({held_text([w for _, w in p.skipped], limits.grace)})" if p.skipped else ""))
+
+
+# -- what eviction would do with one entry (show) --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EntryFate:
+    """What `evict` would do now with one entry: `Fate`, and why (a plan reason, a `Held` reason,
+    or why no limit takes it); `by`: the entry whose keep rule holds it, when not itself (the head
+    of the group it would go with)."""
+
+    fate: str
+    reason: str
+    by: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"verdict": self.fate, "reason": self.reason, "by": self.by}
+
+
+NO_LIMIT = "no limit is set (max_size, max_age, max_files, min_free)"
+
+
+def entry_fates(app, keys: Sequence[str]) -> dict[str, EntryFate]:
+    """What `evict --dry-run` would say of each entry now, under the configured limits: the plan
+    it makes (plan_eviction), the units holding these entries looked at by the executor's keep
+    rules (a dry run of those units alone: nothing is deleted, nothing written), and the plan's
+    own kept reasons. Read-only: the cache is neither locked nor scanned (the index as it is)."""
+    from cachemgr import safefs
+    from cachemgr.evict import Limits, carry_out, disk_state
+    from cachemgr.evict.policy import needs
+
+    s = app.settings
+    limits = Limits.from_settings(s)
+    if not limits.any:
+        return {k: EntryFate(Fate.NOT_PLANNED, NO_LIMIT) for k in keys}
+    now = time.time()
+    try:
+        with safefs.Root(s.cache_dir) as root:
+            p, rows = plan_eviction(app, root, s, limits, now)
+            wanted = set(keys)
+            units = tuple(u for u in p.units if any(e.key in wanted for e in u.entries))
+            looked = carry_out(
+                app.db, app.cache_id, root, replace(p, units=units, skipped=()), rows, limits.grace, True, now
+            )
+            over_bytes, over_files, short_free = needs(limits, p.total_bytes, p.total_files, disk_state(root))
+    except OSError as e:
+        why = EntryFate(Fate.UNKNOWN, f"cannot open {s.cache_dir}: {e.strerror}")
+        return {k: why for k in keys}
+    met = p.expected_freed_bytes >= max(over_bytes, short_free) and p.expected_freed_files >= over_files
+    going = {k: why for k, _, _, why in looked.entries}
+    held = dict(looked.skipped)
+    head_of = {e.key: u.entries[0].key for u in units for e in u.entries}
+    wanted_but_kept = dict(p.skipped)
+    graph = None
+    out = {}
+    for k in keys:
+        if k in going:
+            out[k] = EntryFate(Fate.EVICTED, going[k])
+        elif k in head_of and head_of[k] in held:  # its unit was looked at and kept whole
+            head = head_of[k]
+            out[k] = EntryFate(Fate.KEPT, held[head], None if head == k else head)
+        elif k in head_of:  # the rest of its unit would go: its own files are gone already
+            out[k] = EntryFate(Fate.NOT_PLANNED, "its files are gone already (a scan drops its row)")
+        elif k in wanted_but_kept:
+            out[k] = EntryFate(Fate.KEPT, wanted_but_kept[k])
+        else:
+            if graph is None:
+                graph = _Reach(rows)
+            out[k] = graph.fate(k, p, wanted_but_kept, met)
+    return out
+
+
+class _Reach:
+    """Why the plan leaves an entry it did not take: a kept group it would go with, the limits
+    met without it, or an entry that needs it kept."""
+
+    def __init__(self, rows) -> None:
+        from cachemgr.evict.policy import Graph
+
+        self.rows, self.g = rows, Graph.build(rows)
+        self.index = {r.key: i for i, r in enumerate(rows)}
+
+    def fate(self, key: str, p, kept: dict[str, str], met: bool) -> EntryFate:
+        i = self.index.get(key)
+        if i is None:
+            return EntryFate(Fate.NOT_PLANNED, "not in the index now")
+        needing = [a for a in self._needing(i) if self.rows[a].key in kept]
+        for a in needing:
+            if i in self.g.closure([a]):  # it would go with that group, which is kept
+                return EntryFate(Fate.KEPT, kept[self.rows[a].key], self.rows[a].key)
+        if not p.units and not p.skipped:
+            return EntryFate(Fate.NOT_PLANNED, "the cache is within its limits")
+        if met:
+            return EntryFate(Fate.NOT_PLANNED, "the limits are met without it")
+        if needing:  # shared with a kept entry: it stays while that does
+            return EntryFate(Fate.KEPT, kept[self.rows[needing[0]].key], self.rows[needing[0]].key)
+        if self.g.parents[i]:
+            return EntryFate(Fate.NOT_PLANNED, "an entry that needs it stays")
+        return EntryFate(Fate.NOT_PLANNED, "taking it frees nothing the limits ask for")
+
+    def _needing(self, i: int) -> list[int]:
+        """Every entry that needs entry `i`, directly or through others: the nearest first."""
+        seen: dict[int, None] = {}
+        frontier = sorted(self.g.parents[i])
+        while frontier:
+            step = []
+            for j in frontier:
+                if j not in seen:
+                    seen[j] = None
+                    step.extend(sorted(self.g.parents[j]))
+            frontier = step
+        return list(seen)
 
 
 @click.command()

@@ -33,7 +33,7 @@ from cachemgr.cli.common import (
 from cachemgr.errors import UsageError
 from cachemgr.layout import KINDS
 from cachemgr.units import format_duration
-from cachemgr.vocab import PICKLED, Kind
+from cachemgr.vocab import LOSS, PICKLED, Kind
 
 
 def run_scan(app, quiet_progress: bool = False, full: bool = False):
@@ -542,20 +542,33 @@ def _host_entries(app, host: str, f) -> list[tuple]:
 @json_option
 @pass_app
 def show(app, key: str, wide: bool, as_json: bool) -> None:
-    """One entry in full, with the files that belong to it.
+    """One entry in full, with the files that belong to it, what losing it costs and what
+    eviction would do with it now.
 
     KEY is any key a command prints: an entry key, a graph key (every entry of that graph), a
     short key, or a unique prefix of any of these.
+
+    `if lost` says what torch must redo without the entry (read off torch's source, per kind).
+    `eviction` is what `cachemgr evict --dry-run` would do with it now under the configured
+    limits (max_size, max_age, max_files, min_free, grace, policy; from the config file and
+    CACHEMGR_* environment): "would be evicted now: <reason>", "kept: <reason>" (pinned, used
+    within the grace period, a lock held, ...) or "not planned: <why>" when no limit takes it.
+    Nothing is locked, scanned or deleted to tell. --json: `loss` and `eviction` {verdict,
+    reason, by, by_short (the entry whose keep rule holds it, when another)}.
 
     \b
     Example:
         cachemgr show fgv4ud3t
         cachemgr show fxgraph/gv/fgv4ud3t.../scbmvvaa... --json
+        CACHEMGR_MAX_SIZE=20GiB cachemgr show fgv4ud3t
     """
+    from cachemgr.cli.evict import entry_fates
+
     store = scanned_store(app)
     match = store.resolve(key)
     shorts = store.short_keys(match.entries)
-    docs = [_detail(app, store, e, shorts[e.key]) for e in match.entries]
+    fates = entry_fates(app, [e.key for e in match.entries])
+    docs = [_detail(app, store, e, shorts[e.key], fates[e.key]) for e in match.entries]
     if as_json:
         emit_json(docs[0] if len(docs) == 1 else docs)
         return
@@ -567,11 +580,13 @@ def show(app, key: str, wide: bool, as_json: bool) -> None:
         click.echo()
 
 
-def _detail(app, store, e, short: str) -> dict:
+def _detail(app, store, e, short: str, fate) -> dict:
     from cachemgr import safefs
     from cachemgr.layout import entry_files
 
-    d = {**e.as_dict(), "short": short, "first_seen": e.first_seen}
+    d = {**e.as_dict(), "short": short, "first_seen": e.first_seen, "loss": LOSS.get(e.kind)}
+    by = store.entry_by_key(fate.by) if fate.by else None
+    d["eviction"] = {**fate.as_dict(), "by_short": store.short_keys([by])[by.key] if by else fate.by}
     try:
         with safefs.Root(app.settings.cache_dir) as opened:
             d["files_on_disk"] = [{"path": p, "bytes": st.st_size} for p, st in entry_files(opened, e.key, e.kind)]
@@ -612,6 +627,8 @@ def _show_lines(e, d: dict, wide: bool) -> list[str]:
         ("hits", f"{e.hit_count:,}, last used {age(e.last_access)} ago"),
         ("written", f"{age(e.mtime)} ago"),
         ("components", f"{d['components']:,} hash components" if e.kind == Kind.FXGRAPH and e.parsed else None),
+        ("if lost", d["loss"]),
+        ("eviction", _fate_text(d["eviction"])),
     ]
     if wide:
         pairs += [("file", f"{name}  {human_size(n)}") for name, n in file_names]
@@ -634,6 +651,12 @@ def _show_lines(e, d: dict, wide: bool) -> list[str]:
         more = f" and {len(users) - 6} more (--wide)" if len(users) > 6 else ""
         pairs.append(("used by", ", ".join(users[:6]) + more))
     return fields_block(pairs, wrap=not wide, whole=("key", "graph key", "file", "needs", "used by"))
+
+
+def _fate_text(fate: dict) -> str:
+    """'would be evicted now: size', 'kept: grace (with f3sutfpk, which needs it)', ..."""
+    by = fate["by_short"]
+    return f"{fate['verdict']}: {fate['reason']}" + (f" (with {by}, which needs it)" if by else "")
 
 
 def _needs_text(refs: list[dict]) -> str:
