@@ -612,3 +612,20 @@ def test_evict_library_api(aged_gpu, db_url):
     assert d["remaining_bytes"] <= 9_000_000 and all(set(e) >= {"key", "bytes"} for e in d["entries"])
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.planned = 0  # frozen
+
+
+def test_cost_policy_keeps_its_clock_across_cli_runs(aged_gpu, cli_for):
+    """GreedyDual's clock L never falls: a run starts from the clock the last run kept (in the
+    index), so recency counts across runs. Set it high, evict: it must stay at least as high."""
+    import sqlite3
+
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    path = cli.db_url.split(":///", 1)[1]
+    with sqlite3.connect(path) as c:
+        c.execute("UPDATE caches SET gds_clock = 1e9")
+    r = cli.json("evict", "--policy", "cost", "--max-size", "1MiB", "--grace", "0")
+    assert r["evicted"] > 0
+    with sqlite3.connect(path) as c:
+        (clock,) = c.execute("SELECT gds_clock FROM caches").fetchone()
+    assert clock >= 1e9

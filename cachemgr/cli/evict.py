@@ -192,14 +192,15 @@ def evict(app, max_size, max_age, max_files, min_free, policy, model, grace, dry
 def plan_eviction(app, root, s, limits, now: float, model: str | None = None):
     """The plan `evict` makes now, and the rows it is made from: every entry of the cache under
     `limits`, by the settings' policy (with `model`, only that model's graphs may go)."""
-    from cachemgr.evict import disk_state, load_rows
+    from cachemgr.evict import disk_state, load_clock, load_rows
     from cachemgr.evict.policy import plan
 
     rows = load_rows(app.db, app.cache_id, root)
     mine = None
     if model:
         rows, mine = _model_rows(app, rows, model)
-    p = plan(rows, limits, s.policy, now, disk_state(root))
+    clock = load_clock(app.db, app.cache_id) if s.policy == "cost" else None  # GDSF's clock, as the last run left it
+    p = plan(rows, limits, s.policy, now, disk_state(root), clock)
     if mine is not None:  # entries of other models are not "kept": they were never candidates
         p = replace(p, skipped=tuple((k, why) for k, why in p.skipped if k in mine))
     return p, rows
