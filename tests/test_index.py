@@ -582,3 +582,36 @@ def test_migrations_ship_in_the_wheel(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert r.stdout.strip() == "ok", r.stderr
+
+
+def test_entries_read_by_other_readers_are_read_again(fixture_cache, cli_for, db_url):
+    """An index filled by another version of the readers (parse.READER): the next scan reads every
+    entry again (an upgrade that reads more applies to what was indexed before it), and a parse
+    result kept by content by another version is replaced, never taken."""
+    import sqlite3
+
+    from cachemgr import parse
+
+    cli = cli_for(fixture_cache("torch-2.14.1-cpu-dynamo"))
+    cli("scan")
+    good = {e["key"]: e for e in cli.json("ls")}
+    pre = next(k for k, e in good.items() if e["kind"] == "precompile")
+    fx = next(k for k, e in good.items() if e["kind"] == "fxgraph")
+    assert good[pre]["torch_version"]
+    path = db_url.split(":///", 1)[1]
+    with sqlite3.connect(path) as c:  # what an older cachemgr left: fields it did not read
+        c.execute("UPDATE caches SET reader = ?", (parse.READER - 1,))
+        c.execute("UPDATE entries SET torch_version = NULL, compile_seconds = NULL WHERE key IN (?, ?)", (pre, fx))
+        c.execute("UPDATE parsed_content SET reader = ?, row = json_set(row, '$.compile_seconds', 0.5)", (0,))
+    r = cli.json("scan")  # fx is read again, not taken from the old reader's kept result (0.5 s)
+    again = {e["key"]: e for e in cli.json("ls")}
+    assert r["pending"] == 0
+    for k in (pre, fx):
+        assert (again[k]["torch_version"], again[k]["compile_seconds"]) == (
+            good[k]["torch_version"],
+            good[k]["compile_seconds"],
+        )
+    with sqlite3.connect(path) as c:
+        assert c.execute("SELECT DISTINCT reader FROM caches").fetchall() == [(parse.READER,)]
+        assert c.execute("SELECT DISTINCT reader FROM parsed_content").fetchall() == [(parse.READER,)]
+    assert cli.json("scan")["unchanged"] == len(good)  # and then a rescan trusts the tree again

@@ -59,6 +59,7 @@ class Cache(Base):
     # the cost policy's GreedyDual clock, and the times it rose ([[time, value], ...]): kept across runs
     gds_clock: Mapped[float] = mapped_column(Float, default=0.0)
     gds_history: Mapped[list | None] = mapped_column(JSON)
+    reader: Mapped[int] = mapped_column(Integer, default=0)  # parse.READER that read its entries
 
 
 class Entry(Base):
@@ -126,6 +127,7 @@ class ParsedContent(Base):
     refs: Mapped[list] = mapped_column(JSON)  # [[kind, ref], ...]
     parts: Mapped[dict] = mapped_column(JSON)  # part -> component set digest
     parsed_at: Mapped[float] = mapped_column(Float)
+    reader: Mapped[int] = mapped_column(Integer, default=0)  # parse.READER that made it: another's is not taken
 
 
 class Fingerprint(Base):

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from sqlalchemy import Insert, Row, bindparam, delete, func, insert, or_, select, tuple_, update
+from sqlalchemy import Row, bindparam, delete, func, insert, or_, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 
 from cachemgr import layout, parse, safefs
@@ -210,6 +210,7 @@ def index_names(
         _write_dirs(conn, cache_id, stored, state.mtimes, gone)
         if not sub:
             conn.execute(update(CACHES).where(CACHES.c.id == cache_id).values(last_scan=now))
+            _read_again_for_a_new_reader(conn, cache_id)
         unchanged = conn.execute(_count(conn, cache_id, sub)).scalar_one() - counts.added - counts.changed
         pending = conn.execute(_count(conn, cache_id, sub).where(ENTRIES.c.parse_state != PARSED)).scalar_one()
     return ScanResult(
@@ -224,6 +225,23 @@ def index_names(
         pending=pending,
         new_keys=counts.new_keys,
     )
+
+
+def _read_again_for_a_new_reader(conn, cache_id: int) -> None:
+    """Entries read by another version of the readers (parse.READER) are read again: an upgrade
+    of cachemgr that reads more of an entry applies to the entries indexed before it."""
+    (reader,) = conn.execute(select(CACHES.c.reader).where(CACHES.c.id == cache_id)).one()
+    if reader == parse.READER:
+        return
+    conn.execute(
+        update(ENTRIES)
+        .where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.parse_state == PARSED, ENTRIES.c.kind.in_(REREAD_KINDS))
+        .values(parse_state=PENDING)
+    )
+    conn.execute(update(CACHES).where(CACHES.c.id == cache_id).values(reader=parse.READER))
+
+
+REREAD_KINDS = sorted({*layout.READ_KINDS, Kind.CODE})  # the kinds whose rows come from reading their files
 
 
 PARALLEL_WALK = 256  # walk units (kernel directories, module folders...) below which a walk stays here
@@ -671,7 +689,8 @@ def _from_content(conn, rows) -> tuple[dict[int, Described], int]:
         return {}, 0
     cached = {}
     for chunk in _chunks(keyed):
-        for c in conn.execute(select(CONTENT).where(tuple_(CONTENT.c.name, CONTENT.c.bytes).in_(chunk))):
+        q = select(CONTENT).where(tuple_(CONTENT.c.name, CONTENT.c.bytes).in_(chunk), CONTENT.c.reader == parse.READER)
+        for c in conn.execute(q):
             cached[(c.name, c.bytes)] = c
     digests = {d for c in cached.values() for d in (c.parts or {}).values()}
     have: set[str] = set()
@@ -792,20 +811,23 @@ def _keep_content(conn, rows, described: dict[int, Described]) -> None:
                     "refs": d.refs,
                     "parts": {p: digest for p, (digest, _) in d.parts.items()},
                     "parsed_at": time.time(),
+                    "reader": parse.READER,
                 }
             )
     if not kept:
         return
     kept = list({(k["name"], k["bytes"]): k for k in kept}.values())
-    q: Insert
     if conn.dialect.name == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-        q = sqlite_insert(CONTENT).on_conflict_do_nothing()
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
     else:
-        from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-        q = pg_insert(CONTENT).on_conflict_do_nothing()
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert  # type: ignore[assignment]
+    q = dialect_insert(CONTENT)
+    # a result another reader version left is replaced; one of this version is as good as ours
+    q = q.on_conflict_do_update(
+        index_elements=[CONTENT.c.name, CONTENT.c.bytes],
+        set_={c: q.excluded[c] for c in ("kind", "row", "refs", "parts", "parsed_at", "reader")},
+        where=CONTENT.c.reader != parse.READER,
+    )
     conn.execute(q, kept)
 
 

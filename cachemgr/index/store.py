@@ -1180,6 +1180,7 @@ def rescan_unchanged(path: str, head: str, host: str, root: str) -> int | None:
     directories all kept their mtimes (`layout.walk_dirs` reads none of them) needs none of it.
     """
     from cachemgr.layout import walk_dirs
+    from cachemgr.parse import READER
 
     conn = open_sqlite(path, write=True)
     if conn is None:
@@ -1187,9 +1188,11 @@ def rescan_unchanged(path: str, head: str, host: str, root: str) -> int | None:
     try:
         if conn.execute("SELECT version_num FROM alembic_version").fetchone() != (head,):
             return None
-        cache = conn.execute("SELECT id, last_scan FROM caches WHERE host = ? AND root = ?", (host, root)).fetchone()
-        if cache is None or cache[1] is None:
-            return None
+        cache = conn.execute(
+            "SELECT id, last_scan, reader FROM caches WHERE host = ? AND root = ?", (host, root)
+        ).fetchone()
+        if cache is None or cache[1] is None or cache[2] != READER:
+            return None  # never scanned, or read by other readers: a real scan reads the entries again
         cache_id = cache[0]
         waiting = conn.execute("SELECT 1 FROM entries WHERE cache_id = ? AND parse_state <> 0 LIMIT 1", (cache_id,))
         if waiting.fetchone():
