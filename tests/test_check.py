@@ -281,7 +281,8 @@ def test_another_torch_versions_cache_misses_by_torch_version(name, fixture_cach
 
 
 @pytest.mark.parametrize("name", ["torch-2.5.1-cpu", "torch-2.6.0-cpu"])
-def test_a_format_without_components_is_unknown_never_a_hit(name, fixture_cache, tmp_path, db_url):
+def test_a_format_without_components_is_unknown_never_a_hit(name, fixture_cache, db_url):
+    """No compile to compare with: an "unknown" is never wrong, and no graph is predicted to hit."""
     root = fixture_cache(name)
     report = predict(Cli(root, db_url))
     assert report["unknown"] == report["graphs"] == 8
@@ -289,10 +290,7 @@ def test_a_format_without_components_is_unknown_never_a_hit(name, fixture_cache,
     assert causes(report) == [
         f"8 graphs unknown: torch {family}.* records no hash components: what it was compiled for cannot be compared"
     ]
-    counters, hits, _ = run_traced([str(MAKE_CACHE)], root, tmp_path / "trace")
-    counters = {k: counters.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
-    assert counters["fxgraph_cache_hit"] == 0
-    compare(f"a format without components ({name})", report, hits, counters, exact=False)
+    assert report["hit"] == report["miss"] == 0 and all(p["verdict"] == "unknown" for p in report["predictions"])
 
 
 def test_the_gpu_fixture_on_this_cpu_host_misses_by_device_and_system(fixture_masters, tmp_path, db_url):
