@@ -241,6 +241,7 @@ def test_default_state_folder_is_created(fixture_cache, tmp_path):
     assert (tmp_path / "xdg" / "cachemgr" / "index.db").is_file()
 
 
+@pytest.mark.slow  # a real process per command
 def test_missing_cache_dir_is_exit_4_for_every_reader(tmp_path, cli_for):
     cli = cli_for(tmp_path / "nope")
     for args in (["ls"], ["stats"], ["show", "fabcdefgh"], ["explain"]):

@@ -464,6 +464,7 @@ def test_kill_9_mid_eviction_is_repaired_by_scan(stage, aged_gpu, cli_for, db_ur
     assert_index_matches_disk(cli, aged_gpu)
 
 
+@pytest.mark.slow  # real processes killed at many moments
 def test_kill_9_at_any_moment(aged_gpu, cli_for):
     """Kill a real `cachemgr evict` process after a varying delay: whatever it reached, scan repairs."""
     cli = cli_for(aged_gpu)

@@ -151,6 +151,7 @@ SPOOL_COMMANDS = {
 }
 
 
+@pytest.mark.slow  # real processes (torch or cachemgr), several per case
 @pytest.mark.parametrize("command", list(SPOOL_COMMANDS))
 def test_poisoned_spool_lines_are_skipped_with_their_reason(command, gpu_cache, tmp_path, db_url):
     """One poisoned line among good ones: the command succeeds, names each bad line and why, the
@@ -185,6 +186,7 @@ def test_poisoned_spool_on_postgresql(gpu_cache, tmp_path, pg_url):  # noqa: F81
     assert [s["model"] for s in json.loads(r.stdout)] == ["good"] and len(skipped_lines(r.stderr)) == len(POISON)
 
 
+@pytest.mark.slow  # real processes (torch or cachemgr), several per case
 def test_a_left_over_ingesting_file_with_poison_is_ingested_and_removed(gpu_cache, tmp_path, db_url):
     """A file a crashed (or failing) ingest left taken is processed first, poison and all, and goes."""
     spool = tmp_path / "spool"
@@ -197,6 +199,7 @@ def test_a_left_over_ingesting_file_with_poison_is_ingested_and_removed(gpu_cach
     assert [s["model"] for s in json.loads(cli.proc(*cfg, "shapes", "--json").stdout)] == ["good"]
 
 
+@pytest.mark.slow  # real processes (torch or cachemgr), several per case
 def test_spool_entries_that_are_no_regular_files_are_set_aside_without_blocking(gpu_cache, tmp_path, db_url):
     """A FIFO would block a reader for ever, a link to /dev/zero never ends, a directory cannot be
     read, a file over the size cap is not read: each is set aside with its reason."""
@@ -233,6 +236,7 @@ def _rss_of(argv: list[str], env: dict) -> tuple[int, int, str]:
     return p.returncode, usage.ru_maxrss // 1024, stderr
 
 
+@pytest.mark.slow  # real processes (torch or cachemgr), several per case
 def test_a_huge_spool_line_is_read_in_bounded_memory(gpu_cache, tmp_path, db_url):
     """128 MiB in one line (no newline until the end): skipped, and the scan's peak RSS is within
     32 MiB of the same scan with a small spool (the file is never held whole; a whole read and a
@@ -305,6 +309,7 @@ def test_bad_rows_an_older_ingest_stored_do_not_break_shapes(gpu_cache, tmp_path
     assert [s["model"] for s in json.loads(r.stdout)] == ["good"]
 
 
+@pytest.mark.slow  # real processes (torch or cachemgr), several per case
 def test_the_recorder_refuses_what_the_ingester_would_skip(tmp_path):
     """A signature whose line could never be ingested is a warning in the workload, not a line
     that poisons the spool; a float argument of nan or inf is recorded (JSON has no such numbers)."""

@@ -128,6 +128,7 @@ def test_symlinked_top_level_folder_refuses_the_root(cpu_cache, tmp_path, cli_fo
     assert snapshot(outside) == before
 
 
+@pytest.mark.slow  # real cachemgr processes, several per case
 @pytest.mark.parametrize("shape", ["site-packages", "home", "stray-file"])
 def test_roots_that_are_no_cache_are_refused(tmp_path, cli_for, shape):
     root = tmp_path / shape
@@ -160,6 +161,7 @@ def test_roots_that_are_no_cache_are_refused(tmp_path, cli_for, shape):
     assert snapshot(root) == before
 
 
+@pytest.mark.slow  # real cachemgr processes, several per case
 def test_a_failure_inside_a_batch_leaves_index_and_disk_in_agreement(gpu_cache, cli_for):
     """One kernel folder the process may not change (permissions, with root's override dropped):
     everything else is evicted and recorded, that one is kept with its reason."""
@@ -183,6 +185,7 @@ def test_a_failure_inside_a_batch_leaves_index_and_disk_in_agreement(gpu_cache, 
     agrees_with_disk(cli)
 
 
+@pytest.mark.slow  # real cachemgr processes, several per case
 def test_trash_name_taken_by_a_file(gpu_cache, cli_for):
     """A regular file named like the trash folder: eviction deletes in place, and says so."""
     age(gpu_cache)
@@ -196,6 +199,7 @@ def test_trash_name_taken_by_a_file(gpu_cache, cli_for):
     agrees_with_disk(cli)
 
 
+@pytest.mark.slow  # real cachemgr processes, several per case
 def test_two_evictions_at_once_count_each_entry_once(gpu_cache, cli_for):
     age(gpu_cache)
     cli = cli_for(gpu_cache)
@@ -379,6 +383,7 @@ def test_daemon_indexes_good_entries_beside_bad_ones(cpu_cache, tmp_path, cli_fo
     assert "Traceback" not in out
 
 
+@pytest.mark.slow  # real cachemgr processes, several per case
 def test_unreadable_kernel_dir_heals_on_a_plain_rescan(gpu_cache, cli_for):
     if not ROOTLESS and os.geteuid() == 0:
         pytest.skip("needs setpriv to drop root's override")
@@ -503,6 +508,7 @@ def fill(path: Path) -> None:
     raise AssertionError("could not fill the file system")
 
 
+@pytest.mark.slow  # real cachemgr processes, several per case
 @pytest.mark.parametrize("index_on_disk", [False, True])
 def test_eviction_frees_a_full_disk(gpu_cache_master, small_disk, tmp_path, cli_for, index_on_disk):
     """The cache's file system is full (no block, no room for a new folder): eviction still

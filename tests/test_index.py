@@ -321,6 +321,7 @@ def test_a_daemon_batch_racing_a_scan_reads_again_instead_of_failing(gpu_cache, 
     assert len(paths) == 6 and raced[0].added == 262 and r.added == [] and r.removed == []
 
 
+@pytest.mark.slow  # real processes without root's capabilities
 def test_an_unreadable_directory_keeps_its_entries_and_is_reported(gpu_cache, cli_for):
     """A folder the scan cannot list (permissions) is not a folder that is gone: its entries stay
     in the index as last seen, the scan says which folder, and nothing is lost once it is readable."""

@@ -10,6 +10,8 @@ import shutil
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every command as a real process, for every key form
+
 
 @pytest.fixture
 def world(fixture_cache, cli_for):

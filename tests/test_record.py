@@ -31,6 +31,7 @@ def spool(tmp_path):
     return record.Spool(str(tmp_path / "spool"))
 
 
+@pytest.mark.slow  # torch.compile in a real process
 def test_module_records_each_distinct_signature_once(spool, tmp_path):
     lin = torch.nn.Linear(4, 2)
     m = record.compile(lin, name="lin", spool=spool, backend="eager")
@@ -194,6 +195,7 @@ def _config(tmp_path, spool_dir: str):
     return p
 
 
+@pytest.mark.slow  # torch.compile in a real process
 def test_overhead_path_does_not_import_the_database():
     # recording in a workload must not pull in SQLAlchemy (the hot path never touches the index)
     code = (
