@@ -57,9 +57,9 @@ class Cache(Base):
     last_scan: Mapped[float | None] = mapped_column(Float)
     last_eviction: Mapped[float | None] = mapped_column(Float)
     # the cost policy's GreedyDual clock, and the times it rose ([[time, value], ...]): kept across runs
-    gds_clock: Mapped[float] = mapped_column(Float, default=0.0)
+    gds_clock: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     gds_history: Mapped[list | None] = mapped_column(JSON)
-    reader: Mapped[int] = mapped_column(Integer, default=0)  # parse.READER that read its entries
+    reader: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # parse.READER that read its entries
 
 
 class Entry(Base):
@@ -80,7 +80,8 @@ class Entry(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     cache_id: Mapped[int] = mapped_column(ForeignKey("caches.id", ondelete="CASCADE"))
     key: Mapped[str] = mapped_column(String(1024))  # path relative to the root
-    dir: Mapped[str] = mapped_column(String(1024), default="")  # the folder whose listing holds it (layout.home_dir)
+    # the folder whose listing holds it (layout.home_dir)
+    dir: Mapped[str] = mapped_column(String(1024), default="", server_default="")
     kind: Mapped[str] = mapped_column(String(16))
     ref: Mapped[str | None] = mapped_column(String(128))  # the name other entries use for it
     alias: Mapped[str | None] = mapped_column(String(64))  # second name (C++ kernel source hash)
@@ -103,7 +104,7 @@ class Entry(Base):
     corrupt: Mapped[str | None] = mapped_column(Text)
     # 0: its files were read; PENDING / PENDING_NEW: indexed from its names only (scan phase one),
     # to be read (phase two). Whatever needs parsed fields treats a pending entry as unknown: kept.
-    parse_state: Mapped[int] = mapped_column(SmallInteger, default=0)
+    parse_state: Mapped[int] = mapped_column(SmallInteger, default=0, server_default="0")
     unrecorded: Mapped[str | None] = mapped_column(Text)  # what this entry's format does not record, ', '-joined
     content: Mapped[str | None] = mapped_column(String(64))  # an entry file named by its bytes' hash: that name
 
@@ -127,7 +128,8 @@ class ParsedContent(Base):
     refs: Mapped[list] = mapped_column(JSON)  # [[kind, ref], ...]
     parts: Mapped[dict] = mapped_column(JSON)  # part -> component set digest
     parsed_at: Mapped[float] = mapped_column(Float)
-    reader: Mapped[int] = mapped_column(Integer, default=0)  # parse.READER that made it: another's is not taken
+    # parse.READER that made it: another's is not taken
+    reader: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Fingerprint(Base):
@@ -200,6 +202,11 @@ class EntryComponentSet(Base):
 # entry_components is a read-only view (created by migration 0001): one row per component an
 # entry's key was hashed from. It lives in its own MetaData so Alembic never takes it for a table.
 VIEWS = MetaData()
+ENTRY_COMPONENTS_VIEW = (  # as migration 0001 made it (a fresh SQLite index is made from these models)
+    "CREATE VIEW entry_components AS SELECT ecs.entry_id AS entry_id, ecs.part AS part, i.name AS name, "
+    "i.hash AS hash, i.value AS value FROM entry_component_sets ecs "
+    "JOIN component_set_items i ON i.set_id = ecs.set_id"
+)
 
 
 class EntryComponent(Base):
