@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from cachemgr import layout, safefs
@@ -57,15 +57,20 @@ def load_rows(db: Database, cache_id: int, root: safefs.Root | str) -> list[Row]
     if isinstance(root, str):
         with safefs.Root(root) as opened:
             return load_rows(db, cache_id, opened)
-    from cachemgr.index.models import PARSED
     from cachemgr.index.store import Store
 
     store = Store.of_id(db, cache_id)
     try:
         pins = store.pin_map()
         rows, refs = store.policy_rows()
+        return _policy_rows(root, rows, refs, pins)
     finally:
         store.close()
+
+
+def _policy_rows(root: safefs.Root, rows: Iterable[tuple], refs: dict, pins: dict) -> list[Row]:
+    from cachemgr.index.models import PARSED
+
     referenced = {ref for rs in refs.values() for kind, ref in rs if kind == Kind.TRITON}
     # Values most rows share (kind, torch version, system and version hashes) are kept once: the
     # driver makes a new string for every row, which at 1,000,000 files was tens of MB.

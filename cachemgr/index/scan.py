@@ -388,27 +388,45 @@ def sync(conn, cache_id: int, disk: dict[str, layout.DiskEntry], known: dict, no
         ],
     )
     for chunk in _chunks(added, BULK):
-        insert_rows(conn, ENTRIES, [_new_row(cache_id, disk[k], now) for k in chunk])
+        insert_tuples(conn, ENTRIES, NEW_ROW, [_new_row(cache_id, disk[k], now) for k in chunk])
     to_read = [k for k in added if disk[k].needs_reading] + [d.key for d in changed if d.needs_reading]
     return Diff(added, [d.key for d in changed], [k for k in known if k not in disk], to_read)
 
 
-def _new_row(cache_id: int, d: layout.DiskEntry, now: float) -> dict:
-    return {
-        "cache_id": cache_id,
-        "key": d.key,
-        "dir": layout.home_dir(d.key, d.kind),
-        "kind": d.kind,
-        "ref": d.ref,
-        "bytes": d.bytes,
-        "files": d.files,
-        "mtime": d.mtime,
-        "first_seen": now,
-        "last_access": max(d.atime, d.mtime),
-        "hit_count": 0,
-        "parse_state": PENDING_NEW if d.needs_reading else PARSED,
-        "content": d.key.rpartition("/")[2][:64] if d.kind in CONTENT_NAMED else None,
-    }  # (the parsed columns stay NULL until phase two)
+NEW_ROW = (
+    "cache_id",
+    "key",
+    "dir",
+    "kind",
+    "ref",
+    "bytes",
+    "files",
+    "mtime",
+    "first_seen",
+    "last_access",
+    "hit_count",
+    "parse_state",
+    "content",
+)  # a new entry's columns (the parsed ones stay NULL until phase two)
+
+
+def _new_row(cache_id: int, d: layout.DiskEntry, now: float) -> tuple:
+    """The NEW_ROW values of a new entry (a tuple, not a dict: a first scan makes one per entry)."""
+    return (
+        cache_id,
+        d.key,
+        layout.home_dir(d.key, d.kind),
+        d.kind,
+        d.ref,
+        d.bytes,
+        d.files,
+        d.mtime,
+        now,
+        max(d.atime, d.mtime),
+        0,
+        PENDING_NEW if d.needs_reading else PARSED,
+        d.key.rpartition("/")[2][:64] if d.kind in CONTENT_NAMED else None,
+    )
 
 
 def below(conn, column, sub: str):
@@ -911,18 +929,24 @@ class ComponentSets:
 
 
 def insert_rows(conn, table, rows: list[dict]) -> None:
-    """INSERT many rows, all with the keys of the first. On SQLite the rows go to the driver's
-    executemany as tuples: SQLAlchemy's per-row parameter processing cost more than SQLite's own
+    """INSERT many rows, all with the keys of the first."""
+    if rows:
+        names = tuple(rows[0])
+        insert_tuples(conn, table, names, [tuple([r[n] for n in names]) for r in rows])
+
+
+def insert_tuples(conn, table, names: Sequence[str], rows: list[tuple]) -> None:
+    """INSERT many rows given as tuples of the columns `names`. On SQLite they go to the driver's
+    executemany as they are: SQLAlchemy's per-row parameter processing cost more than SQLite's own
     inserts (a first scan of 100,000 files spent 0.5 s in it)."""
     if not rows:
         return
     if conn.dialect.name != "sqlite":
-        conn.execute(insert(table), rows)
+        conn.execute(insert(table), [dict(zip(names, r, strict=True)) for r in rows])
         return
-    names = list(rows[0])
     quote = conn.dialect.identifier_preparer.quote
     sql = f"INSERT INTO {quote(table.name)} ({', '.join(map(quote, names))}) VALUES ({', '.join('?' * len(names))})"
-    conn.exec_driver_sql(sql, [tuple([r[n] for n in names]) for r in rows])
+    conn.exec_driver_sql(sql, rows)
 
 
 def upsert_rows(conn, table, key: tuple[str, ...], rows: list[dict]) -> None:

@@ -45,8 +45,12 @@ class Driver(Protocol):
     dialect: str
 
     def rows(self, sql: str, params: Mapping[str, Any]) -> list[tuple]: ...
+    def each(self, sql: str, params: Mapping[str, Any]) -> Iterator[tuple]: ...
     def write(self, sql: str, params: Mapping[str, Any]) -> int: ...
     def close(self) -> None: ...
+
+
+STREAM = 1000  # rows fetched at a time by `each`: memory holds these, not the result
 
 
 class _Sqlite3:
@@ -60,6 +64,14 @@ class _Sqlite3:
     def rows(self, sql: str, params: Mapping[str, Any]) -> list[tuple]:
         try:
             return self.conn.execute(sql, dict(params)).fetchall()
+        except sqlite3.Error as e:
+            raise DatabaseError(f"index database error: {e}") from e
+
+    def each(self, sql: str, params: Mapping[str, Any]) -> Iterator[tuple]:
+        try:
+            cur = self.conn.execute(sql, dict(params))
+            while part := cur.fetchmany(STREAM):
+                yield from part
         except sqlite3.Error as e:
             raise DatabaseError(f"index database error: {e}") from e
 
@@ -86,6 +98,10 @@ class _Engine:
         with self.engine.connect() as conn:
             return list(conn.execute(text(sql), dict(params)).fetchall())
 
+    def each(self, sql: str, params: Mapping[str, Any]) -> Iterator[tuple]:
+        with self.engine.connect() as conn:
+            yield from _Connection(conn).each(sql, params)
+
     def write(self, sql: str, params: Mapping[str, Any]) -> int:
         from sqlalchemy import text
 
@@ -107,6 +123,13 @@ class _Connection:
         from sqlalchemy import text
 
         return list(self.conn.execute(text(sql), dict(params)).fetchall())
+
+    def each(self, sql: str, params: Mapping[str, Any]) -> Iterator[tuple]:
+        from sqlalchemy import text
+
+        result = self.conn.execution_options(stream_results=True).execute(text(sql), dict(params))
+        for part in result.partitions(STREAM):
+            yield from part
 
     def write(self, sql: str, params: Mapping[str, Any]) -> int:
         from sqlalchemy import text
@@ -940,9 +963,9 @@ class Store:
         "torch_version, system_hash, corrupt, hit_count, torch_version_hash, parse_state"
     )
 
-    def policy_rows(self) -> tuple[list[tuple], dict[int, list[tuple[str, str]]]]:
-        """Every entry of the cache as eviction plans over it (the POLICY_COLUMNS), and each
-        entry's references (kind, ref) by entry id."""
+    def policy_rows(self) -> tuple[Iterator[tuple], dict[int, list[tuple[str, str]]]]:
+        """Every entry of the cache as eviction plans over it (the POLICY_COLUMNS: streamed, to
+        be read before the store closes), and each entry's references (kind, ref) by entry id."""
         refs: dict[int, list[tuple[str, str]]] = {}
         kinds: dict[str, str] = {}  # one string per kind, not one per reference (millions at scale)
         for eid, kind, ref in self._rows(
@@ -950,7 +973,9 @@ class Store:
             "WHERE e.cache_id = :cache"
         ):
             refs.setdefault(eid, []).append((kinds.setdefault(kind, kind), ref))
-        rows = self._rows(f"SELECT {self.POLICY_COLUMNS} FROM entries WHERE cache_id = :cache")
+        rows = self.driver.each(
+            f"SELECT {self.POLICY_COLUMNS} FROM entries WHERE cache_id = :cache", {"cache": self._cache_id}
+        )
         return rows, refs
 
     def fingerprint_names(self) -> dict[str, str]:
