@@ -24,6 +24,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -62,19 +63,27 @@ class Cache(Base):
     reader: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # parse.READER that read its entries
 
 
+def _where(column: str) -> dict:
+    """An index of the rows where `column` is set (SQLite and PostgreSQL both have partial indexes)."""
+    return {"sqlite_where": text(f"{column} IS NOT NULL"), "postgresql_where": text(f"{column} IS NOT NULL")}
+
+
 class Entry(Base):
     """One cache entry (see cachemgr.layout for what an entry is per kind)."""
 
     __tablename__ = "entries"
     __table_args__ = (
         UniqueConstraint("cache_id", "key"),
-        Index("ix_entries_cache_kind", "cache_id", "kind"),
+        # totals by kind read this index alone (`stats`: the rows are wide)
+        Index("ix_entries_usage", "cache_id", "kind", "bytes", "files", "mtime", "parse_state"),
+        Index("ix_entries_corrupt", "cache_id", **_where("corrupt")),
         Index("ix_entries_cache_ref", "cache_id", "ref"),
-        Index("ix_entries_cache_alias", "cache_id", "alias"),
-        Index("ix_entries_cache_graph", "cache_id", "graph_key"),
+        # partial: most entries have no alias, graph key or content name (phase one sets none)
+        Index("ix_entries_cache_alias", "cache_id", "alias", **_where("alias")),
+        Index("ix_entries_cache_graph", "cache_id", "graph_key", **_where("graph_key")),
         Index("ix_entries_cache_dir", "cache_id", "dir"),
         Index("ix_entries_cache_parse", "cache_id", "parse_state"),
-        Index("ix_entries_content", "content"),
+        Index("ix_entries_content", "content", **_where("content")),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
