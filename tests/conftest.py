@@ -3,6 +3,7 @@ index per test, and ways to run the CLI in-process (CliRunner) and as a real sub
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -104,14 +105,141 @@ def redis_url(redis_db):
     return url
 
 
+def shared_dir(tmp_path_factory, name: str, build) -> Path:
+    """A folder made once per test run by build(path), whichever pytest-xdist worker asks first;
+    the others wait for it (an flock) and reuse it (pytest-xdist's way to share session data).
+    Built in place, at the path every worker then sees: what torch writes may name it. A build
+    that failed (no .done beside it) is thrown away and made again by the next to ask."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's temp folder, above each worker's own
+    path, done = base / name, base / f"{name}.done"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            build(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
-def cpu_cache_master(tmp_path_factory) -> Path:
+def cpu_cache_master(tmp_path_factory, cpp_builds) -> Path:
     """A real cache written by torch.compile on CPU (training step with dynamic batch,
-    inference, custom options). Built once per session; tests get copies."""
-    root = tmp_path_factory.mktemp("cpu-cache") / "inductor"
-    counters = run_program(root)
-    assert counters["fxgraph_cache_miss"] > 0
+    inference, custom options), from an empty dir (nothing seeded: its compile times are real).
+    Built once per run (shared by the pytest-xdist workers); tests get copies, or only read it.
+    Its C++ builds are kept as those of compile_models.py."""
+
+    def build(path: Path) -> None:
+        counters = run_program(path / "inductor")
+        assert counters["fxgraph_cache_miss"] > 0
+
+    root = shared_dir(tmp_path_factory, "cpu-cache", build) / "inductor"
+    cpp_builds.keep("compile_models", root)
     return root
+
+
+# -- C++ builds: what g++ made for Inductor, given to a compile that would make the same ------------
+#
+# A compile into a cache dir without them spends most of its time in g++: every new cache dir
+# first builds Inductor's vector-ISA probes (c*.cpp/.so: small programs that test the CPU's AVX2
+# / AVX-512 / VNNI / BF16), then one <key>.main.so per kernel. Each is named by a hash of its C++
+# source and of the g++ command, and torch builds one only when that file is not there yet
+# (codecache.write, CppCodeCache.load_async, cpu_vec_isa.check_build). So a build this venv made
+# for the same source is the very file torch would make again: copied into a cache dir (a copy,
+# new mtime; never a link, so a test that ages or damages its files touches only its own) it
+# spares g++ and changes nothing else. Only C++ builds are given, never an fxgraph/ or
+# aotautograd/ entry or a Python module: whether a graph hits or misses, what torch counts and
+# traces, and what cachemgr sees of the graphs stay exactly those of a cold compile.
+# Where a test looks at the code entries of a cache, or at what a compile writes, it gets none.
+
+
+def is_build(path: Path) -> bool:
+    return path.suffix in (".cpp", ".so") and path.name.startswith("c") and len(path.parent.name) == 2
+
+
+def is_probe(path: Path) -> bool:
+    """A vector-ISA probe (every cache dir's first builds), not a kernel (<key>.main.cpp/.so)."""
+    return ".main." not in path.name
+
+
+def builds_in(cache: Path) -> set[str]:
+    """The C++ builds in a cache dir, as <2ch>/<name>."""
+    return {f"{f.parent.name}/{f.name}" for f in cache.glob("??/c*") if is_build(f)}
+
+
+def copy_builds(src: Path, dst: Path, keep=lambda p: True, atomic: bool = False) -> int:
+    """Copy the C++ builds of cache dir `src` into cache dir `dst` that it lacks; how many."""
+    n = 0
+    for f in sorted(src.glob("??/c*")):
+        if not is_build(f) or not keep(f):
+            continue
+        target = dst / f.parent.name / f.name
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if atomic:  # another worker may copy the same file into the same place at once
+            tmp = target.with_name(f".{os.getpid()}.{f.name}.tmp")
+            shutil.copyfile(f, tmp)
+            os.replace(tmp, target)
+        else:
+            shutil.copyfile(f, target)
+        n += 1
+    return n
+
+
+class Builds:
+    """C++ builds this run's compiles made, kept by workload (shared by the pytest-xdist workers),
+    to seed a later compile of the same workload.
+
+        had = builds.seed(cache, "make_cache", master)  # before a compile: the probes, those builds
+        builds.keep("make_cache", cache, had)           # after it: the builds it made, for the next
+
+    Labels name a workload (program and arguments that choose its graphs); a Path is a cache dir
+    to take builds from. The probes are the same for every compile of this venv; a seed of a
+    label nobody kept yet is the probes alone (speed depends on order, outcomes never do)."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self.factory = tmp_path_factory
+        self.root = shared_dir(tmp_path_factory, "cpp-builds", lambda path: None)
+
+    def keep(self, label: str, src: Path, had: set[str] = frozenset()) -> None:
+        """Keep the builds of cache dir `src` but those it `had` before the compile (builds a
+        fixture came with were made by another venv, or for another workload)."""
+        copy_builds(src, self.root / label, lambda f: f"{f.parent.name}/{f.name}" not in had, atomic=True)
+
+    def probes(self) -> list[Path]:
+        """Cache dirs to take the probes from: those kept (a compile into an empty dir makes
+        them all), else a one-kernel compile's, made for this."""
+        kept = [d for d in self.root.iterdir() if any(is_probe(f) for f in d.glob("??/c*.so"))]
+        if kept:
+            return kept
+
+        def build(path: Path) -> None:
+            out = subprocess.run(
+                [sys.executable, str(PROGRAMS / "explain_variants.py"), "base"],
+                env=subprocess_env(path),
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert out.returncode == 0, out.stderr[-4000:]
+
+        return [shared_dir(self.factory, "cpp-probes", build)]
+
+    def seed(self, dst: Path, *sources: str | Path, probes: bool = True) -> set[str]:
+        """Give cache dir `dst` the probes and the builds of `sources` it lacks; the builds it has now."""
+        for src in self.probes() if probes else ():
+            copy_builds(src, dst, is_probe)
+        for src in sources:
+            copy_builds(self.root / src if isinstance(src, str) else src, dst)
+        return builds_in(dst)
+
+
+@pytest.fixture(scope="session")
+def cpp_builds(tmp_path_factory) -> Builds:
+    return Builds(tmp_path_factory)
 
 
 @pytest.fixture
@@ -194,7 +322,18 @@ def cli_for(db_url):
 # torch.compile in this session, a daemon process, PostgreSQL, Redis. `pytest -m "not slow"` is
 # the fast tier: pure functions, synthetic trees and rows, the CLI on the repository's fixtures.
 INTEGRATION_FIXTURES = frozenset(
-    {"cpu_cache", "cpu_cache_master", "aged_cpu", "start", "pg_url", "redis_db", "redis_url", "rconn", "own_redis"}
+    {
+        "cpu_cache",
+        "cpu_cache_master",
+        "cpp_builds",
+        "aged_cpu",
+        "start",
+        "pg_url",
+        "redis_db",
+        "redis_url",
+        "rconn",
+        "own_redis",
+    }
 )
 
 
