@@ -24,11 +24,17 @@ import pytest
 from cachemgr import check
 from cachemgr.fingerprint import component_hash
 from cachemgr.prewarm import adapters, bundle
-from tests.conftest import FIXTURES, PROGRAMS, Cli, subprocess_env
+from tests.conftest import FIXTURES, PROGRAMS, Builds, Cli, subprocess_env
 
 pytestmark = pytest.mark.slow
 MAKE_CACHE = FIXTURES / "make_cache.py"
 WORKLOAD = PROGRAMS / "check_workload.py"
+# Workloads whose C++ builds a later compile of the same may be seeded with (conftest.Builds);
+# seeded only after the prediction, so `check` sees each cache as it came. The outcome compared
+# with the prediction is torch's: fxgraph hits and misses, in its trace and counters, which no
+# C++ build changes.
+MAKE_CACHE_BUILDS = "make_cache"
+MLP_BUILDS = "check_workload mlp"
 ENV = {"PYTHONPATH": os.pathsep.join((str(Path(__file__).resolve().parent.parent), str(PROGRAMS)))}
 
 # The fixtures' workload (tests/fixtures/make_cache.py): what each function is compiled with.
@@ -171,7 +177,7 @@ def named(report: dict, verdict: str) -> set[str]:
 # -- the cases ------------------------------------------------------------------------------------------
 
 
-def test_same_host_every_graph_hits(fixture_cache, tmp_path, db_url):
+def test_same_host_every_graph_hits(fixture_cache, tmp_path, db_url, cpp_builds: Builds):
     root = fixture_cache("torch-2.13.0-cpu")  # written by this very torch build (its fingerprint is checked below)
     (tmp_path / "m.toml").write_text(FIXTURE_MANIFEST)
     cli = Cli(root, db_url)
@@ -187,7 +193,12 @@ def test_same_host_every_graph_hits(fixture_cache, tmp_path, db_url):
     (p,) = [p for p in bare["predictions"] if p["verdict"] == "unknown"]
     assert p["groups"]["options"][0]["name"] == "inductor_config[epilogue_fusion]"
     assert (p["groups"]["options"][0]["cache"], p["groups"]["options"][0]["host"]) == ("False", "True")
+    # the fixture's kernels were built by another venv (another g++ command: other names): this
+    # venv builds them again on a hit, unless an earlier compile of the workload here did. Its
+    # vector-ISA probes are this torch's and g++'s already (else the run builds them).
+    had = cpp_builds.seed(root, MAKE_CACHE_BUILDS, probes=False)
     counters, hits, misses = run_traced([str(MAKE_CACHE)], root, tmp_path / "trace")
+    cpp_builds.keep(MAKE_CACHE_BUILDS, root, had)
     counters = {
         "fxgraph_cache_hit": counters.get("fxgraph_cache_hit", 0),
         "fxgraph_cache_miss": counters.get("fxgraph_cache_miss", 0),
@@ -209,11 +220,13 @@ def test_same_host_every_graph_hits(fixture_cache, tmp_path, db_url):
 
 
 @pytest.fixture(scope="module")
-def workload_cache(tmp_path_factory) -> Path:
-    """A cache of check_workload.py's `mlp` workload, written by this host."""
+def workload_cache(tmp_path_factory, cpp_builds: Builds) -> Path:
+    """A cache of check_workload.py's `mlp` workload, written by this host (from an empty dir:
+    predictions are made on copies of it)."""
     root = tmp_path_factory.mktemp("wl") / "cache"
     counters, _, _ = run_traced([str(WORKLOAD), "mlp"], root, root.parent / "trace0")
     assert counters["fxgraph_cache_miss"] > 0 and counters["fxgraph_cache_hit"] == 0
+    cpp_builds.keep(MLP_BUILDS, root)
     return root
 
 
@@ -266,7 +279,9 @@ def test_an_option_this_hosts_environment_sets_is_named(workload_cache, tmp_path
 
 
 @pytest.mark.parametrize("name", ["torch-2.14.1-cpu", "torch-2.9.1-cpu"])
-def test_another_torch_versions_cache_misses_by_torch_version(name, fixture_cache, tmp_path, db_url):
+def test_another_torch_versions_cache_misses_by_torch_version(
+    name, fixture_cache, tmp_path, db_url, cpp_builds: Builds
+):
     root = fixture_cache(name)
     (tmp_path / "m.toml").write_text(FIXTURE_MANIFEST)
     report = predict(Cli(root, db_url), "--manifest", str(tmp_path / "m.toml"))
@@ -274,7 +289,9 @@ def test_another_torch_versions_cache_misses_by_torch_version(name, fixture_cach
     assert causes(report) == ["8 graphs will miss because torch_version differs"]
     tv = next(d for p in report["predictions"] for d in p["groups"]["environment"] if d["name"] == "torch_version")
     assert tv["host"].startswith("2.13.0+cpu (hash sjldm5hyfytk")
+    had = cpp_builds.seed(root, MAKE_CACHE_BUILDS)  # after the prediction; the graphs still all miss
     counters, hits, _ = run_traced([str(MAKE_CACHE)], root, tmp_path / "trace")
+    cpp_builds.keep(MAKE_CACHE_BUILDS, root, had)
     counters = {k: counters.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
     assert counters == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 8}
     compare(f"another torch's cache ({name})", report, hits, counters)
@@ -293,7 +310,9 @@ def test_a_format_without_components_is_unknown_never_a_hit(name, fixture_cache,
     assert report["hit"] == report["miss"] == 0 and all(p["verdict"] == "unknown" for p in report["predictions"])
 
 
-def test_the_gpu_fixture_on_this_cpu_host_misses_by_device_and_system(fixture_masters, tmp_path, db_url):
+def test_the_gpu_fixture_on_this_cpu_host_misses_by_device_and_system(
+    fixture_masters, tmp_path, db_url, cpp_builds: Builds
+):
     root = tmp_path / "gpu"
     with __import__("tarfile").open(FIXTURES / "gpu" / "torch-2.11-h200-triton.tar.gz") as t:
         t.extractall(root, filter="data")
@@ -305,6 +324,7 @@ def test_the_gpu_fixture_on_this_cpu_host_misses_by_device_and_system(fixture_ma
     assert env["system_info[device]"]["host"] == "(absent)"
     (dev,) = report["predictions"][0]["groups"]["inputs"]
     assert (dev["name"], dev["cache"], dev["host"]) == ("device", "cuda:0", "no CUDA device")
+    cpp_builds.seed(root)  # the vector-ISA probes; the kernels of this workload on a CPU are built here
     counters, hits, _ = run_traced([str(WORKLOAD), "gpu-triton", "--device", "cpu"], root, tmp_path / "trace")
     assert counters["fxgraph_cache_hit"] == 0
     compare("the GPU fixture (H200, torch 2.11) on this CPU host", report, hits, counters)
@@ -475,7 +495,7 @@ def test_graph_independent_components_of_this_torch_equal_its_entries(fixture_ma
 # -- the fleet: what splits one graph's cache between hosts ------------------------------------------------
 
 
-def test_explain_summary_names_what_splits_the_fleet(workload_cache, tmp_path):
+def test_explain_summary_names_what_splits_the_fleet(workload_cache, tmp_path, cpp_builds: Builds):
     from test_fleet import _admin  # the fleet tests' PostgreSQL server
 
     name = f"cachemgr_t_check_{os.getpid()}"
@@ -486,6 +506,8 @@ def test_explain_summary_names_what_splits_the_fleet(workload_cache, tmp_path):
     try:
         a, b = tmp_path / "a", tmp_path / "b"
         shutil.copytree(workload_cache, a)
+        # max_autotune_pointwise changes no C++ kernel (it tunes Triton's): the same builds as a's
+        cpp_builds.seed(b, MLP_BUILDS)
         run_traced([str(WORKLOAD), "mlp"], b, tmp_path / "trace", TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE="1")
         for host, root in (("gpu-a", a), ("gpu-b", b)):
             r = Cli(root, url, host=host).proc("scan", timeout=300, env=ENV)
