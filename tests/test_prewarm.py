@@ -15,10 +15,16 @@ import pytest
 
 from cachemgr.prewarm import bundle
 from cachemgr.prewarm import manifest as mf
-from tests.conftest import PROGRAMS, Cli, subprocess_env
+from tests.conftest import PROGRAMS, Builds, Cli, subprocess_env
 
 pytestmark = pytest.mark.slow
 ENV = {"PYTHONPATH": os.pathsep.join((str(Path(__file__).resolve().parent.parent), str(PROGRAMS)))}
+# C++ builds (conftest.Builds) of the workload (prewarm_models.py as a program: prewarm compiles the
+# very graphs it recorded, so the same kernels) and of a prewarm of the manifest's `head` alone.
+# Seeded caches still hold no graph: what is tested is which graphs hit or miss, and those counts
+# are torch's own, which no C++ build changes.
+WORKLOAD_BUILDS = "prewarm_models"
+HEAD_BUILDS = "prewarm --model head"
 
 MANIFEST = """
 [[model]]
@@ -88,13 +94,16 @@ def proc_json(cli: Cli, *args: str, code: int, timeout: float = 900) -> tuple[di
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, cpp_builds: Builds):
     base = tmp_path_factory.mktemp("prewarm")
     (base / "m.toml").write_text(MANIFEST)
     (base / "config.toml").write_text(f'spool_dir = "{base / "spool"}"\n')
+    had = cpp_builds.seed(base / "orig-cache")
     first = workload(base / "orig-cache", base / "spool")  # the workload records its shapes
     assert first["fxgraph_cache_miss"] > 0
+    cpp_builds.keep(WORKLOAD_BUILDS, base / "orig-cache", had)
     cli = ConfCli(base / "fresh-cache", f"sqlite:///{base / 'idx.db'}", base / "config.toml")
+    cpp_builds.seed(cli.cache_dir, WORKLOAD_BUILDS)  # no graph: prewarm compiles every one
     doc, err = proc_json(cli, "prewarm", "--manifest", str(base / "m.toml"), "--verify", code=8)
     return {"base": base, "cli": cli, "doc": doc, "stderr": err, "first": first}
 
@@ -149,7 +158,7 @@ def test_every_failure_is_named_and_the_rest_still_prewarmed(world):
     assert "cachemgr: error: 4 problem(s) during prewarm" in err
 
 
-def test_export_then_import_into_an_empty_cache_is_warm(world, tmp_path, fixture_cache):
+def test_export_then_import_into_an_empty_cache_is_warm(world, tmp_path, fixture_cache, cpp_builds: Builds):
     cli = world["cli"]
     out = tmp_path / "cache.bundle"
     doc, _ = proc_json(cli, "export", "--out", str(out), code=0)
@@ -160,6 +169,7 @@ def test_export_then_import_into_an_empty_cache_is_warm(world, tmp_path, fixture
     target = Cli(tmp_path / "imported", cli.db_url)
     imp, _ = proc_json(target, "import", str(out), code=0)
     assert imp["ok"] and imp["artifacts"]["inductor"] == h["artifacts"]["inductor"]
+    cpp_builds.seed(tmp_path / "imported", WORKLOAD_BUILDS)  # after the import: its graphs are the bundle's
     counters = workload(tmp_path / "imported", tmp_path / "spool")
     assert counters["fxgraph_cache_miss"] == 0 and counters["fxgraph_cache_hit"] > 0
 
@@ -172,9 +182,11 @@ def test_export_then_import_into_an_empty_cache_is_warm(world, tmp_path, fixture
     assert "none of its 8 graphs would hit here (8 graphs will miss because torch_version differs)" in r.stderr
     assert "refusing to import it" in r.stderr
     fresh = ConfCli(tmp_path / "fresh2", cli.db_url, cli.config)
+    had = cpp_builds.seed(fresh.cache_dir, HEAD_BUILDS)
     doc, err = proc_json(
         fresh, "prewarm", "--manifest", str(world["base"] / "m.toml"), "--model", "head", "--bundle", str(other), code=8
     )
+    cpp_builds.keep(HEAD_BUILDS, fresh.cache_dir, had)
     assert "torch_version differs" in doc["failures"][0]
     assert [r["ok"] for r in doc["shapes"]] == [True, True, True]
 
@@ -293,15 +305,18 @@ def test_shapes_are_shared_in_order_and_automatic_dynamic_slices_lead_in_with_th
     assert "model 'new': field 'shapes': \"recorded\" but no shapes are recorded" in errors[0][1]
 
 
-def test_target_redis_fills_pytorchs_remote_cache(world, tmp_path, redis_url):
+def test_target_redis_fills_pytorchs_remote_cache(world, tmp_path, redis_url, cpp_builds: Builds):
     url = redis_url  # the session's own Redis database, emptied for this test
     cfg = tmp_path / "config.toml"
     cfg.write_text(world["cli"].config.read_text() + f'redis_url = "{url}"\n')
     cli = ConfCli(tmp_path / "local", world["cli"].db_url, cfg)
+    had = cpp_builds.seed(cli.cache_dir, HEAD_BUILDS)
     doc, _ = proc_json(
         cli, "prewarm", "--manifest", str(world["base"] / "m.toml"), "--model", "head", "--target", "redis", code=0
     )
     assert [r["ok"] for r in doc["shapes"]] == [True, True, True]
+    cpp_builds.keep(HEAD_BUILDS, cli.cache_dir, had)
+    cpp_builds.seed(tmp_path / "empty", WORKLOAD_BUILDS)  # no graph: they are in Redis, or compiled
     # a process with an empty local cache finds the head's graphs in Redis
     out = subprocess.run(
         [sys.executable, str(PROGRAMS / "prewarm_models.py")],
