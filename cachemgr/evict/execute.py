@@ -83,7 +83,7 @@ def exclusive(root: str, waiting: Callable[[], None] | None = None) -> Iterator[
         yield r  # closing the descriptor releases the lock
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Removed:
     key: str
     kind: str

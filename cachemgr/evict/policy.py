@@ -124,7 +124,7 @@ class DiskState:
     total_bytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Planned:
     id: int
     key: str
@@ -137,7 +137,7 @@ class Planned:
     compile_seconds: float | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Unit:
     """What the executor deletes as one: all of it, or (if any part is in use) none of it."""
 
@@ -286,7 +286,7 @@ def nearest_build(rows: Sequence[Row], builds: list[int], entry: Row) -> int:
 # -- planning -----------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class _Candidate:
     members: list[int]
     reason: str

@@ -34,9 +34,10 @@ def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -
     cur.execute("PRAGMA synchronous=NORMAL")  # safe with WAL; a crash loses at most the last commit
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA busy_timeout=30000")
-    # 32 MiB of pages (SQLite's default is 2): a first scan of 1,000,000 files keeps eight indexes
-    # of 200,000+ rows; with 2 MiB each insert read its index pages back from the OS again.
-    cur.execute("PRAGMA cache_size=-32768")
+    # 8 MiB of pages (SQLite's default is 2): a first scan of 1,000,000 files writes eight indexes
+    # of 200,000+ rows, and with 2 MiB each insert read its pages back from the OS again. (32 MiB
+    # was 12 % faster still, but it counts in every process's memory, held under 150 MB.)
+    cur.execute("PRAGMA cache_size=-8192")
     cur.close()
 
 

@@ -23,7 +23,7 @@ import bisect
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -420,6 +420,12 @@ class ModelUsage:
 # -- the store --------------------------------------------------------------------------------------
 
 CACHE_SQL = "SELECT id, host, root, last_scan, last_eviction FROM caches"
+
+
+def _shared_ref(row: tuple, one: Callable[[str, str], str]) -> tuple:
+    """A policy row whose ref is the very string its referrers' references hold."""
+    ref = row[3]
+    return row if ref is None else (*row[:3], one(ref, ref), *row[4:])
 
 
 class Store:
@@ -967,16 +973,20 @@ class Store:
         """Every entry of the cache as eviction plans over it (the POLICY_COLUMNS: streamed, to
         be read before the store closes), and each entry's references (kind, ref) by entry id."""
         refs: dict[int, list[tuple[str, str]]] = {}
-        kinds: dict[str, str] = {}  # one string per kind, not one per reference (millions at scale)
-        for eid, kind, ref in self._rows(
+        # one string per kind and per name, not one per reference: a graph names a hundred
+        # kernels, and at 1,000,000 files these were hundreds of thousands of copies
+        names: dict[str, str] = {}
+        one = names.setdefault
+        for eid, kind, ref in self.driver.each(
             "SELECT r.entry_id, r.kind, r.ref FROM entry_refs r JOIN entries e ON e.id = r.entry_id "
-            "WHERE e.cache_id = :cache"
+            "WHERE e.cache_id = :cache",
+            {"cache": self._cache_id},
         ):
-            refs.setdefault(eid, []).append((kinds.setdefault(kind, kind), ref))
+            refs.setdefault(eid, []).append((one(kind, kind), one(ref, ref)))
         rows = self.driver.each(
             f"SELECT {self.POLICY_COLUMNS} FROM entries WHERE cache_id = :cache", {"cache": self._cache_id}
         )
-        return rows, refs
+        return (_shared_ref(row, one) for row in rows), refs
 
     def fingerprint_names(self) -> dict[str, str]:
         """torch_version hash -> the torch build it names, as processes running it reported."""
