@@ -74,8 +74,9 @@ class Entry(Base):
     __tablename__ = "entries"
     __table_args__ = (
         UniqueConstraint("cache_id", "key"),
-        # totals by kind read this index alone (`stats`: the rows are wide)
-        Index("ix_entries_usage", "cache_id", "kind", "bytes", "files", "mtime", "parse_state"),
+        # totals by kind read this index alone (`stats`: the rows are wide; not parse_state, which
+        # phase two sets on every entry it reads: the pending count reads ix_entries_cache_parse)
+        Index("ix_entries_usage", "cache_id", "kind", "bytes", "files", "mtime"),
         Index("ix_entries_corrupt", "cache_id", **_where("corrupt")),
         Index("ix_entries_cache_ref", "cache_id", "ref"),
         # partial: most entries have no alias, graph key or content name (phase one sets none)

@@ -536,17 +536,16 @@ class Store:
 
     def totals(self) -> Totals:
         by_kind = {k.value: Usage() for k in Kind}
-        pending = 0
         oldest = newest = None
         # (each query reads one index, not the rows: ix_entries_usage covers the first)
-        for kind, n, files, size, unparsed, lo, hi in self._rows(
-            "SELECT kind, COUNT(*), SUM(files), SUM(bytes), SUM(CASE WHEN parse_state = 0 THEN 0 ELSE 1 END), "
-            "MIN(mtime), MAX(mtime) FROM entries WHERE cache_id = :cache GROUP BY kind"
+        for kind, n, files, size, lo, hi in self._rows(
+            "SELECT kind, COUNT(*), SUM(files), SUM(bytes), MIN(mtime), MAX(mtime) "
+            "FROM entries WHERE cache_id = :cache GROUP BY kind"
         ):
             by_kind[kind] = Usage(int(n), int(files or 0), int(size or 0))
-            pending += int(unparsed or 0)
             oldest = lo if oldest is None else min(oldest, lo)
             newest = hi if newest is None else max(newest, hi)
+        pending = int(self._scalar("SELECT COUNT(*) FROM entries WHERE cache_id = :cache AND parse_state > 0") or 0)
         corrupt = int(self._scalar("SELECT COUNT(*) FROM entries WHERE cache_id = :cache AND corrupt IS NOT NULL") or 0)
         pins = int(self._scalar("SELECT COUNT(*) FROM pins WHERE cache_id = :cache") or 0)
         c = self.cache_row()

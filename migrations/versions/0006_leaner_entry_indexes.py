@@ -32,7 +32,7 @@ def _where(column: str) -> dict:
 
 def upgrade() -> None:
     op.drop_index("ix_entries_cache_kind", table_name="entries")
-    op.create_index("ix_entries_usage", "entries", ["cache_id", "kind", "bytes", "files", "mtime", "parse_state"])
+    op.create_index("ix_entries_usage", "entries", ["cache_id", "kind", "bytes", "files", "mtime"])
     op.create_index("ix_entries_corrupt", "entries", ["cache_id"], **_where("corrupt"))
     for name, column in PARTIAL.items():
         op.drop_index(name, table_name="entries")
