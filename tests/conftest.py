@@ -197,11 +197,11 @@ class Builds:
         builds.keep("make_cache", cache, had)           # after it: the builds it made, for the next
 
     Labels name a workload (program and arguments that choose its graphs); a Path is a cache dir
-    to take builds from. The probes are the same for every compile of this venv; a seed of a
-    label nobody kept yet is the probes alone (speed depends on order, outcomes never do)."""
+    to take builds from. The probes are the same for every compile of this venv: any kept compile
+    into an empty dir has them. A seed of what nobody kept yet gives nothing, and that compile
+    builds them as before (speed depends on the order tests run in, outcomes never do)."""
 
     def __init__(self, tmp_path_factory) -> None:
-        self.factory = tmp_path_factory
         self.root = shared_dir(tmp_path_factory, "cpp-builds", lambda path: None)
 
     def keep(self, label: str, src: Path, had: set[str] = frozenset()) -> None:
@@ -210,23 +210,8 @@ class Builds:
         copy_builds(src, self.root / label, lambda f: f"{f.parent.name}/{f.name}" not in had, atomic=True)
 
     def probes(self) -> list[Path]:
-        """Cache dirs to take the probes from: those kept (a compile into an empty dir makes
-        them all), else a one-kernel compile's, made for this."""
-        kept = [d for d in self.root.iterdir() if any(is_probe(f) for f in d.glob("??/c*.so"))]
-        if kept:
-            return kept
-
-        def build(path: Path) -> None:
-            out = subprocess.run(
-                [sys.executable, str(PROGRAMS / "explain_variants.py"), "base"],
-                env=subprocess_env(path),
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            assert out.returncode == 0, out.stderr[-4000:]
-
-        return [shared_dir(self.factory, "cpp-probes", build)]
+        """The kept workloads' folders that hold probes (a compile into an empty dir made them all)."""
+        return [d for d in self.root.iterdir() if any(is_probe(f) for f in d.glob("??/c*.so"))]
 
     def seed(self, dst: Path, *sources: str | Path, probes: bool = True) -> set[str]:
         """Give cache dir `dst` the probes and the builds of `sources` it lacks; the builds it has now."""
