@@ -27,10 +27,12 @@ def scrape(port: int) -> dict[str, float]:
     }
 
 
-def test_stats_explain_and_metrics_agree(tmp_path, db_url):
+def test_stats_explain_and_metrics_agree(tmp_path, db_url, cpp_builds):
     # another cache of the same index (another host of a fleet index, say) compiled a graph; its bundle
+    # (compile_variant(builds=): C++ builds of earlier compiles of a variant are copied in first;
+    # compiles, hits and loads are of fxgraph entries, which are never copied)
     other = tmp_path / "other"
-    assert compile_variant(other, "dtype")["fxgraph_cache_miss"] == 1
+    assert compile_variant(other, "dtype", builds=cpp_builds)["fxgraph_cache_miss"] == 1
     Cli(other, db_url)("scan")
     bundle = tmp_path / "seed.bundle"
     r = Cli(other, db_url).proc("export", "--out", str(bundle), timeout=600, env=ENV)
@@ -46,9 +48,9 @@ def test_stats_explain_and_metrics_agree(tmp_path, db_url):
         daemon.wait_message("READY=1")
         daemon.wait_log(f"metrics on http://127.0.0.1:{port}/metrics")
         torch_counts = [
-            compile_variant(cache, "base"),  # a compile
+            compile_variant(cache, "base", builds=cpp_builds),  # a compile
             compile_variant(cache, "base"),  # a hit
-            compile_variant(cache, "option"),
+            compile_variant(cache, "option", builds=cpp_builds),
         ]  # a recompile: the same graph, another option
         assert [(c["fxgraph_cache_miss"], c["fxgraph_cache_hit"]) for c in torch_counts] == [(1, 0), (0, 1), (1, 0)]
         cli = Cli(cache, db_url)

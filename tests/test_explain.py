@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from conftest import PROGRAMS, subprocess_env
+from conftest import PROGRAMS, Builds, subprocess_env
 
 # (variant, program args) in compile order; train-* compile a forward and a backward graph
 RUNS = [
@@ -28,7 +28,12 @@ RUNS = [
 ]
 
 
-def compile_variant(cache_dir, *args: str) -> dict:
+def compile_variant(cache_dir, *args: str, builds: Builds | None = None) -> dict:
+    """Compile a variant in a fresh process. With `builds` (conftest.Builds), the cache dir is
+    given the C++ builds earlier compiles of this variant made first (no graph: its fxgraph hits
+    and misses are its own), and this one's are kept."""
+    label = " ".join(("explain_variants", *args))
+    had = builds.seed(cache_dir, label) if builds else set()
     out = subprocess.run(
         [sys.executable, str(PROGRAMS / "explain_variants.py"), *args],
         env=subprocess_env(cache_dir),
@@ -38,14 +43,16 @@ def compile_variant(cache_dir, *args: str) -> dict:
         check=False,
     )
     assert out.returncode == 0, out.stderr[-4000:]
+    if builds:
+        builds.keep(label, cache_dir, had)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
-def variants_master(tmp_path_factory):  # compiles: every test that uses it is in the slow tier
+def variants_master(tmp_path_factory, cpp_builds):  # compiles: every test that uses it is in the slow tier
     root = tmp_path_factory.mktemp("explain-cache") / "inductor"
     for name, args in RUNS:
-        counters = compile_variant(root, *args)
+        counters = compile_variant(root, *args, builds=cpp_builds)
         # every variant is a real miss: nothing it compiled was in the cache already
         assert counters["fxgraph_cache_hit"] == 0, (name, counters)
         assert counters["fxgraph_cache_miss"] == (2 if name.startswith("train") else 1), (name, counters)
