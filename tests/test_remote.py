@@ -14,6 +14,10 @@ from test_daemon import start, wait_until  # noqa: F401 - start: a fixture (daem
 from test_fleet import pg_url  # noqa: F401 - fixture: a throwaway PostgreSQL database
 from test_index import INSPECT_WITHOUT_TORCH
 
+# The caches of the hosts that compile (or hit in Redis) start with the C++ builds this venv made
+# for the same compile_models.py workload (conftest.Builds): no entry, so every hit and miss
+# below is torch's own.
+
 
 @pytest.fixture
 def rconn(redis_url):
@@ -55,7 +59,7 @@ def test_key_and_value_are_torchs_own(tmp_path):
     assert encode_value(content, 42) == torch_value and decode_value(torch_value) == content
 
 
-def test_push_gives_a_fresh_host_remote_hits(cpu_cache, cli_for, redis_url, rconn, tmp_path):
+def test_push_gives_a_fresh_host_remote_hits(cpu_cache, cli_for, redis_url, rconn, tmp_path, cpp_builds):
     """Process A compiled into cache A (the session's cache); `cachemgr remote push` publishes it;
     process B with an empty cache B and the remote FX graph cache on hits every graph."""
     a = cli_for(cpu_cache, host="host-a")
@@ -76,6 +80,7 @@ def test_push_gives_a_fresh_host_remote_hits(cpu_cache, cli_for, redis_url, rcon
     assert doc["time_taken_ms"] == int(entry["compile_seconds"] * 1000)
 
     cache_b = tmp_path / "cache-b"
+    cpp_builds.seed(cache_b, "compile_models")  # the session's cache's workload
     counters = run_program(cache_b, TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1", TORCHINDUCTOR_REDIS_URL=redis_url)
     assert counters["fxgraph_cache_hit"] == len(fx_keys) and counters["fxgraph_cache_miss"] == 0, counters
     # the hits came from Redis: a remote hit writes no local fxgraph entry, and B had none
@@ -85,7 +90,7 @@ def test_push_gives_a_fresh_host_remote_hits(cpu_cache, cli_for, redis_url, rcon
     assert again["pushed"] == 0 and again["present"] == pushed["pushed"]
 
 
-def test_push_one_graph(cpu_cache, cli_for, redis_url, rconn, tmp_path):
+def test_push_one_graph(cpu_cache, cli_for, redis_url, rconn, tmp_path, cpp_builds):
     """--graph KEY publishes that graph alone; a fresh host running only that function hits it."""
     a = cli_for(cpu_cache)
     a("scan")
@@ -106,9 +111,11 @@ def test_push_one_graph(cpu_cache, cli_for, redis_url, rconn, tmp_path):
     meta = json.loads(rconn.hget("cachemgr:meta", f"pt2:fx-graph-v1::{key}:c1"))
     assert meta["source"] == str(newer.relative_to(cpu_cache))
     assert torch_keys(rconn) == sorted([f"pt2:fx-graph-v1::{key}:c1", f"pt2:autograd-experimental::{aot[0]}:c1"])
+    had = cpp_builds.seed(tmp_path / "b", "compile_models --only infer")
     counters = run_program(
         tmp_path / "b", "--only", "infer", TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE="1", TORCHINDUCTOR_REDIS_URL=redis_url
     )
+    cpp_builds.keep("compile_models --only infer", tmp_path / "b", had)
     assert counters["fxgraph_cache_hit"] == 1 and counters["fxgraph_cache_miss"] == 0, counters
     r = a.proc("remote", "--redis", redis_url, "push", "--graph", "fnosuchgraph")
     assert r.returncode == 3 and r.stderr.startswith(
@@ -116,12 +123,13 @@ def test_push_one_graph(cpu_cache, cli_for, redis_url, rconn, tmp_path):
     )
 
 
-def test_push_aot_entries_with_their_graphs(tmp_path, cli_for, redis_url, rconn):
+def test_push_aot_entries_with_their_graphs(tmp_path, cli_for, redis_url, rconn, cpp_builds):
     """AOTAutograd keys hash torch._functorch.config, which holds enable_remote_autograd_cache:
     the entries a fresh host with TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE=1 looks up are those a
     compile with that same setting wrote. Here A compiles so (its Redis unreachable: torch
     itself writes nothing), cachemgr pushes, B hits in both tiers."""
     cache_a = tmp_path / "a"
+    had = cpp_builds.seed(cache_a, "compile_models --only mlp")
     counters = run_program(
         cache_a,
         "--only",
@@ -131,6 +139,7 @@ def test_push_aot_entries_with_their_graphs(tmp_path, cli_for, redis_url, rconn)
         TORCHINDUCTOR_REDIS_URL="redis://127.0.0.1:1/0",
     )
     assert counters["autograd_cache_miss"] > 0 and torch_keys(rconn) == []
+    cpp_builds.keep("compile_models --only mlp", cache_a, had)
     a = cli_for(cache_a)
     a("scan")
     aot = a.json("ls", "--kind", "aotautograd")
@@ -140,6 +149,7 @@ def test_push_aot_entries_with_their_graphs(tmp_path, cli_for, redis_url, rconn)
     assert one["pushed"] >= 1 + len(needs)
     assert {f"pt2:fx-graph-v1::{k}:c1" for k in needs} <= set(torch_keys(rconn))
     a("remote", "--redis", redis_url, "push")
+    cpp_builds.seed(tmp_path / "b", "compile_models --only mlp")
     counters = run_program(
         tmp_path / "b",
         "--only",
