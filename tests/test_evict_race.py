@@ -24,8 +24,11 @@ SEED = "main:3,main:4,other:3"
 STEPS = "main:3,main:5,main:4,main:5,main:6,main:3,main:6"  # repeats of seeded, fresh, repeats of fresh
 
 
-def test_compile_loop_survives_evict_max_size_0(tmp_path, cli_for):
+def test_compile_loop_survives_evict_max_size_0(tmp_path, cli_for, cpp_builds):
     root = tmp_path / "inductor"
+    # the C++ builds earlier seeding runs made (conftest.Builds: the same files, no entry), aged
+    # and evicted below with the rest
+    had = cpp_builds.seed(root, "compile_loop " + SEED)
     seed = subprocess.run(
         [sys.executable, str(LOOP), "--steps", SEED],
         env=subprocess_env(root),
@@ -34,6 +37,7 @@ def test_compile_loop_survives_evict_max_size_0(tmp_path, cli_for):
         timeout=600,
     )
     assert seed.returncode == 0, seed.stderr[-3000:]
+    cpp_builds.keep("compile_loop " + SEED, root, had)
     age_files(root, HOUR)
     cli = cli_for(root)
     loop = subprocess.Popen(

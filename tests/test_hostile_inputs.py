@@ -841,7 +841,7 @@ def test_die_with_parent_exits_when_the_parent_is_already_gone():
 
 
 @pytest.mark.slow  # a prewarm worker starts torch
-def test_cuda_on_a_host_without_cuda_is_exit_2_before_any_worker(tmp_path, db_url):
+def test_cuda_on_a_host_without_cuda_is_exit_2_before_any_worker(tmp_path, db_url, cpp_builds):
     if os.path.exists("/proc/driver/nvidia/version"):
         pytest.skip("this host has an NVIDIA driver")
     (tmp_path / "m.toml").write_text(
@@ -855,6 +855,7 @@ def test_cuda_on_a_host_without_cuda_is_exit_2_before_any_worker(tmp_path, db_ur
     )
     r = run(*cli.base(), "prewarm", "--manifest", str(tmp_path / "c.toml"), "--devices", "cuda:0", env=PREWARM_ENV)
     one_error_line(r, 2, "--devices cuda:0: this host has no CUDA device")
+    cpp_builds.seed(tmp_path / "cache")  # the vector-ISA probes a first compile builds (conftest.Builds)
     r = run(
         *cli.base(),
         "prewarm",
@@ -905,7 +906,7 @@ def test_manifest_shapes_with_empty_dims_are_refused(tmp_path, db_url):
 
 
 @pytest.mark.slow  # a prewarm worker starts torch
-def test_progress_from_the_start_the_real_cause_of_a_shape_failure_and_human_bundle_lines(tmp_path, db_url):
+def test_progress_from_the_start_the_real_cause_of_a_shape_failure_and_human_bundle_lines(tmp_path, db_url, cpp_builds):
     """A line when the worker starts (before torch is up), per model and per shape; a wrong input
     shape names the mismatch, not torch's wrapper; export and import print lines, not dicts;
     export into a missing folder is one line, exit 2."""
@@ -922,6 +923,7 @@ factory = "prewarm_models:mlp"
 shapes = [["f32[8,3]"]]
 """)
     cache = tmp_path / "cache"
+    cpp_builds.seed(cache)  # the vector-ISA probes a first compile builds (conftest.Builds); no graph
     cli = Cli(cache, db_url)
     p = Running(cli, "--manifest", str(tmp_path / "m.toml"), "--json")
     try:
