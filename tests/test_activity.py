@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import PROGRAMS, Cli
 from test_daemon import Daemon, wait_until
-from test_explain import compile_variant
+from test_explain import compile_variant, explain_variants
 
 pytestmark = pytest.mark.slow
 ENV = {"PYTHONPATH": os.pathsep.join((str(Path(__file__).resolve().parent.parent), str(PROGRAMS)))}
@@ -47,11 +47,10 @@ def test_stats_explain_and_metrics_agree(tmp_path, db_url, cpp_builds):
     try:
         daemon.wait_message("READY=1")
         daemon.wait_log(f"metrics on http://127.0.0.1:{port}/metrics")
-        torch_counts = [
-            compile_variant(cache, "base", builds=cpp_builds),  # a compile
-            compile_variant(cache, "base"),  # a hit
-            compile_variant(cache, "option", builds=cpp_builds),
-        ]  # a recompile: the same graph, another option
+        # three fresh processes, one after another (explain_variants.py --each): a compile, a hit,
+        # a recompile (the same graph, another option)
+        cpp_builds.seed(cache, "explain_variants base", "explain_variants option")
+        torch_counts = explain_variants(cache, "--each", "base", "base", "option", builds=cpp_builds)
         assert [(c["fxgraph_cache_miss"], c["fxgraph_cache_hit"]) for c in torch_counts] == [(1, 0), (0, 1), (1, 0)]
         cli = Cli(cache, db_url)
         r = cli.proc("import", str(bundle), timeout=600, env=ENV)  # a load: no compile

@@ -16,7 +16,8 @@ import time
 import pytest
 from conftest import PROGRAMS, Builds, subprocess_env
 
-# (variant, program args) in compile order; train-* compile a forward and a backward graph
+# (variant, program args) in compile order (a pause between: distinct mtimes, the compile order is
+# the events' order); train-* compile a forward and a backward graph
 RUNS = [
     ("base", ["base"]),
     ("option", ["option"]),
@@ -28,10 +29,11 @@ RUNS = [
 ]
 
 
-def compile_variant(cache_dir, *args: str, builds: Builds | None = None) -> dict:
-    """Compile a variant in a fresh process. With `builds` (conftest.Builds), the cache dir is
-    given the C++ builds earlier compiles of this variant made first (no graph: its fxgraph hits
-    and misses are its own), and this one's are kept."""
+def explain_variants(cache_dir, *args: str, builds: Builds | None = None) -> list[dict]:
+    """Run explain_variants.py (each variant in a fresh process): the JSON line of each. With
+    `builds` (conftest.Builds), the cache dir is given the C++ builds earlier runs with these
+    arguments made first (no graph: its fxgraph hits and misses are its own), and this run's are
+    kept."""
     label = " ".join(("explain_variants", *args))
     had = builds.seed(cache_dir, label) if builds else set()
     out = subprocess.run(
@@ -45,18 +47,27 @@ def compile_variant(cache_dir, *args: str, builds: Builds | None = None) -> dict
     assert out.returncode == 0, out.stderr[-4000:]
     if builds:
         builds.keep(label, cache_dir, had)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def compile_variant(cache_dir, *args: str, builds: Builds | None = None) -> dict:
+    """Compile a variant in a fresh process (`base`, `base --train`, ...)."""
+    return explain_variants(cache_dir, *args, builds=builds)[-1]
 
 
 @pytest.fixture(scope="module")
 def variants_master(tmp_path_factory, cpp_builds):  # compiles: every test that uses it is in the slow tier
+    """Every variant compiled in a fresh process of its own, in order, into one cache dir
+    (explain_variants.py --each: each process forked from one that has imported torch and
+    compiled nothing; the same files as one `python explain_variants.py VARIANT` each)."""
     root = tmp_path_factory.mktemp("explain-cache") / "inductor"
-    for name, args in RUNS:
-        counters = compile_variant(root, *args, builds=cpp_builds)
+    cpp_builds.seed(root, *(" ".join(("explain_variants", *args)) for _, args in RUNS))
+    lines = explain_variants(root, "--each", *(name for name, _ in RUNS), builds=cpp_builds)
+    assert [c["variant"] for c in lines] == [name for name, _ in RUNS]
+    for name, counters in zip((name for name, _ in RUNS), lines, strict=True):
         # every variant is a real miss: nothing it compiled was in the cache already
         assert counters["fxgraph_cache_hit"] == 0, (name, counters)
         assert counters["fxgraph_cache_miss"] == (2 if name.startswith("train") else 1), (name, counters)
-        time.sleep(0.05)  # distinct mtimes: the compile order is the events' order
     return root
 
 
