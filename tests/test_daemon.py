@@ -185,9 +185,12 @@ def test_sighup_reloads_config(tmp_path, start):
 # -- indexing what torch writes and reads ----------------------------------------------------------
 
 
-def test_real_compile_is_indexed_live_and_hits_counted(tmp_path, start, cli_for):
+def test_real_compile_is_indexed_live_and_hits_counted(tmp_path, start, cli_for, cpp_builds):
     cache = tmp_path / "cache"
     cache.mkdir()
+    # the vector-ISA probes this venv built are there from the start (conftest.Builds: the files
+    # the compile would build first); its kernels, modules and entries are written while watched
+    cpp_builds.seed(cache)
     cli = cli_for(cache, host=HOST)
     d = start(cache)
     prog = subprocess.Popen(
