@@ -152,7 +152,8 @@ def cpu_cache_master(tmp_path_factory, cpp_builds) -> Path:
 # spares g++ and changes nothing else. Only C++ builds are given, never an fxgraph/ or
 # aotautograd/ entry or a Python module: whether a graph hits or misses, what torch counts and
 # traces, and what cachemgr sees of the graphs stay exactly those of a cold compile.
-# Where a test looks at the code entries of a cache, or at what a compile writes, it gets none.
+# Where what a compile writes is the subject (eviction under a running compile, the daemon
+# indexing a compile live, the rebuild after an eviction) the kernels are never seeded.
 
 
 def is_build(path: Path) -> bool:
