@@ -69,13 +69,10 @@ def load_rows(db: Database, cache_id: int, root: safefs.Root | str) -> list[Row]
 
 
 def _policy_rows(root: safefs.Root, rows: Iterable[tuple], refs: dict, pins: dict) -> list[Row]:
+    """Row objects of Store.policy_rows' rows (their shared values already one string each)."""
     from cachemgr.index.models import PARSED
 
     referenced = {ref for rs in refs.values() for kind, ref in rs if kind == Kind.TRITON}
-    # Values most rows share (kind, torch version, system and version hashes) are kept once: the
-    # driver makes a new string for every row, which at 1,000,000 files was tens of MB.
-    shared: dict[str, str] = {}
-    one = shared.setdefault
     out = []
     for m in rows:  # in Store.POLICY_COLUMNS order
         eid, key, kind, ref, graph_key, tv, sh, tvh = m[0], m[1], m[2], m[3], m[10], m[11], m[12], m[15]
@@ -84,7 +81,7 @@ def _policy_rows(root: safefs.Root, rows: Iterable[tuple], refs: dict, pins: dic
             Row(
                 eid,
                 key,
-                one(kind, kind),
+                kind,
                 ref,
                 m[4],  # alias
                 m[5],  # bytes
@@ -93,14 +90,14 @@ def _policy_rows(root: safefs.Root, rows: Iterable[tuple], refs: dict, pins: dic
                 m[8],  # last_access
                 m[9],  # compile_seconds
                 graph_key,
-                tv and one(tv, tv),
-                sh and one(sh, sh),
+                tv,
+                sh,
                 m[13],
                 pinned=bool(pins) and any(k in pins for k in (key, graph_key, ref) if k),
                 hit_count=m[14] or 0,
                 launcher=launcher,
                 refs=tuple(refs.pop(eid, ())),
-                torch_version_hash=tvh and one(tvh, tvh),
+                torch_version_hash=tvh,
                 parsed=m[16] == PARSED,
             )
         )

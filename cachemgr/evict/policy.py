@@ -168,18 +168,18 @@ class Plan:
         return [e for u in self.units for e in u.entries]
 
 
-def _link(links: Links, i: int, to: int) -> None:
-    s = links[i]
-    if not isinstance(s, set):
-        s = links[i] = set()
-    s.add(to)
-
-
 # -- the reference graph ------------------------------------------------------------------------
 
 
 Links = list["set[int] | frozenset[int]"]
 NO_LINKS: frozenset[int] = frozenset()  # shared by every entry without children (or parents): most
+
+
+def _link(links: Links, i: int, to: int) -> None:
+    s = links[i]
+    if not isinstance(s, set):
+        s = links[i] = set()
+    s.add(to)
 
 
 @dataclass
