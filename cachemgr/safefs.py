@@ -18,6 +18,7 @@ import fcntl
 import os
 import shutil
 import stat
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from typing import BinaryIO
 O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 O_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 O_NOATIME = getattr(os, "O_NOATIME", 0)
-OPEN_DIRS = 64  # directory descriptors a Root keeps open (least recently used go first)
+OPEN_DIRS = 64  # directory descriptors a Root keeps open per thread (least recently used go first)
 MAX_DEPTH = 32  # deeper paths are not Inductor's: refused, never walked
 
 Identity = tuple[int, int]  # (st_dev, st_ino)
@@ -67,7 +68,11 @@ class Root:
         # it is resolved once, here; nothing below it ever is.
         self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.id = identity(os.fstat(self.fd))
-        self._dirs: OrderedDict[str, int] = OrderedDict()
+        # One descriptor cache per thread: a descriptor another thread let go (and the kernel
+        # then gave to some other directory) is never used.
+        self._local = threading.local()
+        self._caches: list[OrderedDict[str, int]] = []
+        self._caches_lock = threading.Lock()
 
     def __enter__(self) -> Root:
         return self
@@ -82,10 +87,22 @@ class Root:
             self.fd = -1
 
     def forget(self) -> None:
-        """Close the cached directory descriptors (a directory may have been replaced since)."""
-        for fd in self._dirs.values():
-            os.close(fd)
-        self._dirs.clear()
+        """Close the cached directory descriptors of every thread (no thread may be using them)."""
+        with self._caches_lock:
+            for cache in self._caches:
+                for fd in cache.values():
+                    os.close(fd)
+                cache.clear()
+
+    @property
+    def _dirs(self) -> OrderedDict[str, int]:
+        try:
+            return self._local.dirs
+        except AttributeError:
+            dirs = self._local.dirs = OrderedDict()
+            with self._caches_lock:
+                self._caches.append(dirs)
+            return dirs
 
     # -- directories ------------------------------------------------------------------------------
 
@@ -94,15 +111,16 @@ class Root:
         Raises OSError (ELOOP for a symlink, ENOTDIR, ENOENT) when it is not a real directory."""
         if not rel:
             return self.fd
-        fd = self._dirs.get(rel)
+        dirs = self._dirs
+        fd = dirs.get(rel)
         if fd is not None:
-            self._dirs.move_to_end(rel)
+            dirs.move_to_end(rel)
             return fd
         parent, name = split(rel)
         fd = os.open(name, O_DIR, dir_fd=self.dir_fd(parent))
-        self._dirs[rel] = fd
-        if len(self._dirs) > OPEN_DIRS:
-            os.close(self._dirs.popitem(last=False)[1])
+        dirs[rel] = fd
+        if len(dirs) > OPEN_DIRS:
+            os.close(dirs.popitem(last=False)[1])
         return fd
 
     def lstat(self, rel: str) -> os.stat_result:
@@ -182,10 +200,26 @@ class Root:
 
 def remove_at(dir_fd: int, name: str, st: os.stat_result | None = None) -> None:
     """Remove `name` in directory `dir_fd`: unlink a file or symlink (never what it points at),
-    or remove a directory tree without following any symlink inside it."""
+    or remove a directory tree without following any symlink inside it. Without `st`, whatever
+    `name` is now goes (an unlink first: one call for a file)."""
     if st is None:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(name, dir_fd=dir_fd)  # descriptor-based on Linux: a symlink inside is unlinked, not followed
-    else:
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+            return
+        except IsADirectoryError:
+            pass
+    elif not stat.S_ISDIR(st.st_mode):
         os.unlink(name, dir_fd=dir_fd)
+        return
+    fd = os.open(name, O_DIR, dir_fd=dir_fd)
+    try:
+        if st is not None and identity(os.fstat(fd)) != identity(st):
+            raise Refused("changed since it was looked at", name)
+        for n in os.listdir(fd):
+            try:
+                os.unlink(n, dir_fd=fd)
+            except IsADirectoryError:
+                shutil.rmtree(n, dir_fd=fd)  # descriptor-based on Linux: a symlink inside is unlinked, not followed
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)

@@ -630,3 +630,35 @@ def test_cost_policy_keeps_its_clock_across_cli_runs(aged_gpu, cli_for):
     with sqlite3.connect(path) as c:
         (clock,) = c.execute("SELECT gds_clock FROM caches").fetchone()
     assert clock >= 1e9
+
+
+def test_a_failure_while_other_threads_move_units_puts_every_unit_back(aged_gpu, db_url, monkeypatch):
+    """Units are looked at and moved by several threads. One move fails part way through a batch
+    while the others go on: nothing of the batch is committed, every file that went into the trash
+    comes back, and the index still agrees with the disk."""
+    from cachemgr.evict import Limits, evict, execute
+    from cachemgr.index.db import Database
+    from cachemgr.index.scan import reconcile
+
+    db = Database(db_url)
+    cid = db.cache_id("h", str(aged_gpu))
+    reconcile(db, cid, str(aged_gpu))
+    before = disk(aged_gpu)
+    take, calls = execute.Executor._take, []
+
+    def failing_take(self, t):
+        calls.append(t)
+        if len(calls) == 40:
+            raise RuntimeError("the file system went away")
+        return take(self, t)
+
+    monkeypatch.setattr(execute, "LOOK_CHUNK", 2)  # many tasks, so other threads are moving meanwhile
+    monkeypatch.setattr(execute.Executor, "_take", failing_take)
+    with pytest.raises(RuntimeError, match="went away"):
+        evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
+    assert len(calls) > 40  # the other threads did move units after the failure
+    assert disk(aged_gpu) == before
+    assert os.listdir(aged_gpu / layout.TRASH_DIR) == []
+    monkeypatch.setattr(execute.Executor, "_take", take)
+    check = reconcile(db, cid, str(aged_gpu))
+    assert not (check.added or check.changed or check.removed), check.as_dict()

@@ -31,7 +31,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import SupportsInt, cast
@@ -51,6 +51,10 @@ from cachemgr.vocab import Held, Kind, Reason
 ENTRIES, EVENTS, CACHES, DIRS = Entry.__table__, Event.__table__, Cache.__table__, Dir.__table__
 BATCH = 500  # units per transaction
 UNLINK_THREADS = 4
+# Looking at a unit (lstat of each file, a lock probe) and moving it are system calls that wait on
+# the file system: a few threads overlap them (each with its own directory descriptors).
+LOOK_THREADS = min(8, 2 * (os.cpu_count() or 1))
+LOOK_CHUNK = 16  # units per looker task (a future per unit costs more than looking at a small one)
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EMLINK, errno.EXDEV)  # the trash cannot take it: delete in place
 Hook = Callable[[str], None]  # crash-test hook: called with 'renamed' / 'committed' per batch
 
@@ -192,8 +196,8 @@ class Executor:
         """Names in a <2ch>/ folder that belong to code entry `stem`: the folder is listed once per
         run and grouped by stem, so each entry costs its own files, not the whole folder."""
         by_stem = self.folders.get(folder)
-        if by_stem is None:
-            by_stem = self.folders[folder] = {}
+        if by_stem is None:  # two threads may both list it: the same names either way
+            by_stem = {}
             try:
                 names = self.root.listdir(layout.fs_path(folder))
             except OSError:
@@ -202,6 +206,7 @@ class Executor:
                 n = layout.key_of(n)
                 if not layout.is_transient(n):
                     by_stem.setdefault(n.partition(".")[0], []).append(n)
+            self.folders[folder] = by_stem  # published whole: other threads read it as they find it
         return by_stem.get(stem, [])
 
     def files_of(self, kind: str, key: str) -> _Files:
@@ -232,19 +237,13 @@ class Executor:
         """A Triton kernel directory, moved whole: it must be a real directory holding only
         finished regular files (a temporary file: a write in progress; a symlink: refused)."""
         f = _Files()
-        path = layout.fs_path(key)
-        try:
-            st = self.root.lstat(path)
+        parent, name = safefs.split(layout.fs_path(key))
+        try:  # O_NOFOLLOW | O_DIRECTORY: a symlink (ELOOP) or a file (ENOTDIR) is refused by files_of
+            fd = os.open(name, safefs.O_DIR, dir_fd=self.root.dir_fd(parent))
         except FileNotFoundError:
             return f
-        if not stat.S_ISDIR(st.st_mode):
-            f.problem = Held.UNSAFE
-            return f
-        fd = os.open(".", safefs.O_DIR, dir_fd=self.root.dir_fd(path))
         try:
-            if safefs.identity(os.fstat(fd)) != safefs.identity(st):
-                f.problem = Held.CHANGED
-                return f
+            st = os.fstat(fd)
             with os.scandir(fd) as it:
                 for d in it:
                     s = d.stat(follow_symlinks=False)
@@ -270,10 +269,11 @@ class Executor:
             self.trash = self._open_trash()
         # unlinking is the file system's slow part (freeing blocks, journal): a few at once
         unlinker = None if dry_run else ThreadPoolExecutor(max_workers=UNLINK_THREADS)
+        looker = ThreadPoolExecutor(max_workers=LOOK_THREADS)
         try:
             units = list(plan.units)
             for start in range(0, len(units), BATCH):
-                taken = self._batch(units[start : start + BATCH], rows_by_id, skipped, dry_run)
+                taken = self._batch(looker, units[start : start + BATCH], rows_by_id, skipped, dry_run)
                 for t in taken:
                     for e, f in zip(t.unit.entries, t.files, strict=True):
                         if not f.paths:
@@ -282,14 +282,16 @@ class Executor:
                         removed.append(Removed(e.key, e.kind, f.bytes, recreatable, e.reason))
                         freed += f.bytes
                         nfiles += len(f.paths)
-                    if unlinker is not None:
-                        for _, name in t.trashed:
-                            unlinker.submit(_remove_quietly, self.trash, name)
+                if unlinker is not None:
+                    names = [name for t in taken for _, name in t.trashed]
+                    for i in range(UNLINK_THREADS):
+                        unlinker.submit(_remove_quietly, self.trash, names[i::UNLINK_THREADS])
             if not dry_run:
                 self._drop_empty_dirs(rows_by_id)
                 with self.db.engine.begin() as conn:  # when eviction last ran, whatever it took
                     conn.execute(update(CACHES).where(CACHES.c.id == self.cache_id).values(last_eviction=time.time()))
         finally:
+            looker.shutdown(wait=True)
             if unlinker is not None:
                 unlinker.shutdown(wait=True)
             if self.trash is not None:
@@ -297,28 +299,22 @@ class Executor:
                 self.trash = None
         return Outcome(tuple(removed), tuple(sorted(skipped.items())), freed, nfiles, self.in_place)
 
-    def _batch(self, units: list[Unit], rows_by_id: dict, skipped: dict[str, str], dry_run: bool) -> list[_Taken]:
+    def _batch(
+        self, looker: ThreadPoolExecutor, units: list[Unit], rows_by_id: dict, skipped: dict[str, str], dry_run: bool
+    ) -> list[_Taken]:
         """Take what can go of one batch, commit it, and return it. Whatever happens half way, what
         left the cache is committed (rows and events) and what did not stays as it was."""
         fresh = self._index_access([e.id for u in units for e in u.entries] + [w for u in units for w in u.watch])
+        looks: list[Future | None] = [
+            looker.submit(self._look_and_take, units[i : i + LOOK_CHUNK], fresh, rows_by_id, dry_run)
+            for i in range(0, len(units), LOOK_CHUNK)
+        ]
         taken: list[_Taken] = []
         committed = False
         try:
-            for u in units:
-                files = [self.files_of(e.kind, e.key) for e in u.entries]
-                why = self._keep(u, files, fresh, rows_by_id)
-                if why is None and not any(f.paths for f in files):
-                    why = Held.GONE  # another process deleted it first: nothing of ours to count
-                if why:
-                    skipped.setdefault(u.entries[0].key, why)
-                    continue
-                t = _Taken(u, files)
-                if not dry_run:
-                    why = self._take(t)
-                    if why:
-                        skipped.setdefault(u.entries[0].key, why)
-                        continue
-                taken.append(t)
+            failure = _collect(looks, taken, skipped)
+            if failure is not None:
+                raise failure
             if taken and not dry_run:
                 if self.hook:
                     self.hook("renamed")
@@ -327,9 +323,43 @@ class Executor:
                 if self.hook:
                     self.hook("committed")
         finally:
-            if taken and not dry_run and not committed:
-                self._rescue(taken)
+            if not committed:
+                pending = [f for f in looks if f is not None]
+                for f in pending:  # an interrupt: no look may move anything after the rescue below
+                    f.cancel()
+                wait(pending)
+                _collect(looks, taken, skipped)
+                if taken and not dry_run:
+                    self._rescue(taken)
         return taken
+
+    def _look_and_take(
+        self, units: list[Unit], fresh: dict[int, float], rows_by_id: dict, dry_run: bool
+    ) -> list[tuple[Unit, _Taken | str | Exception]]:
+        """(In a looker thread.) Each unit as it is now, moved out of the cache unless it must stay
+        (then the reason). A failure ends the chunk: what moved before it is still returned."""
+        out: list[tuple[Unit, _Taken | str | Exception]] = []
+        for u in units:
+            try:
+                out.append((u, self._look_and_take_one(u, fresh, rows_by_id, dry_run)))
+            except Exception as e:  # noqa: BLE001 - raised by _batch once every move is accounted for
+                out.append((u, e))
+                break
+        return out
+
+    def _look_and_take_one(self, u: Unit, fresh: dict[int, float], rows_by_id: dict, dry_run: bool) -> _Taken | str:
+        files = [self.files_of(e.kind, e.key) for e in u.entries]
+        why = self._keep(u, files, fresh, rows_by_id)
+        if why is None and not any(f.paths for f in files):
+            why = Held.GONE  # another process deleted it first: nothing of ours to count
+        if why:
+            return why
+        t = _Taken(u, files)
+        if not dry_run:
+            why = self._take(t)
+            if why:
+                return why
+        return t
 
     def _take(self, t: _Taken) -> Held | None:
         """Move a unit's files into the trash, or delete them in place where the trash cannot take
@@ -387,7 +417,7 @@ class Executor:
                 raise
             for t in taken:
                 for _, name in t.trashed:
-                    _remove_quietly(self.trash, name)
+                    _remove_quietly(self.trash, [name])
                 t.trashed, t.deleted = [], True
             self._write(taken, events)
 
@@ -466,7 +496,7 @@ class Executor:
             return None  # a file or symlink of that name: not ours to remove, not a place to move to
         try:
             for name in os.listdir(fd):  # we hold the eviction lock: what is here belongs to a run that died
-                _remove_quietly(fd, name)
+                _remove_quietly(fd, [name])
         except OSError:
             pass
         return fd
@@ -501,13 +531,36 @@ class Executor:
                 pass
 
 
-def _remove_quietly(dir_fd: int | None, name: str) -> None:
+def _collect(looks: list[Future | None], taken: list[_Taken], skipped: dict[str, str]) -> Exception | None:
+    """Gather a batch's looks (waiting for each), in plan order, each once: what was taken into
+    `taken`, what stays into `skipped`. The first failure is returned, not raised."""
+    failure = None
+    for i, f in enumerate(looks):
+        if f is None:
+            continue
+        try:
+            got = f.result()
+        except CancelledError:
+            got = []
+        looks[i] = None
+        for u, what in got:
+            if isinstance(what, _Taken):
+                taken.append(what)
+            elif isinstance(what, Exception):
+                failure = failure or what
+            else:
+                skipped.setdefault(u.entries[0].key, what)
+    return failure
+
+
+def _remove_quietly(dir_fd: int | None, names: list[str]) -> None:
     if dir_fd is None:
         return
-    try:
-        safefs.remove_at(dir_fd, name)
-    except OSError:
-        pass
+    for name in names:
+        try:
+            safefs.remove_at(dir_fd, name)
+        except OSError:
+            pass
 
 
 def remaining_bytes(db: Database, cache_id: int) -> int:
