@@ -662,3 +662,37 @@ def test_a_failure_while_other_threads_move_units_puts_every_unit_back(aged_gpu,
     monkeypatch.setattr(execute.Executor, "_take", take)
     check = reconcile(db, cid, str(aged_gpu))
     assert not (check.added or check.changed or check.removed), check.as_dict()
+
+
+def test_streamed_links_plan_as_the_rows_do(aged_gpu, db_url):
+    """Eviction links entries as their references stream from the index (no reference is held);
+    purge and tests link Rows. Both give the same graph and the same plan."""
+    from cachemgr.evict import Limits, load_rows, plan
+    from cachemgr.evict.policy import Graph
+    from cachemgr.index.db import Database
+    from cachemgr.index.scan import reconcile
+
+    launcher = aged_gpu / "triton" / "0" / ("L" * 52)  # a launcher build: a .so in a directory nothing names
+    launcher.mkdir()
+    (launcher / "cuda_utils.so").write_bytes(b"\x7fELF")
+    age_files(aged_gpu, HOUR, [launcher / "cuda_utils.so"])
+    db = Database(db_url)
+    cid = db.cache_id("h", str(aged_gpu))
+    reconcile(db, cid, str(aged_gpu))
+    streamed = load_rows(db, cid, str(aged_gpu))
+    (at,) = [i for i, k in enumerate(streamed.key) if k.endswith("L" * 52)]
+    assert streamed[at].launcher and not streamed.graph().is_orphan(at)
+    rows = list(load_rows(db, cid, str(aged_gpu), full=True))
+    assert not streamed.refs and sum(len(r.refs) for r in rows) > 100
+    bare = {"refs": (), "torch_version": None, "system_hash": None, "torch_version_hash": None}
+    assert [dataclasses.replace(r, **bare) for r in rows] == list(streamed)
+    a, b = streamed.graph(), Graph.build(rows)
+    for i in range(len(rows)):
+        assert (list(a.children[i]), list(a.parents[i]), a.dead[i]) == (
+            list(b.children[i]),
+            list(b.parents[i]),
+            b.dead[i],
+        )
+    assert sum(a.children.count(i) for i in range(len(rows))) > 100
+    for limits in (Limits(max_size=0, grace=0), Limits(max_files=len(rows) // 2, grace=0)):
+        assert plan(streamed, limits, "lru", time.time()).units == plan(rows, limits, "lru", time.time()).units

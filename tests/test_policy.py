@@ -88,7 +88,7 @@ def test_priority_is_clock_at_last_use_plus_frequency_cost_per_byte():
     rows = graph(1, "g", cost=4.0, hits=3, used=NOW - 50)
     g = Graph.build(rows)
     (group,) = candidates(g)[2]
-    assert priority(group, rows, g, clock) == 2.0 + (1 + 3) * 4.0 / (2 * MB)
+    assert priority(group, g, clock) == 2.0 + (1 + 3) * 4.0 / (2 * MB)
 
 
 def test_unparsed_entries_hold_what_they_might_name():

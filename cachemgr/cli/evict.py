@@ -73,8 +73,8 @@ def _shorts(app, rows, keys: Sequence[str], wide: bool) -> dict[str, str]:
     """key -> the form to print (short, or whole with --wide) of these planned entries."""
     if wide:
         return {k: k for k in keys}
-    by_key = {r.key: r for r in rows}
-    return app.store.short_keys(by_key[k] for k in keys if k in by_key)
+    wanted = set(keys)
+    return app.store.short_keys(rows[i] for i, k in enumerate(rows.key) if k in wanted)
 
 
 def _print_plan(app, p, rows, verb: str, wide: bool) -> None:
@@ -114,21 +114,24 @@ def _print_keys(app, rows, keys: Sequence[str], wide: bool) -> None:
         click.echo(shorts.get(k, k))
 
 
-def _model_rows(app, rows, model: str):
-    """Rows where only the model's graphs (their AOT entries, and what only they need) may go:
-    every other entry is kept as if pinned, with what it needs. The keys that may go."""
-    from cachemgr.evict.policy import Graph
+def _model_rows(app, rows, model: str) -> set[str]:
+    """Mark every entry pinned but the model's graphs (their AOT entries, and what only they need):
+    only those may go. The keys that may go."""
+    from cachemgr.evict.policy import PINNED
 
     graphs = app.store.model_graphs(model)
-    g = Graph.build(rows)
+    g = rows.graph()
     heads = [
         i
-        for i, r in enumerate(rows)
-        if (r.kind == Kind.FXGRAPH and r.graph_key in graphs)
-        or (r.kind == Kind.AOTAUTOGRAD and any(k == Kind.FXGRAPH and ref in graphs for k, ref in r.refs))
+        for i, kind in enumerate(rows.kind)
+        if (kind == Kind.FXGRAPH and rows.graph_key[i] in graphs)
+        or (kind == Kind.AOTAUTOGRAD and any(k == Kind.FXGRAPH and ref in graphs for k, ref in rows.refs.get(i, ())))
     ]
     mine = set(g.closure(heads))
-    return [r if i in mine else replace(r, pinned=True) for i, r in enumerate(rows)], {rows[i].key for i in mine}
+    for i in range(len(rows)):
+        if i not in mine:
+            rows.flags[i] |= PINNED
+    return {rows.key[i] for i in mine}
 
 
 def _unreachable(p, limits) -> str | None:
@@ -196,9 +199,7 @@ def plan_eviction(app, root, s, limits, now: float, model: str | None = None):
     from cachemgr.evict.policy import plan
 
     rows = load_rows(app.db, app.cache_id, root)
-    mine = None
-    if model:
-        rows, mine = _model_rows(app, rows, model)
+    mine = _model_rows(app, rows, model) if model else None
     clock = load_clock(app.db, app.cache_id) if s.policy == "cost" else None  # GDSF's clock, as the last run left it
     p = plan(rows, limits, s.policy, now, disk_state(root), clock)
     if mine is not None:  # entries of other models are not "kept": they were never candidates
@@ -312,26 +313,25 @@ class _Reach:
     met without it, or an entry that needs it kept."""
 
     def __init__(self, rows) -> None:
-        from cachemgr.evict.policy import Graph
-
-        self.rows, self.g = rows, Graph.build(rows)
-        self.index = {r.key: i for i, r in enumerate(rows)}
+        self.keys, self.g = rows.key, rows.graph()
+        self.index = {k: i for i, k in enumerate(rows.key)}
 
     def fate(self, key: str, p, kept: dict[str, str], met: bool) -> EntryFate:
         i = self.index.get(key)
         if i is None:
             return EntryFate(Fate.NOT_PLANNED, "not in the index now")
-        needing = [a for a in self._needing(i) if self.rows[a].key in kept]
+        keys = self.keys
+        needing = [a for a in self._needing(i) if keys[a] in kept]
         for a in needing:
             if i in self.g.closure([a]):  # it would go with that group, which is kept
-                return EntryFate(Fate.KEPT, kept[self.rows[a].key], self.rows[a].key)
+                return EntryFate(Fate.KEPT, kept[keys[a]], keys[a])
         if not p.units and not p.skipped:
             return EntryFate(Fate.NOT_PLANNED, "the cache is within its limits")
         if met:
             return EntryFate(Fate.NOT_PLANNED, "the limits are met without it")
         if needing:  # shared with a kept entry: it stays while that does
-            return EntryFate(Fate.KEPT, kept[self.rows[needing[0]].key], self.rows[needing[0]].key)
-        if self.g.parents[i]:
+            return EntryFate(Fate.KEPT, kept[keys[needing[0]]], keys[needing[0]])
+        if self.g.parents.count(i):
             return EntryFate(Fate.NOT_PLANNED, "an entry that needs it stays")
         return EntryFate(Fate.NOT_PLANNED, "taking it frees nothing the limits ask for")
 
@@ -472,11 +472,10 @@ def _purge_tests(app, older_than, kind, key, graph, model, torch_version, stale,
 
 def _purge(app, root, s, tests, orphans, include_pinned, dry_run, yes, quiet, wide, as_json) -> None:
     from cachemgr.evict import carry_out, load_rows, purge_plan
-    from cachemgr.evict.policy import Graph
 
     now = time.time()
-    rows = load_rows(app.db, app.cache_id, root)
-    g = Graph.build(rows)
+    rows = load_rows(app.db, app.cache_id, root, full=True)
+    g = rows.graph()
     if orphans:
         tests = [*tests, lambda i, r, g: g.is_orphan(i)]
     chosen = [i for i, r in enumerate(rows) if all(t(i, r, g) for t in tests)]

@@ -7,17 +7,34 @@ result.as_dict()   # the `cachemgr evict --json` document
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from cachemgr import layout, safefs
-from cachemgr.evict.policy import POLICIES, Clock, DiskState, Limits, Plan, Row, plan, select
+from cachemgr.evict.policy import (
+    LAUNCHER,
+    PARSED,
+    PINNED,
+    POLICIES,
+    UNKNOWN,
+    Clock,
+    DiskState,
+    Limits,
+    Plan,
+    Row,
+    Table,
+    plan,
+    select,
+    table_of,
+)
 from cachemgr.index.db import Database
 from cachemgr.vocab import Kind
 
-__all__ = ["POLICIES", "EvictResult", "Limits", "Plan", "Row", "evict", "load_rows", "make_plan", "carry_out"]
+__all__ = ["POLICIES", "EvictResult", "Limits", "Plan", "Row", "Table", "evict", "load_rows", "make_plan", "carry_out"]
 
 
 @dataclass(frozen=True)
@@ -52,56 +69,66 @@ class EvictResult:
         }
 
 
-def load_rows(db: Database, cache_id: int, root: safefs.Root | str) -> list[Row]:
-    """Every entry of the cache with its references and pin state, as the policy wants it."""
+def load_rows(db: Database, cache_id: int, root: safefs.Root | str, full: bool = False) -> Table:
+    """Every entry of the cache with its links and pin state, as the policy wants it (`full`: with
+    its references and torch versions too, for Row views that show them: purge's selectors)."""
     if isinstance(root, str):
         with safefs.Root(root) as opened:
-            return load_rows(db, cache_id, opened)
+            return load_rows(db, cache_id, opened, full)
     from cachemgr.index.store import Store
 
     store = Store.of_id(db, cache_id)
     try:
-        pins = store.pin_map()
-        rows, refs = store.policy_rows()
-        return _policy_rows(root, rows, refs, pins)
+        t = _table(store.policy_rows(), store.pin_map(), full)
+        if full:
+            for autotune in (True, False):
+                for i, refs in itertools.groupby(_positioned(t, store.policy_refs(autotune)), key=lambda r: r[0]):
+                    t.refs[i] = tuple((kind, ref) for _, kind, ref in refs)
+            g = t.graph()
+        else:  # linked as the references stream by: a table that is not full never holds them
+            g = t.graph(_positioned(t, store.policy_refs(True)), _positioned(t, store.policy_refs(False)))
     finally:
         store.close()
+    for i, kind in enumerate(t.kind):  # a kernel directory nothing names may be a launcher (cuda_utils .so)
+        if kind == Kind.TRITON and not g.named[i] and _holds_binary(root, t.key[i]):
+            t.flags[i] |= LAUNCHER
+    return t
 
 
-def _policy_rows(root: safefs.Root, rows: Iterable[tuple], refs: dict, pins: dict) -> list[Row]:
-    """Row objects of Store.policy_rows' rows (their shared values already one string each)."""
-    from cachemgr.index.models import PARSED
+def _position(t: Table, eid: int) -> int:
+    return bisect.bisect_left(t.id, eid)  # rows come by id
 
-    referenced = {ref for rs in refs.values() for kind, ref in rs if kind == Kind.TRITON}
-    out = []
+
+def _positioned(t: Table, refs: Iterable[tuple[int, str, str]]) -> Iterator[tuple[int, str, str]]:
+    for eid, kind, ref in refs:
+        yield _position(t, eid), kind, ref
+
+
+def _table(rows: Iterable[tuple], pins: dict, full: bool) -> Table:
+    """A Table of Store.policy_rows' rows (their shared values already one string each)."""
+    from cachemgr.index.models import PARSED as PARSE_DONE
+
+    t = Table(full)
     for m in rows:  # in Store.POLICY_COLUMNS order
-        eid, key, kind, ref, graph_key, tv, sh, tvh = m[0], m[1], m[2], m[3], m[10], m[11], m[12], m[15]
-        launcher = kind == Kind.TRITON and ref not in referenced and _holds_binary(root, key)
-        out.append(
-            Row(
-                eid,
-                key,
-                kind,
-                ref,
-                m[4],  # alias
-                m[5],  # bytes
-                m[6],  # files
-                m[7],  # mtime
-                m[8],  # last_access
-                m[9],  # compile_seconds
-                graph_key,
-                tv,
-                sh,
-                m[13],
-                pinned=bool(pins) and any(k in pins for k in (key, graph_key, ref) if k),
-                hit_count=m[14] or 0,
-                launcher=launcher,
-                refs=tuple(refs.pop(eid, ())),
-                torch_version_hash=tvh,
-                parsed=m[16] == PARSED,
-            )
-        )
-    return out
+        key, ref, graph_key = m[1], m[3], m[10]
+        pinned = bool(pins) and any(k in pins for k in (key, graph_key, ref) if k)
+        t.id.append(m[0])
+        t.key.append(key)
+        t.kind.append(m[2])
+        t.ref.append(ref)
+        t.alias.append(m[4])
+        t.graph_key.append(graph_key)
+        t.corrupt.append(m[13])
+        t.bytes.append(m[5])
+        t.files.append(m[6])
+        t.mtime.append(m[7])
+        t.last_access.append(m[8])
+        t.compile_seconds.append(UNKNOWN if m[9] is None else m[9])
+        t.hit_count.append(m[14] or 0)
+        t.flags.append(PINNED * pinned | PARSED * (m[16] == PARSE_DONE))
+        if t.versions is not None:
+            t.versions.append((m[11], m[12], m[15]))
+    return t
 
 
 def _holds_binary(root: safefs.Root, key: str) -> bool:
@@ -121,7 +148,7 @@ def disk_state(root: safefs.Root) -> DiskState | None:
 
 def make_plan(
     db: Database, cache_id: int, root: safefs.Root | str, limits: Limits, policy: str = "lru", now: float | None = None
-) -> tuple[Plan, list[Row]]:
+) -> tuple[Plan, Table]:
     if isinstance(root, str):
         with safefs.Root(root) as opened:
             return make_plan(db, cache_id, opened, limits, policy, now)
@@ -177,7 +204,7 @@ def carry_out(
         with exclusive(root) as opened:
             return carry_out(db, cache_id, opened, p, rows, grace, dry_run, now, hook)
     ex = Executor(db, cache_id, root, grace, now, hook)
-    out = ex.run(p, {r.id: r for r in rows}, dry_run=dry_run)
+    out = ex.run(p, table_of(rows), dry_run=dry_run)
     if p.clock is not None and not dry_run and out.removed:
         keep_clock(db, cache_id, p.clock)
     skipped = dict(p.skipped)

@@ -41,7 +41,7 @@ from sqlalchemy.exc import OperationalError
 
 from cachemgr import layout, safefs
 from cachemgr.errors import UnsafePath
-from cachemgr.evict.policy import Plan, Unit
+from cachemgr.evict.policy import Plan, Table, Unit
 from cachemgr.index.db import Database
 from cachemgr.index.models import Cache, Dir, Entry, Event
 from cachemgr.index.scan import delete_entries, insert_rows
@@ -170,6 +170,7 @@ class Executor:
         self.locks = self._lock_names()
         self.trash: int | None = None
         self.in_place = False
+        self.rows = Table()  # run's
         self._names = itertools.count()
 
     # -- looking --------------------------------------------------------------------------------
@@ -261,7 +262,9 @@ class Executor:
 
     # -- carrying out -----------------------------------------------------------------------------
 
-    def run(self, plan: Plan, rows_by_id: dict, dry_run: bool = False) -> Outcome:
+    def run(self, plan: Plan, rows: Table, dry_run: bool = False) -> Outcome:
+        """Carry out `plan`, made from `rows` (its units' watch lists are positions in it)."""
+        self.rows = rows
         removed: list[Removed] = []
         skipped: dict[str, str] = {}
         freed = nfiles = 0
@@ -273,7 +276,7 @@ class Executor:
         try:
             units = list(plan.units)
             for start in range(0, len(units), BATCH):
-                taken = self._batch(looker, units[start : start + BATCH], rows_by_id, skipped, dry_run)
+                taken = self._batch(looker, units[start : start + BATCH], skipped, dry_run)
                 for t in taken:
                     for e, f in zip(t.unit.entries, t.files, strict=True):
                         if not f.paths:
@@ -287,7 +290,7 @@ class Executor:
                     for i in range(UNLINK_THREADS):
                         unlinker.submit(_remove_quietly, self.trash, names[i::UNLINK_THREADS])
             if not dry_run:
-                self._drop_empty_dirs(rows_by_id)
+                self._drop_empty_dirs(rows)
                 with self.db.engine.begin() as conn:  # when eviction last ran, whatever it took
                     conn.execute(update(CACHES).where(CACHES.c.id == self.cache_id).values(last_eviction=time.time()))
         finally:
@@ -300,13 +303,14 @@ class Executor:
         return Outcome(tuple(removed), tuple(sorted(skipped.items())), freed, nfiles, self.in_place)
 
     def _batch(
-        self, looker: ThreadPoolExecutor, units: list[Unit], rows_by_id: dict, skipped: dict[str, str], dry_run: bool
+        self, looker: ThreadPoolExecutor, units: list[Unit], skipped: dict[str, str], dry_run: bool
     ) -> list[_Taken]:
         """Take what can go of one batch, commit it, and return it. Whatever happens half way, what
         left the cache is committed (rows and events) and what did not stays as it was."""
-        fresh = self._index_access([e.id for u in units for e in u.entries] + [w for u in units for w in u.watch])
+        ids = self.rows.id
+        fresh = self._index_access([e.id for u in units for e in u.entries] + [ids[w] for u in units for w in u.watch])
         looks: list[Future | None] = [
-            looker.submit(self._look_and_take, units[i : i + LOOK_CHUNK], fresh, rows_by_id, dry_run)
+            looker.submit(self._look_and_take, units[i : i + LOOK_CHUNK], fresh, dry_run)
             for i in range(0, len(units), LOOK_CHUNK)
         ]
         taken: list[_Taken] = []
@@ -334,22 +338,22 @@ class Executor:
         return taken
 
     def _look_and_take(
-        self, units: list[Unit], fresh: dict[int, float], rows_by_id: dict, dry_run: bool
+        self, units: list[Unit], fresh: dict[int, float], dry_run: bool
     ) -> list[tuple[Unit, _Taken | str | Exception]]:
         """(In a looker thread.) Each unit as it is now, moved out of the cache unless it must stay
         (then the reason). A failure ends the chunk: what moved before it is still returned."""
         out: list[tuple[Unit, _Taken | str | Exception]] = []
         for u in units:
             try:
-                out.append((u, self._look_and_take_one(u, fresh, rows_by_id, dry_run)))
+                out.append((u, self._look_and_take_one(u, fresh, dry_run)))
             except Exception as e:  # noqa: BLE001 - raised by _batch once every move is accounted for
                 out.append((u, e))
                 break
         return out
 
-    def _look_and_take_one(self, u: Unit, fresh: dict[int, float], rows_by_id: dict, dry_run: bool) -> _Taken | str:
+    def _look_and_take_one(self, u: Unit, fresh: dict[int, float], dry_run: bool) -> _Taken | str:
         files = [self.files_of(e.kind, e.key) for e in u.entries]
-        why = self._keep(u, files, fresh, rows_by_id)
+        why = self._keep(u, files, fresh)
         if why is None and not any(f.paths for f in files):
             why = Held.GONE  # another process deleted it first: nothing of ours to count
         if why:
@@ -450,20 +454,19 @@ class Executor:
                 pass  # its place was taken meanwhile: it stays in the trash, the next scan drops its row
         t.trashed = []
 
-    def _keep(self, u: Unit, files: list[_Files], fresh: dict[int, float], rows_by_id: dict) -> str | None:
+    def _keep(self, u: Unit, files: list[_Files], fresh: dict[int, float]) -> str | None:
         cutoff = self.now - self.grace
         for e, f in zip(u.entries, files, strict=True):
             if f.problem:
                 return f.problem
             if f.newest > cutoff or fresh.get(e.id, 0.0) > cutoff:
                 return Held.GRACE
-            row = rows_by_id.get(e.id)
-            for lock in self._guarding_locks(e.kind, e.key, row.ref if row else None):
+            for lock in self._guarding_locks(e.kind, e.key, e.ref):
                 if lock_is_held(self.root, lock):
                     return Held.LOCK
+        t = self.rows
         for w in u.watch:  # the graph that bundles a module/kernel was just used: it is about to load it
-            row = rows_by_id.get(w)
-            if fresh.get(w, 0.0) > cutoff or (row and self.files_of(row.kind, row.key).newest > cutoff):
+            if fresh.get(t.id[w], 0.0) > cutoff or self.files_of(t.kind[w], t.key[w]).newest > cutoff:
                 return Held.GRACE
         return None
 
@@ -501,11 +504,12 @@ class Executor:
             pass
         return fd
 
-    def _drop_empty_dirs(self, rows_by_id: dict) -> None:
+    def _drop_empty_dirs(self, rows: Table) -> None:
         """Remove graph-key directories that hold no entry, once they have been empty a grace
         period (Inductor makes the directory, then writes into it): the directories the last scan
         recorded that no index row lives in. This run's own leave to the next."""
-        homes = {r.key.rpartition("/")[0] for r in rows_by_id.values() if r.kind in (Kind.FXGRAPH, Kind.AOTAUTOGRAD)}
+        heads = (Kind.FXGRAPH, Kind.AOTAUTOGRAD)
+        homes = {key.rpartition("/")[0] for key, kind in zip(rows.key, rows.kind, strict=True) if kind in heads}
         with self.db.engine.connect() as conn:
             dirs = (
                 conn.execute(

@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+import itertools
+import math
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, cast, overload
 
 from cachemgr.units import parse_size_or_percent
 from cachemgr.vocab import Held, Kind
@@ -69,7 +72,8 @@ class Limits:
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One index entry as the policy sees it (slots: a plan holds one per entry, 1,000,000s)."""
+    """One index entry as the policy sees it: what a caller builds to plan over (tests, purge's
+    selectors), and what `Table[i]` gives back."""
 
     id: int
     key: str
@@ -135,6 +139,7 @@ class Planned:
     recreatable: bool
     graph_key: str | None
     compile_seconds: float | None
+    ref: str | None = None  # the name its lock files go by
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +149,7 @@ class Unit:
     entries: tuple[Planned, ...]
     reason: str
     last_access: float
-    watch: tuple[int, ...] = ()  # ids of entries outside the unit whose use also protects it
+    watch: tuple[int, ...] = ()  # entries outside it whose use also protects it (positions in the plan's Table)
 
     @property
     def bytes(self) -> int:
@@ -168,95 +173,265 @@ class Plan:
         return [e for u in self.units for e in u.entries]
 
 
+# -- the entries, as columns ----------------------------------------------------------------------
+
+PINNED, LAUNCHER, PARSED = 1, 2, 4  # Table.flags bits
+UNKNOWN = math.nan  # compile_seconds not known
+
+
+class Table(Sequence[Row]):
+    """Every entry of a cache as the policy plans over it: one array or list per column, entry i
+    at position i. At 1,000,000 files (200,000 entries) an object per entry, with its own numbers,
+    was most of eviction's memory; here an entry is its strings and a few machine words.
+    `table[i]` makes entry i's Row when asked (printing, purge's selectors)."""
+
+    def __init__(self, full: bool = False) -> None:
+        self.id = array("q")
+        self.key: list[str] = []
+        self.kind: list[str] = []
+        self.ref: list[str | None] = []
+        self.alias: list[str | None] = []
+        self.graph_key: list[str | None] = []
+        self.corrupt: list[str | None] = []
+        self.bytes = array("q")
+        self.files = array("q")
+        self.mtime = array("d")
+        self.last_access = array("d")
+        self.compile_seconds = array("d")  # UNKNOWN where not known
+        self.hit_count = array("q")
+        self.flags = bytearray()
+        # position -> the names it references (a Table that is not full lets go of them once linked)
+        self.refs: dict[int, tuple[tuple[str, str], ...]] = {}
+        # (torch_version, system_hash, torch_version_hash) per entry, kept only for Row views that need them
+        self.versions: list[tuple[str | None, str | None, str | None]] | None = [] if full else None
+        self._graph: Graph | None = None
+
+    @classmethod
+    def of(cls, rows: Iterable[Row]) -> Table:
+        t = cls(full=True)
+        for r in rows:
+            t.add(r)
+        return t
+
+    def add(self, r: Row) -> None:
+        i = len(self.id)
+        self.id.append(r.id)
+        self.key.append(r.key)
+        self.kind.append(r.kind)
+        self.ref.append(r.ref)
+        self.alias.append(r.alias)
+        self.graph_key.append(r.graph_key)
+        self.corrupt.append(r.corrupt)
+        self.bytes.append(r.bytes)
+        self.files.append(r.files)
+        self.mtime.append(r.mtime)
+        self.last_access.append(r.last_access)
+        self.compile_seconds.append(UNKNOWN if r.compile_seconds is None else r.compile_seconds)
+        self.hit_count.append(r.hit_count)
+        self.flags.append(PINNED * r.pinned | LAUNCHER * r.launcher | PARSED * r.parsed)
+        if r.refs:
+            self.refs[i] = r.refs
+        if self.versions is not None:
+            self.versions.append((r.torch_version, r.system_hash, r.torch_version_hash))
+
+    def __len__(self) -> int:
+        return len(self.id)
+
+    @overload
+    def __getitem__(self, i: int) -> Row: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Row]: ...
+    def __getitem__(self, i: int | slice) -> Row | list[Row]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        cs, f = self.compile_seconds[i], self.flags[i]
+        tv, sh, tvh = self.versions[i] if self.versions is not None else (None, None, None)
+        return Row(
+            self.id[i],
+            self.key[i],
+            self.kind[i],
+            self.ref[i],
+            self.alias[i],
+            self.bytes[i],
+            self.files[i],
+            self.mtime[i],
+            self.last_access[i],
+            None if math.isnan(cs) else cs,
+            self.graph_key[i],
+            tv,
+            sh,
+            self.corrupt[i],
+            pinned=bool(f & PINNED),
+            hit_count=self.hit_count[i],
+            launcher=bool(f & LAUNCHER),
+            refs=self.refs.get(i, ()),
+            torch_version_hash=tvh,
+            parsed=bool(f & PARSED),
+        )
+
+    def __iter__(self) -> Iterator[Row]:
+        return (self[i] for i in range(len(self)))
+
+    def touched(self, i: int) -> float:
+        return max(self.mtime[i], self.last_access[i])
+
+    def seconds(self, i: int) -> float:
+        """Compile seconds of entry i, 0 where not known."""
+        cs = self.compile_seconds[i]
+        return 0.0 if math.isnan(cs) else cs
+
+    def graph(
+        self,
+        autotune_refs: Iterable[tuple[int, str, str]] | None = None,
+        other_refs: Iterable[tuple[int, str, str]] | None = None,
+    ) -> Graph:
+        """The reference graph of these entries, made once (see Graph.build)."""
+        if self._graph is None:
+            self._graph = Graph.build(self, autotune_refs, other_refs)
+            if self.versions is None:
+                self.refs = {}  # linked now; only a full table's Row views show them
+        return self._graph
+
+
+def table_of(rows: Sequence[Row]) -> Table:
+    return rows if isinstance(rows, Table) else Table.of(rows)
+
+
 # -- the reference graph ------------------------------------------------------------------------
 
 
-Links = list["set[int] | frozenset[int]"]
-NO_LINKS: frozenset[int] = frozenset()  # shared by every entry without children (or parents): most
+class Links:
+    """Each entry's linked entries (children, or parents) in two arrays: entry i's are
+    `to[start[i]:start[i + 1]]` (an object per link was a plan's largest part)."""
 
+    __slots__ = ("start", "to")
 
-def _link(links: Links, i: int, to: int) -> None:
-    s = links[i]
-    if not isinstance(s, set):
-        s = links[i] = set()
-    s.add(to)
+    def __init__(self, n: int, src: array, dst: array) -> None:
+        start = array("q", bytes(8 * (n + 1)))
+        for a in src:
+            start[a + 1] += 1
+        for i in range(n):
+            start[i + 1] += start[i]
+        fill = array("q", start)
+        to = array("q", bytes(8 * len(src)))
+        for a, b in zip(src, dst, strict=True):
+            to[fill[a]] = b
+            fill[a] += 1
+        self.start, self.to = start, to
+
+    def __getitem__(self, i: int) -> array:
+        return self.to[self.start[i] : self.start[i + 1]]
+
+    def count(self, i: int) -> int:
+        return self.start[i + 1] - self.start[i]
 
 
 @dataclass
 class Graph:
-    rows: Sequence[Row]
-    children: Links = field(default_factory=list)
-    parents: Links = field(default_factory=list)
-    dead: list[bool] = field(default_factory=list)  # refs that resolve to nothing present
+    rows: Table
+    children: Links
+    parents: Links
+    dead: bytearray  # 1: an AOT entry whose every reference resolves to nothing present
+    named: bytearray  # 1: some entry's reference names it
 
     @classmethod
-    def build(cls, rows: Sequence[Row]) -> Graph:
-        n = len(rows)
-        # (two empty sets per entry were 2/3 of a plan's memory: a set is made on its first link)
-        g = cls(rows, [NO_LINKS] * n, [NO_LINKS] * n, [False] * n)
-        names: dict[tuple[str, str], list[int]] = {}
-        tuned: dict[str, list[int]] = {}  # triton kernel hash -> autotune results of it
-        for i, r in enumerate(rows):
-            for name in (r.ref, r.alias):
+    def build(
+        cls,
+        rows: Sequence[Row],
+        autotune_refs: Iterable[tuple[int, str, str]] | None = None,
+        other_refs: Iterable[tuple[int, str, str]] | None = None,
+    ) -> Graph:
+        """The links of `rows` (a Table, or Rows), from each entry's references: (position, kind,
+        ref) of the autotune entries and of the others, by position (the table's own by default)."""
+        t = table_of(rows)
+        n = len(t)
+        if autotune_refs is None or other_refs is None:
+            mine = sorted(t.refs.items())
+            autotune_refs = ((i, k, r) for i, refs in mine if t.kind[i] == "autotune" for k, r in refs)
+            other_refs = ((i, k, r) for i, refs in mine if t.kind[i] != "autotune" for k, r in refs)
+        # kind -> ref or alias -> the position named so (a list where several are: rare)
+        names: dict[str, dict[str, int | list[int]]] = {}
+        for i in range(n):
+            kind = t.kind[i]
+            for name in (t.ref[i], t.alias[i]):
                 if name:
-                    names.setdefault((r.kind, name), []).append(i)
-            if r.kind == "autotune":
-                for kind, ref in r.refs:
-                    if kind == "triton":
-                        tuned.setdefault(ref, []).append(i)
-        for i, r in enumerate(rows):
-            if r.kind == "autotune":
-                continue  # attached through the graphs that name its kernel, below
-            for kind, ref in r.refs:
-                targets = names.get((kind, ref), [])
+                    of_kind = names.setdefault(kind, {})
+                    had = of_kind.setdefault(name, i)
+                    if had != i:
+                        of_kind[name] = [*had, i] if isinstance(had, list) else [had, i]
+
+        def named(kind: str, ref: str) -> list[int]:
+            found = names.get(kind, {}).get(ref, [])
+            return found if isinstance(found, list) else [found]
+
+        g = cls(t, Links(0, array("q"), array("q")), Links(0, array("q"), array("q")), bytearray(n), bytearray(n))
+        tuned: dict[str, list[int]] = {}  # triton kernel hash -> autotune results of it
+        for i, kind, ref in autotune_refs:
+            if kind == "triton":
+                tuned.setdefault(ref, []).append(i)
+                for x in named(kind, ref):
+                    g.named[x] = 1
+        src, dst = array("q"), array("q")
+        for i, refs in itertools.groupby(other_refs, key=lambda r: r[0]):
+            linked: dict[int, None] = {}
+            for _, kind, ref in refs:
+                targets = named(kind, ref)
+                for x in targets:
+                    g.named[x] = 1
                 if kind == "triton":
                     targets = targets + tuned.get(ref, [])
                 elif len(targets) > 1 and kind == "code":
-                    targets = [nearest_build(rows, targets, r)]
-                for t in targets:
-                    if t != i:
-                        _link(g.children, i, t)
-                        _link(g.parents, t, i)
-            g.dead[i] = r.kind == "aotautograd" and bool(r.refs) and not g.children[i]
+                    targets = [nearest_build(t, targets, i)]
+                for x in targets:
+                    if x != i:
+                        linked[x] = None
+            src.extend([i] * len(linked))
+            dst.extend(linked)
+            g.dead[i] = t.kind[i] == "aotautograd" and not linked  # (it has references: it is here)
+        g.children, g.parents = Links(n, src, dst), Links(n, dst, src)
         return g
 
     def is_orphan(self, i: int) -> bool:
         """Nothing can hit through it: a module, C++ build, kernel or autotune result no entry
         names (a C++ build no graph matches is a CPU-feature probe, or a gone graph's), a corrupt
         entry, an AOT entry whose graphs are all gone."""
-        r = self.rows[i]
-        if self.parents[i]:
+        t = self.rows
+        if self.parents.count(i):
             return False
-        if r.corrupt or self.dead[i]:
+        if t.corrupt[i] or self.dead[i]:
             return True
-        return r.kind == "code" or (r.kind == "triton" and not r.launcher) or r.kind == "autotune"
+        kind = t.kind[i]
+        return kind == "code" or (kind == "triton" and not t.flags[i] & LAUNCHER) or kind == "autotune"
 
     def is_recreatable(self, i: int) -> bool:
-        r = self.rows[i]
-        if not self.parents[i] or not all(self.rows[p].kind == "fxgraph" for p in self.parents[i]):
+        t = self.rows
+        parents = self.parents[i]
+        if not parents or not all(t.kind[p] == "fxgraph" for p in parents):
             return False
-        return (r.kind == "code" and not r.alias) or (r.kind == "triton" and not r.launcher)
+        kind = t.kind[i]
+        return (kind == "code" and not t.alias[i]) or (kind == "triton" and not t.flags[i] & LAUNCHER)
 
     def closure(self, start: Iterable[int], taken: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """`start` plus every entry all of whose referrers are in it (or already taken), and every
         AOT entry whose fxgraph entries all are: deleting them leaves nothing that can hit."""
         members = list(dict.fromkeys(start))
         inside = set(members) | set(taken)
+        kind = self.rows.kind
         changed = True
         while changed:
             changed = False
             for m in list(members):
                 for c in self.children[m]:
-                    if c not in inside and self.parents[c] <= inside:
+                    if c not in inside and all(p in inside for p in self.parents[c]):
                         members.append(c)
                         inside.add(c)
                         changed = True
                 for p in self.parents[m]:
                     if (
                         p not in inside
-                        and self.rows[p].kind == "aotautograd"
-                        and not self.parents[p]
-                        and self.children[p] <= inside
+                        and kind[p] == "aotautograd"
+                        and not self.parents.count(p)
+                        and all(c in inside for c in self.children[p])
                     ):
                         members.append(p)
                         inside.add(p)
@@ -273,14 +448,15 @@ class Graph:
         return seen
 
 
-def nearest_build(rows: Sequence[Row], builds: list[int], entry: Row) -> int:
+def nearest_build(t: Table, builds: list[int], entry: int) -> int:
     """Of several C++ builds of one kernel source (two torch versions build a byte-identical
     kernel under two names), the one the entry's own compile wrote: the latest written at or
     before the entry, else the nearest. The other build belongs to the other version's graphs."""
-    before = [b for b in builds if rows[b].mtime <= entry.mtime + 1]
+    mtime = t.mtime
+    before = [b for b in builds if mtime[b] <= mtime[entry] + 1]
     if before:
-        return max(before, key=lambda b: rows[b].mtime)
-    return min(builds, key=lambda b: abs(rows[b].mtime - entry.mtime))
+        return max(before, key=lambda b: mtime[b])
+    return min(builds, key=lambda b: abs(mtime[b] - mtime[entry]))
 
 
 # -- planning -----------------------------------------------------------------------------------
@@ -307,57 +483,60 @@ class _Builder:
 
     def __init__(self, g: Graph, now: float, grace: float, pinned: set[int]) -> None:
         self.g, self.now, self.grace, self.pinned = g, now, grace, pinned
-        unparsed = [i for i, r in enumerate(g.rows) if not r.parsed]
+        t = g.rows
+        unparsed = [i for i, f in enumerate(t.flags) if not f & PARSED]
         self.unknown = set(unparsed)
         if unparsed:
-            self.unknown |= {i for i, r in enumerate(g.rows) if r.kind in REFERENCED}
+            self.unknown |= {i for i, kind in enumerate(t.kind) if kind in REFERENCED}
         self.taken: set[int] = set()
         self.units: list[Unit] = []
         self.skipped: dict[str, str] = {}
         self.freed_bytes = self.freed_files = 0
 
     def usable(self, c: _Candidate) -> bool:
-        rows = self.g.rows
+        keys = self.g.rows.key
         if any(i in self.pinned for i in c.members):
-            self.skipped.setdefault(rows[c.members[0]].key, "pinned")
+            self.skipped.setdefault(keys[c.members[0]], "pinned")
             return False
         if c.last_access > self.now - self.grace:
-            self.skipped.setdefault(rows[c.members[0]].key, "grace")
+            self.skipped.setdefault(keys[c.members[0]], "grace")
             return False
         return True
 
     def take(self, c: _Candidate, reason: str | None = None) -> bool:
+        t = self.g.rows
         members = [i for i in c.members if i not in self.taken]
         held = [i for i in members if i in self.unknown]
         for i in held:
-            self.skipped.setdefault(self.g.rows[i].key, Held.UNPARSED)
+            self.skipped.setdefault(t.key[i], Held.UNPARSED)
         members = [i for i in members if i not in self.unknown]
         if not members or not self.usable(c):
             return False
-        rows = self.g.rows
         entries = []
         for i in members:
-            r = rows[i]
             self.taken.add(i)
-            self.skipped.pop(r.key, None)
+            self.skipped.pop(t.key[i], None)
+            cs = t.compile_seconds[i]
             entries.append(
                 Planned(
-                    r.id,
-                    r.key,
-                    r.kind,
-                    r.bytes,
-                    r.files,
+                    t.id[i],
+                    t.key[i],
+                    t.kind[i],
+                    t.bytes[i],
+                    t.files[i],
                     reason or c.reason,
                     self.g.is_recreatable(i),
-                    r.graph_key,
-                    r.compile_seconds,
+                    t.graph_key[i],
+                    None if math.isnan(cs) else cs,
+                    t.ref[i],
                 )
             )
-            self.freed_bytes += r.bytes
-            self.freed_files += r.files
-        self.units.append(
-            Unit(tuple(entries), reason or c.reason, c.last_access, tuple(w for w in c.watch if w not in self.taken))
-        )
+            self.freed_bytes += t.bytes[i]
+            self.freed_files += t.files[i]
+        watch = c.watch
+        if any(w in self.taken for w in watch):
+            watch = tuple(w for w in watch if w not in self.taken)
+        self.units.append(Unit(tuple(entries), reason or c.reason, c.last_access, watch))
         return True
 
     def sweep_dependents(self) -> None:
@@ -365,36 +544,52 @@ class _Builder:
         g = self.g
         extra = [i for i in g.closure(self.taken) if i not in self.taken]
         for i in extra:
-            r = g.rows[i]
-            self.take(_Candidate([i], "dependent", r.touched))
+            self.take(_Candidate([i], "dependent", g.rows.touched(i)))
 
 
-def candidates(g: Graph) -> tuple[list[_Candidate], list[_Candidate], list[_Candidate]]:
+@dataclass
+class Recreatable:
+    """The modules and kernels a graph recreates on its next hit, one pair of numbers each (at
+    1,000,000 files they are half the entries): `candidate(k)` makes the k-th when it is wanted."""
+
+    g: Graph
+    at: array = field(default_factory=lambda: array("q"))  # positions
+    near: array = field(default_factory=lambda: array("d"))  # last use of it or of a graph that bundles it
+
+    def oldest_first(self) -> Iterator[_Candidate]:
+        for k in sorted(range(len(self.at)), key=self.near.__getitem__):
+            i = self.at[k]
+            yield _Candidate([i], "recreatable", self.near[k], 0.0, tuple(sorted(self.g.parents[i])))
+
+
+def candidates(g: Graph) -> tuple[list[_Candidate], Recreatable, list[_Candidate]]:
     """(orphans, recreatable entries, groups), each unordered."""
-    rows = g.rows
-    orphans, cheap, groups = [], [], []
-    for i, r in enumerate(rows):
+    t = g.rows
+    touched, kinds, hits = t.touched, t.kind, t.hit_count
+    orphans, cheap, groups = [], Recreatable(g), []
+    for i in range(len(t)):
         if g.is_orphan(i):
             members = g.closure([i])
-            orphans.append(_Candidate(members, "orphan", max(rows[m].touched for m in members)))
-        elif not g.parents[i]:
+            orphans.append(_Candidate(members, "orphan", max(touched(m) for m in members)))
+        elif not g.parents.count(i):
             members = g.closure([i])
-            cost = _group_cost([rows[m] for m in members])
-            hits = sum(rows[m].hit_count for m in members if rows[m].kind in (Kind.FXGRAPH, Kind.AOTAUTOGRAD))
-            groups.append(_Candidate(members, "size", max(rows[m].touched for m in members), cost, hits=hits))
+            cost = _group_cost(t, members)
+            n = sum(hits[m] for m in members if kinds[m] in (Kind.FXGRAPH, Kind.AOTAUTOGRAD))
+            groups.append(_Candidate(members, "size", max(touched(m) for m in members), cost, hits=n))
         if g.is_recreatable(i):
             # a module or kernel is as recent as the graphs that bundle it: their use protects it
-            near = max([r.touched] + [rows[p].touched for p in g.parents[i]])
-            cheap.append(_Candidate([i], "recreatable", near, 0.0, tuple(sorted(g.parents[i]))))
+            cheap.at.append(i)
+            cheap.near.append(max(touched(i), *(touched(p) for p in g.parents[i])))
     return orphans, cheap, groups
 
 
-def _group_cost(members: Sequence[Row]) -> float:
+def _group_cost(t: Table, members: Sequence[int]) -> float:
     """Seconds to compile the group again: its AOT entry's (which includes its graphs'), its
     graphs' summed, or a precompile entry's (a function's whole compile, held inline)."""
-    aot = max((r.compile_seconds or 0.0 for r in members if r.kind == "aotautograd"), default=0.0)
-    fx = sum(r.compile_seconds or 0.0 for r in members if r.kind == "fxgraph")
-    whole = sum(r.compile_seconds or 0.0 for r in members if r.kind == Kind.PRECOMPILE)
+    kind, seconds = t.kind, t.seconds
+    aot = max((seconds(m) for m in members if kind[m] == "aotautograd"), default=0.0)
+    fx = sum(seconds(m) for m in members if kind[m] == "fxgraph")
+    whole = sum(seconds(m) for m in members if kind[m] == Kind.PRECOMPILE)
     return max(aot, fx, whole) or DEFAULT_COST
 
 
@@ -416,12 +611,12 @@ def needs(limits: Limits, total_bytes: int, total_files: int, disk: DiskState | 
 
 def pinned_ids(g: Graph) -> set[int]:
     """Pinned entries and everything they need."""
-    return g.descendants(i for i, r in enumerate(g.rows) if r.pinned)
+    return g.descendants(i for i, f in enumerate(g.rows.flags) if f & PINNED)
 
 
-def priority(c: _Candidate, rows: Sequence[Row], g: Graph, clock: Clock) -> float:
+def priority(c: _Candidate, g: Graph, clock: Clock) -> float:
     """GreedyDual-Size-Frequency: L at the group's last use + (1 + hits) x compile seconds / bytes."""
-    size = max(1, sum(rows[m].bytes for m in c.members if not g.is_recreatable(m)))
+    size = max(1, sum(g.rows.bytes[m] for m in c.members if not g.is_recreatable(m)))
     return clock.at(c.last_access) + (1 + c.hits) * c.cost / size
 
 
@@ -433,15 +628,16 @@ def plan(
     disk: DiskState | None = None,
     clock: Clock | None = None,
 ) -> Plan:
-    """Which entries to evict, in order, to meet `limits` (`clock`: the cost policy's, kept
-    across runs; a copy moves with the plan)."""
+    """Which entries to evict, in order, to meet `limits` (`rows`: a Table, or Rows; `clock`: the
+    cost policy's, kept across runs; a copy moves with the plan)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}")
-    g = Graph.build(rows)
+    t = table_of(rows)
+    g = t.graph()
     b = _Builder(g, now, limits.grace, pinned_ids(g))
     orphans, cheap, groups = candidates(g)
-    total_bytes = sum(r.bytes for r in rows)
-    total_files = sum(r.files for r in rows)
+    total_bytes = sum(t.bytes)
+    total_files = sum(t.files)
 
     if limits.max_age is not None:
         cutoff = now - limits.max_age
@@ -462,31 +658,48 @@ def plan(
         return "free" if b.freed_bytes < short_free else "files"
 
     if not satisfied():
-        ordered = sorted(orphans, key=lambda c: c.last_access) + sorted(cheap, key=lambda c: c.last_access)
+        orphans.sort(key=lambda c: c.last_access)
 
         def frees_something(c: _Candidate) -> bool:  # a lock file frees no bytes, only an inode
-            return b.freed_files < over_files or any(rows[m].bytes for m in c.members if m not in b.taken)
+            return b.freed_files < over_files or any(t.bytes[m] for m in c.members if m not in b.taken)
 
-        for c in ordered:
+        for c in itertools.chain(orphans, cheap.oldest_first()):
             if satisfied():
                 break
             if frees_something(c):
                 b.take(c, c.reason)
         if policy == "lru":
-            for c in sorted(groups, key=lambda c: c.last_access):
+            groups.sort(key=lambda c: c.last_access)
+            for c in groups:
                 if satisfied():
                     break
                 if frees_something(c):
                     b.take(c, reason())
         else:  # GreedyDual-Size-Frequency: evict the lowest H, raise the clock to it
-            heap = [(priority(c, rows, g, clock), c.last_access, n) for n, c in enumerate(groups)]
+            heap = [(priority(c, g, clock), c.last_access, n) for n, c in enumerate(groups)]
             heapq.heapify(heap)
             while heap and not satisfied():
                 h, _, n = heapq.heappop(heap)
                 if frees_something(groups[n]) and b.take(groups[n], reason()):
                     clock.rise(h, now)
+    del orphans, cheap, groups
     b.sweep_dependents()
+    return _plan_of(b, policy, total_bytes, total_files, clock)
 
+
+def select(rows: Sequence[Row], chosen: Iterable[int], now: float, grace: float, include_pinned: bool = False) -> Plan:
+    """A purge plan: the chosen entries (positions in `rows`) and what goes with them."""
+    t = table_of(rows)
+    g = t.graph()
+    b = _Builder(g, now, grace, set() if include_pinned else pinned_ids(g))
+    for i in chosen:
+        members = g.closure([i], b.taken)
+        b.take(_Candidate(members, "purge", max(t.touched(m) for m in members)))
+    b.sweep_dependents()
+    return replace(_plan_of(b, "purge", sum(t.bytes), sum(t.files)), recreatable_bytes=0)
+
+
+def _plan_of(b: _Builder, policy: str, total_bytes: int, total_files: int, clock: Clock | None = None) -> Plan:
     units = tuple(b.units)
     return Plan(
         policy=policy,
@@ -498,25 +711,4 @@ def plan(
         total_files=total_files,
         skipped=tuple(sorted(b.skipped.items())),
         clock=clock,
-    )
-
-
-def select(rows: Sequence[Row], chosen: Iterable[int], now: float, grace: float, include_pinned: bool = False) -> Plan:
-    """A purge plan: the chosen entries (row indexes) and what goes with them."""
-    g = Graph.build(rows)
-    b = _Builder(g, now, grace, set() if include_pinned else pinned_ids(g))
-    for i in chosen:
-        members = g.closure([i], b.taken)
-        b.take(_Candidate(members, "purge", max(rows[m].touched for m in members)))
-    b.sweep_dependents()
-    units = tuple(b.units)
-    return Plan(
-        policy="purge",
-        units=units,
-        expected_freed_bytes=sum(u.bytes for u in units),
-        expected_freed_files=sum(e.files for u in units for e in u.entries),
-        recreatable_bytes=0,
-        total_bytes=sum(r.bytes for r in rows),
-        total_files=sum(r.files for r in rows),
-        skipped=tuple(sorted(b.skipped.items())),
     )

@@ -422,13 +422,12 @@ class ModelUsage:
 CACHE_SQL = "SELECT id, host, root, last_scan, last_eviction FROM caches"
 
 
-SHARED_POLICY_COLUMNS = (2, 3, 11, 12, 15)  # kind, ref, torch_version, system_hash, torch_version_hash
+SHARED_POLICY_COLUMNS = (2, 11, 12, 15)  # kind, torch_version, system_hash, torch_version_hash
 
 
 def _shared(row: tuple, one: Callable[[str, str], str]) -> tuple:
     """A policy row whose values most rows share (kind, the version and system hashes) are one
-    string each, and whose ref is the very string its referrers' references hold: the driver
-    makes a new string for every row, which at 1,000,000 files was tens of MB."""
+    string each: the driver makes a new string for every row (at 1,000,000 files, tens of MB)."""
     out = list(row)
     for i in SHARED_POLICY_COLUMNS:
         if out[i] is not None:
@@ -976,24 +975,23 @@ class Store:
         "torch_version, system_hash, corrupt, hit_count, torch_version_hash, parse_state"
     )
 
-    def policy_rows(self) -> tuple[Iterator[tuple], dict[int, list[tuple[str, str]]]]:
-        """Every entry of the cache as eviction plans over it (the POLICY_COLUMNS: streamed, to
-        be read before the store closes), and each entry's references (kind, ref) by entry id."""
-        refs: dict[int, list[tuple[str, str]]] = {}
-        # one string per kind and per name, not one per reference: a graph names a hundred
-        # kernels, and at 1,000,000 files these were hundreds of thousands of copies
-        names: dict[str, str] = {}
-        one = names.setdefault
-        for eid, kind, ref in self.driver.each(
-            "SELECT r.entry_id, r.kind, r.ref FROM entry_refs r JOIN entries e ON e.id = r.entry_id "
-            "WHERE e.cache_id = :cache",
-            {"cache": self._cache_id},
-        ):
-            refs.setdefault(eid, []).append((one(kind, kind), one(ref, ref)))
+    def policy_rows(self) -> Iterator[tuple]:
+        """Every entry of the cache as eviction plans over it (the POLICY_COLUMNS, by id: streamed,
+        to be read before the next query)."""
+        names: dict[str, str] = {}  # one string per kind and torch version, not one per row
         rows = self.driver.each(
-            f"SELECT {self.POLICY_COLUMNS} FROM entries WHERE cache_id = :cache", {"cache": self._cache_id}
+            f"SELECT {self.POLICY_COLUMNS} FROM entries WHERE cache_id = :cache ORDER BY id", {"cache": self._cache_id}
         )
-        return (_shared(row, one) for row in rows), refs
+        return (_shared(row, names.setdefault) for row in rows)
+
+    def policy_refs(self, autotune: bool) -> Iterator[tuple[int, str, str]]:
+        """(entry id, kind, ref) of every reference the autotune entries (or all the others) make,
+        by entry id: streamed, to be read before the next query."""
+        return self.driver.each(
+            "SELECT r.entry_id, r.kind, r.ref FROM entry_refs r JOIN entries e ON e.id = r.entry_id "
+            f"WHERE e.cache_id = :cache AND e.kind {'=' if autotune else '!='} 'autotune' ORDER BY r.entry_id",
+            {"cache": self._cache_id},
+        )
 
     def fingerprint_names(self) -> dict[str, str]:
         """torch_version hash -> the torch build it names, as processes running it reported."""
