@@ -632,10 +632,12 @@ def test_cost_policy_keeps_its_clock_across_cli_runs(aged_gpu, cli_for):
     assert clock >= 1e9
 
 
-def test_a_failure_while_other_threads_move_units_puts_every_unit_back(aged_gpu, db_url, monkeypatch):
-    """Units are looked at and moved by several threads. One move fails part way through a batch
-    while the others go on: nothing of the batch is committed, every file that went into the trash
-    comes back, and the index still agrees with the disk."""
+@pytest.mark.parametrize("batch", [500, 8])
+def test_a_failure_while_other_threads_move_units_puts_every_unit_back(aged_gpu, db_url, monkeypatch, batch):
+    """Units are looked at and moved by several threads, the next batch while this one commits.
+    One move fails part way (in one batch, or with batches of 8): nothing of the failing batch or
+    the next is committed, every file that went into the trash comes back, and the index still
+    agrees with the disk."""
     from cachemgr.evict import Limits, evict, execute
     from cachemgr.index.db import Database
     from cachemgr.index.scan import reconcile
@@ -643,7 +645,6 @@ def test_a_failure_while_other_threads_move_units_puts_every_unit_back(aged_gpu,
     db = Database(db_url)
     cid = db.cache_id("h", str(aged_gpu))
     reconcile(db, cid, str(aged_gpu))
-    before = disk(aged_gpu)
     take, calls = execute.Executor._take, []
 
     def failing_take(self, t):
@@ -652,14 +653,47 @@ def test_a_failure_while_other_threads_move_units_puts_every_unit_back(aged_gpu,
             raise RuntimeError("the file system went away")
         return take(self, t)
 
+    monkeypatch.setattr(execute, "BATCH", batch)
     monkeypatch.setattr(execute, "LOOK_CHUNK", 2)  # many tasks, so other threads are moving meanwhile
     monkeypatch.setattr(execute.Executor, "_take", failing_take)
+    before = disk(aged_gpu)
     with pytest.raises(RuntimeError, match="went away"):
         evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
-    assert len(calls) > 40  # the other threads did move units after the failure
-    assert disk(aged_gpu) == before
+    if batch == 500:
+        assert len(calls) > 40  # the other threads did move units after the failure
+        assert disk(aged_gpu) == before
     assert os.listdir(aged_gpu / layout.TRASH_DIR) == []
     monkeypatch.setattr(execute.Executor, "_take", take)
+    check = reconcile(db, cid, str(aged_gpu))
+    assert not (check.added or check.changed or check.removed), check.as_dict()
+
+
+def test_a_commit_that_fails_puts_back_its_batch_and_the_next(aged_gpu, db_url, monkeypatch):
+    """The third batch's commit fails while the fourth is being moved: the first two stay
+    evicted (committed), the third and fourth come back whole, and index and disk agree."""
+    from cachemgr.evict import Limits, evict, execute
+    from cachemgr.index.db import Database
+    from cachemgr.index.scan import reconcile
+
+    db = Database(db_url)
+    cid = db.cache_id("h", str(aged_gpu))
+    reconcile(db, cid, str(aged_gpu))
+    commit, calls = execute.Executor._commit, []
+
+    def failing_commit(self, taken):
+        calls.append(len(taken))
+        if len(calls) == 3:
+            raise RuntimeError("the index went away")
+        return commit(self, taken)
+
+    monkeypatch.setattr(execute, "BATCH", 8)
+    monkeypatch.setattr(execute.Executor, "_commit", failing_commit)
+    before = disk(aged_gpu)
+    with pytest.raises(RuntimeError, match="index went away"):
+        evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
+    after = disk(aged_gpu)
+    assert len(calls) == 3 and set(after) < set(before)  # two batches went
+    assert os.listdir(aged_gpu / layout.TRASH_DIR) == []
     check = reconcile(db, cid, str(aged_gpu))
     assert not (check.added or check.changed or check.removed), check.as_dict()
 

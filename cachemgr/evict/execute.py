@@ -145,6 +145,12 @@ class _Files:
 
 
 @dataclass
+class _Batch:
+    looks: list[Future | None]  # each chunk's look, None once collected
+    taken: list[_Taken] = field(default_factory=list)
+
+
+@dataclass
 class _Taken:
     """A unit whose files left the cache: into the trash (`trashed`, reversible) or deleted."""
 
@@ -166,7 +172,8 @@ class Executor:
     ) -> None:
         self.db, self.cache_id, self.root, self.grace, self.hook = db, cache_id, root, grace, hook
         self.now = time.time() if now is None else now
-        self.folders: dict[str, dict[str, list[str]]] = {}  # <2ch> folder -> stem -> names (listed once a run)
+        self.folders: dict[str, dict[str, list[str]]] = {}  # <2ch> folder -> planned stem -> names (listed once a run)
+        self.code_stems: dict[str, set[str]] = {}  # <2ch> folder -> stems of the planned code entries in it
         self.locks = self._lock_names()
         self.trash: int | None = None
         self.in_place = False
@@ -195,9 +202,11 @@ class Executor:
 
     def _stem_names(self, folder: str, stem: str) -> list[str]:
         """Names in a <2ch>/ folder that belong to code entry `stem`: the folder is listed once per
-        run and grouped by stem, so each entry costs its own files, not the whole folder."""
+        run, and only the planned entries' names kept (each given out once), so each entry costs
+        its own files, not the whole folder, and the run holds no listing of the cache."""
         by_stem = self.folders.get(folder)
-        if by_stem is None:  # two threads may both list it: the same names either way
+        if by_stem is None:  # two threads may both list it: each gives out its own, the same names
+            wanted = self.code_stems.get(folder, set())
             by_stem = {}
             try:
                 names = self.root.listdir(layout.fs_path(folder))
@@ -205,10 +214,11 @@ class Executor:
                 names = []
             for n in names:
                 n = layout.key_of(n)
-                if not layout.is_transient(n):
-                    by_stem.setdefault(n.partition(".")[0], []).append(n)
+                s = n.partition(".")[0]
+                if s in wanted and not layout.is_transient(n):
+                    by_stem.setdefault(s, []).append(n)
             self.folders[folder] = by_stem  # published whole: other threads read it as they find it
-        return by_stem.get(stem, [])
+        return by_stem.pop(stem, [])
 
     def files_of(self, kind: str, key: str) -> _Files:
         f = _Files()
@@ -265,6 +275,11 @@ class Executor:
     def run(self, plan: Plan, rows: Table, dry_run: bool = False) -> Outcome:
         """Carry out `plan`, made from `rows` (its units' watch lists are positions in it)."""
         self.rows = rows
+        for u in plan.units:
+            for e in u.entries:
+                if e.kind == Kind.CODE:
+                    folder, _, stem = e.key.partition("/")
+                    self.code_stems.setdefault(folder, set()).add(stem)
         removed: list[Removed] = []
         skipped: dict[str, str] = {}
         freed = nfiles = 0
@@ -273,11 +288,26 @@ class Executor:
         # unlinking is the file system's slow part (freeing blocks, journal): a few at once
         unlinker = None if dry_run else ThreadPoolExecutor(max_workers=UNLINK_THREADS)
         looker = ThreadPoolExecutor(max_workers=LOOK_THREADS)
+        units = list(plan.units)
+        batch = self._look(looker, units[:BATCH], dry_run) if units else None
+        following = None
         try:
-            units = list(plan.units)
-            for start in range(0, len(units), BATCH):
-                taken = self._batch(looker, units[start : start + BATCH], skipped, dry_run)
-                for t in taken:
+            at = 0
+            while batch is not None:
+                failure = _collect(batch.looks, batch.taken, skipped)
+                if failure is not None:
+                    raise failure
+                at += BATCH
+                # the next batch is looked at (and moved) while this one commits
+                following = self._look(looker, units[at : at + BATCH], dry_run) if at < len(units) else None
+                if batch.taken and not dry_run:
+                    if self.hook:
+                        self.hook("renamed")
+                    self._commit(batch.taken)
+                    if self.hook:
+                        self.hook("committed")
+                done, batch, following = batch.taken, following, None
+                for t in done:
                     for e, f in zip(t.unit.entries, t.files, strict=True):
                         if not f.paths:
                             continue  # an entry of the unit that was gone already: not ours to count
@@ -286,7 +316,7 @@ class Executor:
                         freed += f.bytes
                         nfiles += len(f.paths)
                 if unlinker is not None:
-                    names = [name for t in taken for _, name in t.trashed]
+                    names = [name for t in done for _, name in t.trashed]
                     for i in range(UNLINK_THREADS):
                         unlinker.submit(_remove_quietly, self.trash, names[i::UNLINK_THREADS])
             if not dry_run:
@@ -294,6 +324,9 @@ class Executor:
                 with self.db.engine.begin() as conn:  # when eviction last ran, whatever it took
                     conn.execute(update(CACHES).where(CACHES.c.id == self.cache_id).values(last_eviction=time.time()))
         finally:
+            for b in (batch, following):  # looked at, not committed: what moved goes back
+                if b is not None:
+                    self._settle(b, skipped, dry_run)
             looker.shutdown(wait=True)
             if unlinker is not None:
                 unlinker.shutdown(wait=True)
@@ -302,40 +335,27 @@ class Executor:
                 self.trash = None
         return Outcome(tuple(removed), tuple(sorted(skipped.items())), freed, nfiles, self.in_place)
 
-    def _batch(
-        self, looker: ThreadPoolExecutor, units: list[Unit], skipped: dict[str, str], dry_run: bool
-    ) -> list[_Taken]:
-        """Take what can go of one batch, commit it, and return it. Whatever happens half way, what
-        left the cache is committed (rows and events) and what did not stays as it was."""
+    def _look(self, looker: ThreadPoolExecutor, units: list[Unit], dry_run: bool) -> _Batch:
+        """A batch of units handed to the looker threads: each unit looked at and, unless it must
+        stay, moved out of the cache. Its rows and events are committed by `run`."""
         ids = self.rows.id
         fresh = self._index_access([e.id for u in units for e in u.entries] + [ids[w] for u in units for w in u.watch])
         looks: list[Future | None] = [
             looker.submit(self._look_and_take, units[i : i + LOOK_CHUNK], fresh, dry_run)
             for i in range(0, len(units), LOOK_CHUNK)
         ]
-        taken: list[_Taken] = []
-        committed = False
-        try:
-            failure = _collect(looks, taken, skipped)
-            if failure is not None:
-                raise failure
-            if taken and not dry_run:
-                if self.hook:
-                    self.hook("renamed")
-                self._commit(taken)
-                committed = True
-                if self.hook:
-                    self.hook("committed")
-        finally:
-            if not committed:
-                pending = [f for f in looks if f is not None]
-                for f in pending:  # an interrupt: no look may move anything after the rescue below
-                    f.cancel()
-                wait(pending)
-                _collect(looks, taken, skipped)
-                if taken and not dry_run:
-                    self._rescue(taken)
-        return taken
+        return _Batch(looks)
+
+    def _settle(self, b: _Batch, skipped: dict[str, str], dry_run: bool) -> None:
+        """A batch that will not be committed (a failure, an interrupt): no look of it may move
+        anything more; what was moved goes back (what was deleted in place is committed)."""
+        pending = [f for f in b.looks if f is not None]
+        for f in pending:
+            f.cancel()
+        wait(pending)
+        _collect(b.looks, b.taken, skipped)
+        if b.taken and not dry_run:
+            self._rescue(b.taken)
 
     def _look_and_take(
         self, units: list[Unit], fresh: dict[int, float], dry_run: bool
@@ -346,7 +366,7 @@ class Executor:
         for u in units:
             try:
                 out.append((u, self._look_and_take_one(u, fresh, dry_run)))
-            except Exception as e:  # noqa: BLE001 - raised by _batch once every move is accounted for
+            except Exception as e:  # noqa: BLE001 - raised by run once every move is accounted for
                 out.append((u, e))
                 break
         return out
