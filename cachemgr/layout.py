@@ -126,6 +126,22 @@ def classify(key: str) -> Classified | None:
     return Classified(Kind.OTHER, key, None)
 
 
+def ref_of(key: str, kind: str) -> str | None:
+    """An entry's ref read off its key (what `classify` gave it from its files' names)."""
+    parts = key.split("/")
+    if kind in (Kind.FXGRAPH, Kind.TRITON) and len(parts) >= 3:
+        return parts[2]
+    if len(parts) < 2:
+        return None
+    if kind in (Kind.AOTAUTOGRAD, Kind.CODE, Kind.PRECOMPILE, Kind.PGO):
+        return parts[1]
+    if kind == Kind.AUTOTUNE:
+        return parts[1].removesuffix(".best_config")
+    if kind == Kind.LOCK:
+        return parts[-1].removesuffix(".lock")
+    return None
+
+
 def home_dir(key: str, kind: str) -> str:
     """The directory whose listing holds an entry: a kernel directory is its own home."""
     return key if kind == Kind.TRITON else key.rpartition("/")[0]

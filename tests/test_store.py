@@ -14,7 +14,7 @@ from dataclasses import asdict
 import pytest
 from conftest import subprocess_env
 
-from cachemgr import explain
+from cachemgr import explain, layout
 from cachemgr.errors import NotFound, UsageError
 from cachemgr.index import AmbiguousKey, Database, Filters, Store
 from cachemgr.index.revision import HEAD_REVISION
@@ -72,6 +72,10 @@ def test_both_drivers_give_the_same_answers(fixture_cache, cli_for, db_url, name
     assert slow.fleet_hosts() == quick.fleet_hosts() and slow.torch_versions() == quick.torch_versions()
     streamed = [tuple(r) for r in slow.policy_rows()]  # (a stream: read before the next query)
     assert streamed == [tuple(r) for r in quick.policy_rows()]
+    # eviction reads each ref off its key (layout.ref_of) rather than hold it: they must agree
+    assert [(key, layout.ref_of(key, kind)) for _, key, kind, ref, *_ in streamed] == [
+        (key, ref) for _, key, kind, ref, *_ in streamed
+    ]
     assert len(streamed) == slow.totals().total.entries
     for autotune in (True, False):
         refs = [tuple(r) for r in slow.policy_refs(autotune)]
@@ -201,7 +205,7 @@ def test_model_usage_and_graphs(fixture_cache, cli_for, db_url):
 
 NO_SQLALCHEMY = """
 import sys
-from cachemgr import explain
+from cachemgr import explain, layout
 from cachemgr.index import Filters, Store
 from cachemgr.index.revision import HEAD_REVISION
 store = Store.sqlite(sys.argv[1], HEAD_REVISION, sys.argv[2], sys.argv[3])

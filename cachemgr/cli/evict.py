@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -78,19 +79,19 @@ def _shorts(app, rows, keys: Sequence[str], wide: bool) -> dict[str, str]:
 
 
 def _print_plan(app, p, rows, verb: str, wide: bool) -> None:
-    entries = p.entries
-    if not entries:
+    if not p.units:
         return
-    shorts = _shorts(app, rows, [e.key for e in entries[:SHOWN]], wide)
+    entries = list(itertools.islice(p.entries, SHOWN))
+    shorts = _shorts(app, rows, [e.key for e in entries], wide)
     again = f" ({human_size(p.recreatable_bytes)} of it recreated on the next hit)" if p.recreatable_bytes else ""
-    say(f"plan: {verb} {plural(len(entries), 'entry')}, {human_size(p.expected_freed_bytes)}{again}")
+    say(f"plan: {verb} {plural(p.planned, 'entry')}, {human_size(p.expected_freed_bytes)}{again}")
     table(
         [Col("key"), Col("kind"), Col("bytes", True), Col("why")],
-        [(shorts.get(e.key, e.key), e.kind, human_size(e.bytes), e.reason) for e in entries[:SHOWN]],
+        [(shorts.get(e.key, e.key), e.kind, human_size(e.bytes), e.reason) for e in entries],
         wide=wide,
     )
-    if len(entries) > SHOWN:
-        click.echo(f"... and {len(entries) - SHOWN:,} more (--json lists them all)")
+    if p.planned > SHOWN:
+        click.echo(f"... and {p.planned - SHOWN:,} more (--json lists them all)")
 
 
 def _print_result(r, cache_dir: str, grace: float) -> None:
@@ -498,7 +499,7 @@ def _purge(app, root, s, tests, orphans, include_pinned, dry_run, yes, quiet, wi
         _print_plan(app, p, rows, "delete", wide)
     if not dry_run and not yes:
         click.confirm(
-            f"delete {plural(len(p.entries), 'entry')} ({human_size(p.expected_freed_bytes)})?", abort=True, err=True
+            f"delete {plural(p.planned, 'entry')} ({human_size(p.expected_freed_bytes)})?", abort=True, err=True
         )
     r = carry_out(app.db, app.cache_id, root, p, rows, s.grace, dry_run, now)
     if as_json:

@@ -23,6 +23,7 @@ from cachemgr.evict.policy import (
     UNKNOWN,
     Clock,
     DiskState,
+    KeyRefs,
     Limits,
     Plan,
     Row,
@@ -109,13 +110,16 @@ def _table(rows: Iterable[tuple], pins: dict, full: bool) -> Table:
     from cachemgr.index.models import PARSED as PARSE_DONE
 
     t = Table(full)
+    odd: dict[int, str | None] = {}  # refs their keys do not spell (none, as layout stands)
+    t.ref = KeyRefs(t, odd)
     for m in rows:  # in Store.POLICY_COLUMNS order
-        key, ref, graph_key = m[1], m[3], m[10]
+        key, kind, ref, graph_key = m[1], m[2], m[3], m[10]
         pinned = bool(pins) and any(k in pins for k in (key, graph_key, ref) if k)
+        if ref != layout.ref_of(key, kind):
+            odd[len(t.id)] = ref
         t.id.append(m[0])
         t.key.append(key)
-        t.kind.append(m[2])
-        t.ref.append(ref)
+        t.kind.append(kind)
         t.alias.append(m[4])
         t.graph_key.append(graph_key)
         t.corrupt.append(m[13])
@@ -215,7 +219,7 @@ def carry_out(
     return EvictResult(
         policy=p.policy,
         dry_run=dry_run,
-        planned=len(p.entries),
+        planned=p.planned,
         expected_freed_bytes=p.expected_freed_bytes,
         evicted=len(out.removed),
         freed_bytes=out.freed_bytes,

@@ -30,7 +30,7 @@ import itertools
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -288,7 +288,7 @@ class Executor:
         # unlinking is the file system's slow part (freeing blocks, journal): a few at once
         unlinker = None if dry_run else ThreadPoolExecutor(max_workers=UNLINK_THREADS)
         looker = ThreadPoolExecutor(max_workers=LOOK_THREADS)
-        units = list(plan.units)
+        units = plan.units  # (a plan's Units make each when sliced: a batch at a time)
         batch = self._look(looker, units[:BATCH], dry_run) if units else None
         following = None
         try:
@@ -335,7 +335,7 @@ class Executor:
                 self.trash = None
         return Outcome(tuple(removed), tuple(sorted(skipped.items())), freed, nfiles, self.in_place)
 
-    def _look(self, looker: ThreadPoolExecutor, units: list[Unit], dry_run: bool) -> _Batch:
+    def _look(self, looker: ThreadPoolExecutor, units: Sequence[Unit], dry_run: bool) -> _Batch:
         """A batch of units handed to the looker threads: each unit looked at and, unless it must
         stay, moved out of the cache. Its rows and events are committed by `run`."""
         ids = self.rows.id
@@ -358,7 +358,7 @@ class Executor:
             self._rescue(b.taken)
 
     def _look_and_take(
-        self, units: list[Unit], fresh: dict[int, float], dry_run: bool
+        self, units: Sequence[Unit], fresh: dict[int, float], dry_run: bool
     ) -> list[tuple[Unit, _Taken | str | Exception]]:
         """(In a looker thread.) Each unit as it is now, moved out of the cache unless it must stay
         (then the reason). A failure ends the chunk: what moved before it is still returned."""

@@ -32,8 +32,9 @@ import math
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, cast, overload
+from typing import TYPE_CHECKING, TypeVar, cast, overload
 
+from cachemgr import layout
 from cachemgr.units import parse_size_or_percent
 from cachemgr.vocab import Held, Kind
 
@@ -159,7 +160,7 @@ class Unit:
 @dataclass(frozen=True)
 class Plan:
     policy: str
-    units: tuple[Unit, ...]
+    units: Sequence[Unit]  # in order (a plan's own: Units, made one at a time when asked for)
     expected_freed_bytes: int
     expected_freed_files: int
     recreatable_bytes: int
@@ -169,8 +170,14 @@ class Plan:
     clock: Clock | None = None  # the cost policy's clock after this plan (to be kept when it is carried out)
 
     @property
-    def entries(self) -> list[Planned]:
-        return [e for u in self.units for e in u.entries]
+    def entries(self) -> Iterator[Planned]:
+        return (e for u in self.units for e in u.entries)
+
+    @property
+    def planned(self) -> int:
+        """How many entries the plan takes."""
+        units = self.units
+        return units.entry_count() if isinstance(units, Units) else sum(len(u.entries) for u in units)
 
 
 # -- the entries, as columns ----------------------------------------------------------------------
@@ -179,7 +186,28 @@ PINNED, LAUNCHER, PARSED = 1, 2, 4  # Table.flags bits
 UNKNOWN = math.nan  # compile_seconds not known
 
 
-class Table(Sequence[Row]):
+T = TypeVar("T")
+
+
+class _Made(Sequence[T]):
+    """A sequence whose items are made when asked for (`item`), from columns held compactly."""
+
+    def item(self, i: int) -> T:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        if isinstance(i, slice):
+            return [self.item(j) for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self.item(i % len(self))
+
+
+class Table(_Made[Row]):
     """Every entry of a cache as the policy plans over it: one array or list per column, entry i
     at position i. At 1,000,000 files (200,000 entries) an object per entry, with its own numbers,
     was most of eviction's memory; here an entry is its strings and a few machine words.
@@ -189,7 +217,7 @@ class Table(Sequence[Row]):
         self.id = array("q")
         self.key: list[str] = []
         self.kind: list[str] = []
-        self.ref: list[str | None] = []
+        self.ref: list[str | None] | KeyRefs = []
         self.alias: list[str | None] = []
         self.graph_key: list[str | None] = []
         self.corrupt: list[str | None] = []
@@ -218,7 +246,7 @@ class Table(Sequence[Row]):
         self.id.append(r.id)
         self.key.append(r.key)
         self.kind.append(r.kind)
-        self.ref.append(r.ref)
+        cast(list, self.ref).append(r.ref)
         self.alias.append(r.alias)
         self.graph_key.append(r.graph_key)
         self.corrupt.append(r.corrupt)
@@ -237,13 +265,7 @@ class Table(Sequence[Row]):
     def __len__(self) -> int:
         return len(self.id)
 
-    @overload
-    def __getitem__(self, i: int) -> Row: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[Row]: ...
-    def __getitem__(self, i: int | slice) -> Row | list[Row]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+    def item(self, i: int) -> Row:
         cs, f = self.compile_seconds[i], self.flags[i]
         tv, sh, tvh = self.versions[i] if self.versions is not None else (None, None, None)
         return Row(
@@ -269,9 +291,6 @@ class Table(Sequence[Row]):
             parsed=bool(f & PARSED),
         )
 
-    def __iter__(self) -> Iterator[Row]:
-        return (self[i] for i in range(len(self)))
-
     def touched(self, i: int) -> float:
         return max(self.mtime[i], self.last_access[i])
 
@@ -291,6 +310,24 @@ class Table(Sequence[Row]):
             if self.versions is None:
                 self.refs = {}  # linked now; only a full table's Row views show them
         return self._graph
+
+
+class KeyRefs(_Made["str | None"]):
+    """Each entry's ref, read off its key when asked (layout.ref_of), not held: at 1,000,000 files
+    the refs were 20 MB of strings their keys already spell. `odd`: the refs that differ."""
+
+    def __init__(self, t: Table, odd: dict[int, str | None]) -> None:
+        self.t, self.odd = t, odd
+
+    def item(self, i: int) -> str | None:
+        odd = self.odd.get(i, _SPELLED)
+        return layout.ref_of(self.t.key[i], self.t.kind[i]) if odd is _SPELLED else odd
+
+    def __len__(self) -> int:
+        return len(self.t.key)
+
+
+_SPELLED = "(spelled by its key)"
 
 
 def table_of(rows: Sequence[Row]) -> Table:
@@ -349,20 +386,21 @@ class Graph:
             mine = sorted(t.refs.items())
             autotune_refs = ((i, k, r) for i, refs in mine if t.kind[i] == "autotune" for k, r in refs)
             other_refs = ((i, k, r) for i, refs in mine if t.kind[i] != "autotune" for k, r in refs)
-        # kind -> ref or alias -> the position named so (a list where several are: rare)
-        names: dict[str, dict[str, int | list[int]]] = {}
+        # kind -> hash of a ref or alias -> the position named so (a list where several are, or
+        # hashes meet: rare). Hashes, not the names: the names are read off keys, not held.
+        names: dict[str, dict[int, int | list[int]]] = {}
         for i in range(n):
             kind = t.kind[i]
             for name in (t.ref[i], t.alias[i]):
                 if name:
                     of_kind = names.setdefault(kind, {})
-                    had = of_kind.setdefault(name, i)
+                    had = of_kind.setdefault(hash(name), i)
                     if had != i:
-                        of_kind[name] = [*had, i] if isinstance(had, list) else [had, i]
+                        of_kind[hash(name)] = [*had, i] if isinstance(had, list) else [had, i]
 
         def named(kind: str, ref: str) -> list[int]:
-            found = names.get(kind, {}).get(ref, [])
-            return found if isinstance(found, list) else [found]
+            found = names.get(kind, {}).get(hash(ref), [])
+            return [x for x in (found if isinstance(found, list) else [found]) if ref in (t.ref[x], t.alias[x])]
 
         g = cls(t, Links(0, array("q"), array("q")), Links(0, array("q"), array("q")), bytearray(n), bytearray(n))
         tuned: dict[str, list[int]] = {}  # triton kernel hash -> autotune results of it
@@ -448,6 +486,56 @@ class Graph:
         return seen
 
 
+class Units(_Made[Unit]):
+    """A plan's units as positions in its Table: the k-th Unit (with its Planned entries) is made
+    when asked for, so a plan that takes 100,000s of entries holds a few numbers for each."""
+
+    def __init__(self, g: Graph) -> None:
+        self.g = g
+        self.members = array("q")  # entry positions, unit after unit
+        self.start = array("q", [0])  # unit k's: members[start[k] : start[k + 1]]
+        self.reason: list[str] = []
+        self.last_access = array("d")
+        self.watch = array("q")  # positions outside each unit whose use protects it, unit after unit
+        self.watch_start = array("q", [0])
+
+    def add(self, members: list[int], reason: str, last_access: float, watch: Iterable[int]) -> None:
+        self.members.extend(members)
+        self.start.append(len(self.members))
+        self.reason.append(reason)
+        self.last_access.append(last_access)
+        self.watch.extend(watch)
+        self.watch_start.append(len(self.watch))
+
+    def __len__(self) -> int:
+        return len(self.reason)
+
+    def entry_count(self) -> int:
+        return len(self.members)
+
+    def item(self, k: int) -> Unit:
+        t, g, reason = self.g.rows, self.g, self.reason[k]
+        entries = []
+        for i in self.members[self.start[k] : self.start[k + 1]]:
+            cs = t.compile_seconds[i]
+            entries.append(
+                Planned(
+                    t.id[i],
+                    t.key[i],
+                    t.kind[i],
+                    t.bytes[i],
+                    t.files[i],
+                    reason,
+                    g.is_recreatable(i),
+                    t.graph_key[i],
+                    None if math.isnan(cs) else cs,
+                    t.ref[i],
+                )
+            )
+        watch = tuple(self.watch[self.watch_start[k] : self.watch_start[k + 1]])
+        return Unit(tuple(entries), reason, self.last_access[k], watch)
+
+
 def nearest_build(t: Table, builds: list[int], entry: int) -> int:
     """Of several C++ builds of one kernel source (two torch versions build a byte-identical
     kernel under two names), the one the entry's own compile wrote: the latest written at or
@@ -489,9 +577,9 @@ class _Builder:
         if unparsed:
             self.unknown |= {i for i, kind in enumerate(t.kind) if kind in REFERENCED}
         self.taken: set[int] = set()
-        self.units: list[Unit] = []
+        self.units = Units(g)
         self.skipped: dict[str, str] = {}
-        self.freed_bytes = self.freed_files = 0
+        self.freed_bytes = self.freed_files = self.recreatable_bytes = 0
 
     def usable(self, c: _Candidate) -> bool:
         keys = self.g.rows.key
@@ -512,31 +600,18 @@ class _Builder:
         members = [i for i in members if i not in self.unknown]
         if not members or not self.usable(c):
             return False
-        entries = []
+        reason = reason or c.reason
         for i in members:
             self.taken.add(i)
             self.skipped.pop(t.key[i], None)
-            cs = t.compile_seconds[i]
-            entries.append(
-                Planned(
-                    t.id[i],
-                    t.key[i],
-                    t.kind[i],
-                    t.bytes[i],
-                    t.files[i],
-                    reason or c.reason,
-                    self.g.is_recreatable(i),
-                    t.graph_key[i],
-                    None if math.isnan(cs) else cs,
-                    t.ref[i],
-                )
-            )
             self.freed_bytes += t.bytes[i]
             self.freed_files += t.files[i]
+            if reason == "recreatable" and self.g.is_recreatable(i):
+                self.recreatable_bytes += t.bytes[i]
         watch = c.watch
         if any(w in self.taken for w in watch):
             watch = tuple(w for w in watch if w not in self.taken)
-        self.units.append(Unit(tuple(entries), reason or c.reason, c.last_access, watch))
+        self.units.add(members, reason, c.last_access, watch)
         return True
 
     def sweep_dependents(self) -> None:
@@ -700,13 +775,12 @@ def select(rows: Sequence[Row], chosen: Iterable[int], now: float, grace: float,
 
 
 def _plan_of(b: _Builder, policy: str, total_bytes: int, total_files: int, clock: Clock | None = None) -> Plan:
-    units = tuple(b.units)
     return Plan(
         policy=policy,
-        units=units,
-        expected_freed_bytes=sum(u.bytes for u in units),
-        expected_freed_files=sum(e.files for u in units for e in u.entries),
-        recreatable_bytes=sum(e.bytes for u in units for e in u.entries if e.recreatable and u.reason == "recreatable"),
+        units=b.units,
+        expected_freed_bytes=b.freed_bytes,
+        expected_freed_files=b.freed_files,
+        recreatable_bytes=b.recreatable_bytes,
         total_bytes=total_bytes,
         total_files=total_files,
         skipped=tuple(sorted(b.skipped.items())),
