@@ -239,12 +239,20 @@ def burst(a, src: Path, entries: dict[str, list[str]], cache: Path, dbfile: Path
             time.sleep(0.02)
         conn.close()
 
+    # copy numbers no entry has yet: a tree kept with --keep holds the bursts of earlier runs
+    base, span = copies + 1, -(-a.burst // len(items))
+    while any(
+        (cache / layout.classify(renamed(paths[0], base + n // len(items))).key).exists()
+        for n in range(a.burst)
+        for paths in (items[n % len(items)][1],)
+    ):
+        base += span
     last = [time.monotonic()]
     t = threading.Thread(target=poll)
     t.start()
     for n in range(a.burst):
         _, paths = items[n % len(items)]
-        new_key = write_entry(src, cache, paths, copies + 1 + n // len(items))
+        new_key = write_entry(src, cache, paths, base + n // len(items))
         written[new_key] = last[0] = time.monotonic()
     done.set()
     t.join()

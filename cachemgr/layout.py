@@ -344,7 +344,9 @@ class _Walker:
                 yield Listing(rel, list(entries.values()))
             units = self.units if self.units is not None and kernel is None and is_container(rel) else None
             prefix = rel + "/" if rel else ""
-            for name in subdirs:
+            subdirs.reverse()
+            while subdirs:  # each name let go once its key is made: not two copies of a 100,000-name folder
+                name = subdirs.pop()
                 key = prefix + name
                 if units is not None and not is_container(key):
                     units.append(key)  # walked by the caller, apart

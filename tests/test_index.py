@@ -207,6 +207,40 @@ def test_walk_and_parse_in_workers_match_one_process(gpu_cache, tmp_path, monkey
     assert shared == here
 
 
+def test_a_full_scan_removes_what_is_gone_with_its_walk_in_bounded_steps(gpu_cache, tmp_path, monkeypatch):
+    """A full scan keeps the stored directories in the database (a temporary table), not in this
+    process: it removes what is gone as a rescan does, leaves the index as a first scan of the
+    same tree would, and runs again. Its walk hands out a few jobs at a time."""
+    from cachemgr.index import scan
+    from cachemgr.index.db import Database
+    from cachemgr.index.workers import Pool
+
+    monkeypatch.setattr(scan, "PARALLEL_WALK", 1)
+    monkeypatch.setattr(scan, "WALK_JOB", (1, 3))
+    monkeypatch.setattr(scan, "WALK_AHEAD", 4)
+    root = tmp_path / "cache"
+    shutil.copytree(gpu_cache, root, symlinks=True)
+    db = Database(f"sqlite:///{tmp_path / 'full.db'}")
+    cid = db.cache_id("h", str(root))
+    with Pool(2) as pool:
+        first = scan.index_names(db, cid, str(root), pool=pool)
+        shutil.rmtree(sorted(root.glob("triton/0/*"))[3])
+        shutil.rmtree(sorted(root.glob("fxgraph/*"))[0])  # a whole <2ch> folder of graphs
+        full = scan.index_names(db, cid, str(root), full=True, pool=pool)
+        assert full.removed >= 2 and full.added == full.changed == 0
+        assert full.unchanged == first.added - full.removed
+        again = scan.index_names(db, cid, str(root), full=True, pool=pool)
+        assert (again.added, again.changed, again.removed) == (0, 0, 0)
+    db.close()
+    fresh = Database(f"sqlite:///{tmp_path / 'fresh.db'}")
+    scan.index_names(fresh, fresh.cache_id("h", str(root)), str(root))
+    fresh.close()
+    index, expected = _index_of(tmp_path / "full.db"), _index_of(tmp_path / "fresh.db")
+    assert {k[0] for k in index["entries"]} == {e.key for e in layout.walk(str(root))}
+    assert index["dirs"] == expected["dirs"]
+    assert [k[:7] for k in index["entries"]] == [k[:7] for k in expected["entries"]]
+
+
 def test_a_content_is_read_once_per_scan_and_never_where_hits_are_counted(gpu_cache, tmp_path):
     """Two entries with one content name and size (torch names fxgraph/AOT files by their bytes'
     hash): one is read, the other takes its result, and both say the same. Every read goes

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.daemon.inotify import TreeWatcher
+from cachemgr.daemon import inotify
+from cachemgr.daemon.inotify import TreeWatcher, _Dir
 from cachemgr.daemon.reads import ReadWatcher
 
 QUEUED = Path("/proc/sys/fs/inotify/max_queued_events")
@@ -144,6 +145,27 @@ def test_resync_watches_what_has_no_watch_and_forgets_what_is_gone(tmp_path, tre
     assert t.watched() == {"", "a"}
     (root / "a" / "f").write_bytes(b"")
     assert t.saw(("p", "a/f"))
+
+
+def test_resync_watches_a_large_folder_in_steps_and_forgets_stray_watches(tmp_path, tree, monkeypatch):
+    """A listing is watched RESYNC_STEP names per hold of the lock, each new directory told once;
+    a watch in no directory of the tree (its IN_IGNORED lost) is forgotten."""
+    monkeypatch.setattr(inotify, "RESYNC_STEP", 2)
+    root = tmp_path / "c"
+    for i in range(7):
+        (root / "k" / f"d{i}" / "s").mkdir(parents=True)
+    t = tree(root)
+    want = {"", "k"} | {f"k/d{i}" for i in range(7)} | {f"k/d{i}/s" for i in range(7)}
+    assert t.watched() == want
+    assert sorted(t.dirs) == sorted(want - {""})
+    with t.w.lock:
+        stray = _Dir(1 << 30, t.w.top, "gone")  # under the root by its parent, but not its child
+        t.w.by_wd[stray.wd] = stray
+    assert t.w.resync() == 0
+    assert stray.wd not in t.w.by_wd
+    assert t.watched() == want
+    (root / "k" / "d6" / "s" / "f").write_bytes(b"")
+    assert t.saw(("p", "k/d6/s/f"))
 
 
 def test_the_root_removed_is_reported(tmp_path, tree):

@@ -27,7 +27,24 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from sqlalchemy import Row, bindparam, delete, func, insert, or_, select, tuple_, update
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    MetaData,
+    Row,
+    String,
+    Table,
+    bindparam,
+    delete,
+    func,
+    insert,
+    or_,
+    select,
+    text,
+    tuple_,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 
 from cachemgr import layout, parse, safefs
@@ -168,36 +185,40 @@ def index_names(
         q = select(DIRS.c.path, DIRS.c.mtime_ns).where(DIRS.c.cache_id == cache_id)
         if sub:
             q = q.where(at_or_below(conn, DIRS.c.path, sub))
-        stored = dict(conn.execute(q).all())
+        # a full walk reads every directory whatever its mtime: the stored ones stay in the database
+        known = None if full else dict(conn.execute(q).all())
         empty = conn.execute(select(ENTRIES.c.id).where(ENTRIES.c.cache_id == cache_id).limit(1)).first() is None
     state = layout.DirWalk({}, set(), {})
     counts = Counts()
     now = time.time()
-    known = None if full else stored
     listings = (
         _walk(root, state, pool)
         if pool is not None and not sub and not known
         else layout.iter_dirs(root, sub, known, keep_paths=False, state=state)
     )
-    unseen = set(stored)
-    for batch in _batches(listings):
-        # The mtimes seen so far are those of directories whose listings are in this batch or an
-        # earlier one (the walk records a directory's mtime just before its listing): written with
-        # this batch's entries, never before them, so a rescan never trusts a directory whose
-        # entries are not in the index. Then forgotten: memory holds a batch, not the tree.
-        seen, state.mtimes = state.mtimes, {}
-        unseen.difference_update(seen)
-        try:
-            d = _sync_dirs(db, cache_id, batch, empty, now, stored, seen)
-        except IntegrityError:  # another writer indexed some of these first: read their rows, once more
-            empty = False
-            d = _sync_dirs(db, cache_id, batch, empty, now, stored, seen)
-        kinds = {e.key: e.kind for listing in batch for e in listing.entries}
-        counts.add(d, (k for k in d.added + d.changed if kinds.get(k) in PICKLED))
-    unseen.difference_update(state.mtimes)
-    # A directory gone since the last scan is stale: its entries leave the index. One that could
-    # not be read (permissions) is not gone: it and all below it keep their rows as last seen.
-    gone = sorted(d for d in unseen if not any(d == u or d.startswith(u + "/") for u in state.unreadable))
+    dirs = _StoredDirs(known) if known is not None else _StoredDirsTable(db, q)
+    try:
+        for batch in _batches(listings):
+            # The mtimes seen so far are those of directories whose listings are in this batch or an
+            # earlier one (the walk records a directory's mtime just before its listing): written with
+            # this batch's entries, never before them, so a rescan never trusts a directory whose
+            # entries are not in the index. Then forgotten: memory holds a batch, not the tree.
+            seen, state.mtimes = state.mtimes, {}
+            state.listed.clear()  # (not used here: kept, it would hold a path per directory of the tree)
+            stored = dirs.see(seen)
+            try:
+                d = _sync_dirs(db, cache_id, batch, empty, now, stored, seen)
+            except IntegrityError:  # another writer indexed some of these first: read their rows, once more
+                empty = False
+                d = _sync_dirs(db, cache_id, batch, empty, now, stored, seen)
+            kinds = {e.key: e.kind for listing in batch for e in listing.entries}
+            counts.add(d, (k for k in d.added + d.changed if kinds.get(k) in PICKLED))
+        stored = dirs.see(state.mtimes)
+        # A directory gone since the last scan is stale: its entries leave the index. One that could
+        # not be read (permissions) is not gone: it and all below it keep their rows as last seen.
+        gone = sorted(d for d in dirs.unseen() if not any(d == u or d.startswith(u + "/") for u in state.unreadable))
+    finally:
+        dirs.close()
     with db.engine.begin() as conn:
         for chunk in _chunks(gone):
             ids = list(
@@ -227,6 +248,95 @@ def index_names(
     )
 
 
+class _StoredDirs:
+    """The dirs rows of the part of the tree a scan walks, as they were when it began: the
+    stored mtimes of the directories a batch saw, and at the end those no batch saw (gone)."""
+
+    def __init__(self, stored: dict[str, int]) -> None:
+        self.stored, self.left = stored, set(stored)
+
+    def see(self, paths: Iterable[str]) -> dict[str, int]:
+        """The stored mtimes of `paths` (or more); they are seen."""
+        self.left.difference_update(paths)
+        return self.stored
+
+    def unseen(self) -> list[str]:
+        return list(self.left)
+
+    def close(self) -> None:
+        pass
+
+
+SNAPSHOT = Table(
+    "cachemgr_scan_dirs",
+    MetaData(),
+    Column("path", String(1024), primary_key=True),
+    Column("mtime_ns", BigInteger),
+    Column("seen", Boolean, nullable=False, server_default=text("false")),
+    prefixes=["TEMPORARY"],
+    sqlite_with_rowid=False,
+)
+
+
+SNAPSHOT_CACHE = -4096  # KiB of SQLite page cache for the snapshot's connection
+
+
+class _StoredDirsTable(_StoredDirs):
+    """`_StoredDirs` of a full scan, whose walk needs none of them: a copy of the rows in a
+    temporary table of a connection of its own, not in this process (a million-file cache has
+    120,000 directories: 25 MB as a dict and a set). Each call commits: no snapshot is held."""
+
+    def __init__(self, db: Database, query) -> None:
+        self.conn = db.engine.connect()
+        self.cache_size = None
+        try:
+            if self.conn.dialect.name == "sqlite":  # each row is read once: a small page cache, not 8 MB
+                self.cache_size = self.conn.exec_driver_sql("PRAGMA cache_size").scalar()
+                self.conn.exec_driver_sql(f"PRAGMA cache_size={SNAPSHOT_CACHE}")
+                self.conn.exec_driver_sql(f"PRAGMA temp.cache_size={SNAPSHOT_CACHE}")
+            self.conn.execute(text(f"DROP TABLE IF EXISTS {SNAPSHOT.name}"))  # one an interrupted scan left
+            SNAPSHOT.create(self.conn)
+            self.conn.execute(insert(SNAPSHOT).from_select(["path", "mtime_ns"], query))
+            self.conn.commit()
+        except BaseException:
+            self.close()
+            raise
+
+    def see(self, paths: Iterable[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        conn = self.conn
+        if conn.dialect.name == "sqlite":  # the driver's own cursor: SQLAlchemy's IN expansion cost 3x the lookups
+            cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+            for chunk in _chunks(list(paths)):
+                marks = ",".join("?" * len(chunk))
+                out.update(cur.execute(f"SELECT path, mtime_ns FROM {SNAPSHOT.name} WHERE path IN ({marks})", chunk))
+                cur.executemany(f"UPDATE {SNAPSHOT.name} SET seen = 1 WHERE path = ?", [(p,) for p in chunk])
+            cur.close()
+        else:
+            for chunk in _chunks(list(paths)):
+                q = select(SNAPSHOT.c.path, SNAPSHOT.c.mtime_ns).where(SNAPSHOT.c.path.in_(chunk))
+                out.update(conn.execute(q).tuples())
+                conn.execute(update(SNAPSHOT).where(SNAPSHOT.c.path.in_(chunk)).values(seen=True))
+        conn.commit()
+        return out
+
+    def unseen(self) -> list[str]:
+        out = list(self.conn.execute(select(SNAPSHOT.c.path).where(~SNAPSHOT.c.seen)).scalars())
+        self.conn.commit()
+        return out
+
+    def close(self) -> None:
+        try:
+            self.conn.rollback()
+            self.conn.execute(text(f"DROP TABLE IF EXISTS {SNAPSHOT.name}"))
+            self.conn.commit()
+            if self.cache_size is not None:  # the pooled connection as it was, its pages let go
+                self.conn.exec_driver_sql(f"PRAGMA cache_size={int(self.cache_size)}")
+                self.conn.exec_driver_sql("PRAGMA shrink_memory")
+        finally:
+            self.conn.close()
+
+
 def _read_again_for_a_new_reader(conn, cache_id: int) -> None:
     """Entries read by another version of the readers (parse.READER) are read again: an upgrade
     of cachemgr that reads more of an entry applies to the entries indexed before it."""
@@ -246,6 +356,7 @@ REREAD_KINDS = sorted({*layout.READ_KINDS, Kind.CODE})  # the kinds whose rows c
 
 PARALLEL_WALK = 256  # walk units (kernel directories, module folders...) below which a walk stays here
 WALK_JOB = (16, 512)  # fewest and most units per worker job
+WALK_AHEAD = 8192  # units out at the workers or waiting: memory bounded whatever the number of cores
 
 
 def _walk(root: str, state: layout.DirWalk, pool: Pool) -> Iterator[layout.Listing]:
@@ -265,13 +376,19 @@ def _walk(root: str, state: layout.DirWalk, pool: Pool) -> Iterator[layout.Listi
             for unit in units:
                 yield from layout.iter_dirs(r, unit, None, False, state)
             return
-        per = max(WALK_JOB[0], min(WALK_JOB[1], len(units) // (pool.size * 8)))
-        jobs = [Job(i, 0, root, WALK, "", None, tuple(group), r.id) for i, group in enumerate(_unit_groups(units, per))]
-        del units
-        with pool.stream(lambda job, why: None) as stream:
-            stream.submit(jobs)
+        ahead = 2 * pool.size  # jobs handed out and not yet taken back: their results are held here
+        per = max(WALK_JOB[0], min(WALK_JOB[1], len(units) // (pool.size * 8), WALK_AHEAD // ahead))
+        groups = enumerate(_unit_groups(units, per))
+        with pool.stream(lambda job, why: None, backlog=ahead) as stream:
+            jobs: deque[Job] = deque()
             got: dict[int, object] = {}
-            for job in jobs:
+            while True:
+                while len(jobs) < ahead and (g := next(groups, None)) is not None:
+                    jobs.append(Job(g[0], 0, root, WALK, "", None, tuple(g[1]), r.id))
+                    stream.submit([jobs[-1]])
+                if not jobs:
+                    return
+                job = jobs.popleft()
                 while job.id not in got:
                     done, result = stream.get()
                     got[done.id] = result
@@ -281,7 +398,9 @@ def _walk(root: str, state: layout.DirWalk, pool: Pool) -> Iterator[layout.Listi
                         yield from layout.iter_dirs(r, unit, None, False, state)
                     continue
                 listings, seen = result
+                del result
                 yield from listings
+                del listings
                 # (after its listings: a directory's mtime is never handed on before its entries)
                 state.mtimes.update(seen.mtimes)
                 state.listed.update(seen.listed)
@@ -290,9 +409,12 @@ def _walk(root: str, state: layout.DirWalk, pool: Pool) -> Iterator[layout.Listi
 
 def _unit_groups(units: list[str], per: int) -> Iterator[list[str]]:
     """Walk units in order, `per` to a job; a folder of the root (generated modules, thousands
-    of files) is a job of its own."""
+    of files) is a job of its own. Takes the units out of `units` as it goes: a unit's name is
+    then held by its job only (a million-file cache has 113,000 kernel directories)."""
+    units.reverse()
     group: list[str] = []
-    for unit in units:
+    while units:
+        unit = units.pop()
         if "/" not in unit:
             if group:
                 yield group
