@@ -352,12 +352,20 @@ def test_crossing_max_size_evicts_without_a_command(tmp_path, start, cli_for, cp
 def test_kill9_during_eviction_then_restart_index_matches_disk(tmp_path, start, cli_for, cpu_cache_master):
     cache = tmp_path / "cache"
     cache.mkdir()
-    fill(cache, cpu_cache_master, 40)
+    fill(cache, cpu_cache_master, 400)  # thousands of units: an eviction of many batches
     cli = cli_for(cache, host=HOST)
     d = start(cache, "--max-size", "1", "--grace", "0", "--evict-interval", "1h")
     n0 = len(disk_keys(cache))
-    d.wait_log("over the limit: evicting now")
-    wait_until(lambda: len(disk_keys(cache)) < n0, step=0.002)
+    trash = cache / layout.TRASH_DIR
+
+    def moving() -> bool:  # (a reader's links there are named read-*)
+        try:
+            return any(not n.startswith("read-") for n in os.listdir(trash))
+        except FileNotFoundError:
+            return False
+
+    wait_until(moving, step=0.0002)  # the first units are in the trash: stop it there, at once
+    d.proc.send_signal(signal.SIGSTOP)
     d.proc.kill()  # SIGKILL, mid-eviction: some entries gone, others not yet
     d.proc.wait()
     left = disk_keys(cache)

@@ -225,8 +225,8 @@ def carry_out(
         freed_bytes=out.freed_bytes,
         freed_files=out.freed_files,
         remaining_bytes=remaining,
-        recreatable_freed_bytes=sum(r.bytes for r in out.removed if r.recreatable),
-        entries=tuple((r.key, r.kind, r.bytes, r.reason) for r in out.removed),
+        recreatable_freed_bytes=out.recreatable_bytes,
+        entries=out.removed,
         skipped=tuple(sorted(skipped.items())),
         in_place=out.in_place,
     )

@@ -87,13 +87,7 @@ def exclusive(root: str, waiting: Callable[[], None] | None = None) -> Iterator[
         yield r  # closing the descriptor releases the lock
 
 
-@dataclass(frozen=True, slots=True)
-class Removed:
-    key: str
-    kind: str
-    bytes: int
-    recreatable: bool
-    reason: str
+Removed = tuple[str, str, int, str]  # (key, kind, bytes, reason) of an entry that left the cache
 
 
 @dataclass(frozen=True)
@@ -102,6 +96,7 @@ class Outcome:
     skipped: tuple[tuple[str, str], ...]
     freed_bytes: int
     freed_files: int
+    recreatable_bytes: int  # of what left: modules and kernels a kept graph writes again on its next hit
     in_place: bool = False  # the trash could not be used for some units (full disk, odd trash)
 
 
@@ -282,7 +277,7 @@ class Executor:
                     self.code_stems.setdefault(folder, set()).add(stem)
         removed: list[Removed] = []
         skipped: dict[str, str] = {}
-        freed = nfiles = 0
+        freed = nfiles = again = 0
         if not dry_run:
             self.trash = self._open_trash()
         # unlinking is the file system's slow part (freeing blocks, journal): a few at once
@@ -311,8 +306,9 @@ class Executor:
                     for e, f in zip(t.unit.entries, t.files, strict=True):
                         if not f.paths:
                             continue  # an entry of the unit that was gone already: not ours to count
-                        recreatable = e.recreatable and t.unit.reason == Reason.RECREATABLE
-                        removed.append(Removed(e.key, e.kind, f.bytes, recreatable, e.reason))
+                        removed.append((e.key, e.kind, f.bytes, e.reason))
+                        if e.recreatable and t.unit.reason == Reason.RECREATABLE:
+                            again += f.bytes
                         freed += f.bytes
                         nfiles += len(f.paths)
                 if unlinker is not None:
@@ -333,7 +329,7 @@ class Executor:
             if self.trash is not None:
                 os.close(self.trash)
                 self.trash = None
-        return Outcome(tuple(removed), tuple(sorted(skipped.items())), freed, nfiles, self.in_place)
+        return Outcome(tuple(removed), tuple(sorted(skipped.items())), freed, nfiles, again, self.in_place)
 
     def _look(self, looker: ThreadPoolExecutor, units: Sequence[Unit], dry_run: bool) -> _Batch:
         """A batch of units handed to the looker threads: each unit looked at and, unless it must

@@ -218,9 +218,9 @@ class Table(_Made[Row]):
         self.key: list[str] = []
         self.kind: list[str] = []
         self.ref: list[str | None] | KeyRefs = []
-        self.alias: list[str | None] = []
-        self.graph_key: list[str | None] = []
-        self.corrupt: list[str | None] = []
+        self.alias = Sparse()  # (most entries have none of these three)
+        self.graph_key = Sparse()
+        self.corrupt = Sparse()
         self.bytes = array("q")
         self.files = array("q")
         self.mtime = array("d")
@@ -312,6 +312,25 @@ class Table(_Made[Row]):
         return self._graph
 
 
+class Sparse(_Made["str | None"]):
+    """A column most entries leave empty: only the values there are, by position."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, str] = {}
+        self.n = 0
+
+    def append(self, v: str | None) -> None:
+        if v is not None:
+            self.values[self.n] = v
+        self.n += 1
+
+    def item(self, i: int) -> str | None:
+        return self.values.get(i)
+
+    def __len__(self) -> int:
+        return self.n
+
+
 class KeyRefs(_Made["str | None"]):
     """Each entry's ref, read off its key when asked (layout.ref_of), not held: at 1,000,000 files
     the refs were 20 MB of strings their keys already spell. `odd`: the refs that differ."""
@@ -363,6 +382,36 @@ class Links:
         return self.start[i + 1] - self.start[i]
 
 
+class _Names:
+    """The entries a (kind, name) names, by ref or alias: each name's hash and its entry's position
+    packed in one sorted array (a dict of 200,000 names was 23 MB; this is under 2). A hash only
+    leads: every entry it gives is checked against the name."""
+
+    def __init__(self, t: Table) -> None:
+        self.t, self.bits = t, max(1, len(t).bit_length())
+        packed = []
+        for i in range(len(t)):
+            kind = t.kind[i]
+            for name in (t.ref[i], t.alias[i]):
+                if name:
+                    packed.append(self._prefix(kind, name) | i)
+        self.packed = array("q", sorted(packed))  # (same prefix: by position, as a dict's lists were)
+
+    def _prefix(self, kind: str, name: str) -> int:
+        return (hash((kind, name)) >> self.bits) << self.bits
+
+    def __call__(self, kind: str, name: str) -> list[int]:
+        t, packed, prefix, mask = self.t, self.packed, self._prefix(kind, name), (1 << self.bits) - 1
+        out = []
+        at = bisect.bisect_left(packed, prefix)
+        while at < len(packed) and packed[at] & ~mask == prefix:
+            i = packed[at] & mask
+            if t.kind[i] == kind and name in (t.ref[i], t.alias[i]):
+                out.append(i)
+            at += 1
+        return out
+
+
 @dataclass
 class Graph:
     rows: Table
@@ -386,22 +435,7 @@ class Graph:
             mine = sorted(t.refs.items())
             autotune_refs = ((i, k, r) for i, refs in mine if t.kind[i] == "autotune" for k, r in refs)
             other_refs = ((i, k, r) for i, refs in mine if t.kind[i] != "autotune" for k, r in refs)
-        # kind -> hash of a ref or alias -> the position named so (a list where several are, or
-        # hashes meet: rare). Hashes, not the names: the names are read off keys, not held.
-        names: dict[str, dict[int, int | list[int]]] = {}
-        for i in range(n):
-            kind = t.kind[i]
-            for name in (t.ref[i], t.alias[i]):
-                if name:
-                    of_kind = names.setdefault(kind, {})
-                    had = of_kind.setdefault(hash(name), i)
-                    if had != i:
-                        of_kind[hash(name)] = [*had, i] if isinstance(had, list) else [had, i]
-
-        def named(kind: str, ref: str) -> list[int]:
-            found = names.get(kind, {}).get(hash(ref), [])
-            return [x for x in (found if isinstance(found, list) else [found]) if ref in (t.ref[x], t.alias[x])]
-
+        named = _Names(t)
         g = cls(t, Links(0, array("q"), array("q")), Links(0, array("q"), array("q")), bytearray(n), bytearray(n))
         tuned: dict[str, list[int]] = {}  # triton kernel hash -> autotune results of it
         for i, kind, ref in autotune_refs:
@@ -426,6 +460,7 @@ class Graph:
             src.extend([i] * len(linked))
             dst.extend(linked)
             g.dead[i] = t.kind[i] == "aotautograd" and not linked  # (it has references: it is here)
+        del named, tuned  # (before the links are laid out: the peak of a plan's memory is here)
         g.children, g.parents = Links(n, src, dst), Links(n, dst, src)
         return g
 
@@ -623,29 +658,41 @@ class _Builder:
 
 
 @dataclass
-class Recreatable:
-    """The modules and kernels a graph recreates on its next hit, one pair of numbers each (at
-    1,000,000 files they are half the entries): `candidate(k)` makes the k-th when it is wanted."""
+class Singles:
+    """Candidates of one entry each (every recreatable entry, nearly every orphan: at 1,000,000
+    files half the entries), two numbers apiece: a _Candidate is made when its turn comes. An
+    orphan whose closure holds more than itself keeps its members."""
 
     g: Graph
+    reason: str
     at: array = field(default_factory=lambda: array("q"))  # positions
-    near: array = field(default_factory=lambda: array("d"))  # last use of it or of a graph that bundles it
+    near: array = field(default_factory=lambda: array("d"))  # last use (of it, or of a graph that bundles it)
+    more: dict[int, list[int]] = field(default_factory=dict)
+
+    def add(self, members: list[int], near: float) -> None:
+        if len(members) > 1:
+            self.more[len(self.at)] = members
+        self.at.append(members[0])
+        self.near.append(near)
 
     def oldest_first(self) -> Iterator[_Candidate]:
         for k in sorted(range(len(self.at)), key=self.near.__getitem__):
             i = self.at[k]
-            yield _Candidate([i], "recreatable", self.near[k], 0.0, tuple(sorted(self.g.parents[i])))
+            if self.reason == "recreatable":
+                yield _Candidate([i], self.reason, self.near[k], 0.0, tuple(sorted(self.g.parents[i])))
+            else:
+                yield _Candidate(self.more.get(k) or [i], self.reason, self.near[k])
 
 
-def candidates(g: Graph) -> tuple[list[_Candidate], Recreatable, list[_Candidate]]:
+def candidates(g: Graph) -> tuple[Singles, Singles, list[_Candidate]]:
     """(orphans, recreatable entries, groups), each unordered."""
     t = g.rows
     touched, kinds, hits = t.touched, t.kind, t.hit_count
-    orphans, cheap, groups = [], Recreatable(g), []
+    orphans, cheap, groups = Singles(g, "orphan"), Singles(g, "recreatable"), []
     for i in range(len(t)):
         if g.is_orphan(i):
             members = g.closure([i])
-            orphans.append(_Candidate(members, "orphan", max(touched(m) for m in members)))
+            orphans.add(members, max(touched(m) for m in members))
         elif not g.parents.count(i):
             members = g.closure([i])
             cost = _group_cost(t, members)
@@ -653,8 +700,7 @@ def candidates(g: Graph) -> tuple[list[_Candidate], Recreatable, list[_Candidate
             groups.append(_Candidate(members, "size", max(touched(m) for m in members), cost, hits=n))
         if g.is_recreatable(i):
             # a module or kernel is as recent as the graphs that bundle it: their use protects it
-            cheap.at.append(i)
-            cheap.near.append(max(touched(i), *(touched(p) for p in g.parents[i])))
+            cheap.add([i], max(touched(i), *(touched(p) for p in g.parents[i])))
     return orphans, cheap, groups
 
 
@@ -714,11 +760,13 @@ def plan(
     total_bytes = sum(t.bytes)
     total_files = sum(t.files)
 
+    groups.sort(key=lambda c: c.last_access)
     if limits.max_age is not None:
         cutoff = now - limits.max_age
-        for c in sorted(orphans + groups, key=lambda c: c.last_access):
-            if c.last_access < cutoff:
-                b.take(c, "age")
+        for c in heapq.merge(orphans.oldest_first(), groups, key=lambda c: c.last_access):
+            if c.last_access >= cutoff:
+                break
+            b.take(c, "age")
 
     over_bytes, over_files, short_free = needs(limits, total_bytes, total_files, disk)
     want_bytes = max(over_bytes, short_free)
@@ -733,18 +781,16 @@ def plan(
         return "free" if b.freed_bytes < short_free else "files"
 
     if not satisfied():
-        orphans.sort(key=lambda c: c.last_access)
 
         def frees_something(c: _Candidate) -> bool:  # a lock file frees no bytes, only an inode
             return b.freed_files < over_files or any(t.bytes[m] for m in c.members if m not in b.taken)
 
-        for c in itertools.chain(orphans, cheap.oldest_first()):
+        for c in itertools.chain(orphans.oldest_first(), cheap.oldest_first()):
             if satisfied():
                 break
             if frees_something(c):
                 b.take(c, c.reason)
         if policy == "lru":
-            groups.sort(key=lambda c: c.last_access)
             for c in groups:
                 if satisfied():
                     break
