@@ -47,7 +47,10 @@ EVICT = """
 import json, resource, sys, time
 from cachemgr.evict import Limits, evict
 from cachemgr.index.db import Database
+from cachemgr.evict import execute
 db, cid, root, keep = Database(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+if int(sys.argv[5]):
+    execute.LOOK_THREADS = int(sys.argv[5])
 t = time.perf_counter()
 res = evict(db, cid, root, Limits(max_files=keep, low_water=1.0, grace=60))
 took = time.perf_counter() - t
@@ -129,6 +132,7 @@ def main() -> None:
         help="the fixture .tgz (default: tests/fixtures/gpu/inductor-cache-h200-torch2.11.tgz)",
     )
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--threads", type=int, default=0, help="looker threads (default: the executor's own choice)")
     args = ap.parse_args()
     files = 10_000 if args.quick else args.files
     work = Path(tempfile.mkdtemp(prefix="bench-evict-", dir=args.dir))
@@ -140,7 +144,7 @@ def main() -> None:
 
         os.sync()
         out = subprocess.run(
-            [sys.executable, "-c", EVICT, db.url, str(cid), str(root), str(n // 2)],
+            [sys.executable, "-c", EVICT, db.url, str(cid), str(root), str(n // 2), str(args.threads)],
             env=child_env(),
             check=True,
             capture_output=True,

@@ -632,12 +632,13 @@ def test_cost_policy_keeps_its_clock_across_cli_runs(aged_gpu, cli_for):
     assert clock >= 1e9
 
 
+@pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("batch", [500, 8])
-def test_a_failure_while_other_threads_move_units_puts_every_unit_back(aged_gpu, db_url, monkeypatch, batch):
-    """Units are looked at and moved by several threads, the next batch while this one commits.
-    One move fails part way (in one batch, or with batches of 8): nothing of the failing batch or
-    the next is committed, every file that went into the trash comes back, and the index still
-    agrees with the disk."""
+def test_a_failure_while_other_threads_move_units_puts_every_unit_back(aged_gpu, db_url, monkeypatch, batch, threads):
+    """Units are looked at and moved off the main thread (by one thread, or several), the next
+    batch while this one commits. One move fails part way (in one batch, or with batches of 8)
+    while the looks go on: nothing of the failing batch or the next is committed, every file that
+    went into the trash comes back, and the index still agrees with the disk."""
     from cachemgr.evict import Limits, evict, execute
     from cachemgr.index.db import Database
     from cachemgr.index.scan import reconcile
@@ -654,13 +655,14 @@ def test_a_failure_while_other_threads_move_units_puts_every_unit_back(aged_gpu,
         return take(self, t)
 
     monkeypatch.setattr(execute, "BATCH", batch)
-    monkeypatch.setattr(execute, "LOOK_CHUNK", 2)  # many tasks, so other threads are moving meanwhile
+    monkeypatch.setattr(execute, "LOOK_THREADS", threads)
+    monkeypatch.setattr(execute, "LOOK_CHUNK", 2)  # many tasks: the looks go on after the failure
     monkeypatch.setattr(execute.Executor, "_take", failing_take)
     before = disk(aged_gpu)
     with pytest.raises(RuntimeError, match="went away"):
         evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
     if batch == 500:
-        assert len(calls) > 40  # the other threads did move units after the failure
+        assert len(calls) > 40  # units were moved after the failure
         assert disk(aged_gpu) == before
     assert os.listdir(aged_gpu / layout.TRASH_DIR) == []
     monkeypatch.setattr(execute.Executor, "_take", take)

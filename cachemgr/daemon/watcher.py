@@ -53,6 +53,9 @@ CONTROL = ("stop", "scan", "parse", "overflow")  # queue items that are not file
 Item = tuple
 
 
+WALKERS = 4  # worker processes that walk the tree for a daemon's scan
+
+
 class Watcher:
     """The inotify watches and their consumer for one cache root."""
 
@@ -273,7 +276,15 @@ class Watcher:
             if not subtree and not self._walked:
                 self._resync()  # watches first: what is made from now on is seen, what was made before is scanned
             self._walked = False
-            r = scan.reconcile(self.db, self.cache_id, self.root, subtree=subtree, full=full, parse_now=False)
+            # a few walkers, not one per core: the daemon shares its host with the work it serves,
+            # and each walker's results wait in this process (its memory grows with them)
+            walkers = Pool(min(WALKERS, default_workers()))
+            try:
+                r = scan.reconcile(
+                    self.db, self.cache_id, self.root, subtree=subtree, full=full, parse_now=False, pool=walkers
+                )
+            finally:
+                walkers.close()
         except BaseException as e:  # noqa: BLE001 - handed to whoever asked
             if isinstance(e, CacheDirError):
                 self.on_root_lost()

@@ -50,10 +50,12 @@ from cachemgr.vocab import Held, Kind, Reason
 
 ENTRIES, EVENTS, CACHES, DIRS = Entry.__table__, Event.__table__, Cache.__table__, Dir.__table__
 BATCH = 500  # units per transaction
-UNLINK_THREADS = 4
-# Looking at a unit (lstat of each file, a lock probe) and moving it are system calls that wait on
-# the file system: a few threads overlap them (each with its own directory descriptors).
-LOOK_THREADS = min(8, 2 * (os.cpu_count() or 1))
+# One thread looks at the units of a batch and moves them (lstat, lock probes, renames) while this
+# one commits the batch before; one more empties the trash. More threads only fought over the GIL
+# (100,000 files: 3.4 s with one looker, 4.1-5.0 s with 2-8 on a 16-core host; 2.2 s against
+# 2.8-3.0 s on 2 cores). Each thread reaches directories by descriptors of its own (safefs.Root).
+LOOK_THREADS = 1
+UNLINK_THREADS = 1
 LOOK_CHUNK = 16  # units per looker task (a future per unit costs more than looking at a small one)
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EMLINK, errno.EXDEV)  # the trash cannot take it: delete in place
 Hook = Callable[[str], None]  # crash-test hook: called with 'renamed' / 'committed' per batch

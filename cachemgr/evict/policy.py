@@ -202,9 +202,13 @@ class _Made(Sequence[T]):
     def __getitem__(self, i: int | slice) -> T | list[T]:
         if isinstance(i, slice):
             return [self.item(j) for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
+        if i < 0:
+            i += len(self)
+            if i < 0:
+                raise IndexError(i)
+        elif i >= len(self):
             raise IndexError(i)
-        return self.item(i % len(self))
+        return self.item(i)
 
 
 class Table(_Made[Row]):
