@@ -49,7 +49,7 @@ class EvictResult:
     freed_files: int
     remaining_bytes: int
     recreatable_freed_bytes: int
-    entries: tuple[tuple[str, str, int, str], ...]  # (key, kind, bytes, reason) evicted (or, dry run, would be)
+    entries: Sequence[tuple[str, str, int, str]]  # (key, kind, bytes, reason) evicted (or, dry run, would be)
     skipped: tuple[tuple[str, str], ...]  # (key, reason)
     in_place: bool = False  # some units were deleted in place: no room for the trash (a full disk)
 

@@ -41,7 +41,7 @@ from sqlalchemy.exc import OperationalError
 
 from cachemgr import layout, safefs
 from cachemgr.errors import UnsafePath
-from cachemgr.evict.policy import Plan, Table, Unit
+from cachemgr.evict.policy import Evicted, Plan, Table, Unit
 from cachemgr.index.db import Database
 from cachemgr.index.models import Cache, Dir, Entry, Event
 from cachemgr.index.scan import delete_entries, insert_rows
@@ -89,12 +89,9 @@ def exclusive(root: str, waiting: Callable[[], None] | None = None) -> Iterator[
         yield r  # closing the descriptor releases the lock
 
 
-Removed = tuple[str, str, int, str]  # (key, kind, bytes, reason) of an entry that left the cache
-
-
 @dataclass(frozen=True)
 class Outcome:
-    removed: tuple[Removed, ...]
+    removed: Evicted
     skipped: tuple[tuple[str, str], ...]
     freed_bytes: int
     freed_files: int
@@ -277,7 +274,7 @@ class Executor:
                 if e.kind == Kind.CODE:
                     folder, _, stem = e.key.partition("/")
                     self.code_stems.setdefault(folder, set()).add(stem)
-        removed: list[Removed] = []
+        removed = Evicted(rows)
         skipped: dict[str, str] = {}
         freed = nfiles = again = 0
         if not dry_run:
@@ -308,7 +305,7 @@ class Executor:
                     for e, f in zip(t.unit.entries, t.files, strict=True):
                         if not f.paths:
                             continue  # an entry of the unit that was gone already: not ours to count
-                        removed.append((e.key, e.kind, f.bytes, e.reason))
+                        removed.add(e.at, f.bytes, e.reason)
                         if e.recreatable and t.unit.reason == Reason.RECREATABLE:
                             again += f.bytes
                         freed += f.bytes
@@ -331,7 +328,7 @@ class Executor:
             if self.trash is not None:
                 os.close(self.trash)
                 self.trash = None
-        return Outcome(tuple(removed), tuple(sorted(skipped.items())), freed, nfiles, again, self.in_place)
+        return Outcome(removed, tuple(sorted(skipped.items())), freed, nfiles, again, self.in_place)
 
     def _look(self, looker: ThreadPoolExecutor, units: Sequence[Unit], dry_run: bool) -> _Batch:
         """A batch of units handed to the looker threads: each unit looked at and, unless it must

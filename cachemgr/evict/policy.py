@@ -141,6 +141,7 @@ class Planned:
     graph_key: str | None
     compile_seconds: float | None
     ref: str | None = None  # the name its lock files go by
+    at: int = -1  # its position in the Table the plan was made from
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,6 +352,27 @@ class KeyRefs(_Made["str | None"]):
 
 
 _SPELLED = "(spelled by its key)"
+
+
+class Evicted(_Made[tuple[str, str, int, str]]):
+    """(key, kind, bytes, reason) of each entry that left the cache: a position, a byte count and
+    a shared reason string each, the tuple made when asked for (100,000s at 1,000,000 files)."""
+
+    def __init__(self, t: Table) -> None:
+        self.t, self.at, self.bytes = t, array("q"), array("q")
+        self.reason: list[str] = []
+
+    def add(self, at: int, nbytes: int, reason: str) -> None:
+        self.at.append(at)
+        self.bytes.append(nbytes)
+        self.reason.append(reason)
+
+    def item(self, i: int) -> tuple[str, str, int, str]:
+        at = self.at[i]
+        return self.t.key[at], self.t.kind[at], self.bytes[i], self.reason[i]
+
+    def __len__(self) -> int:
+        return len(self.at)
 
 
 def table_of(rows: Sequence[Row]) -> Table:
@@ -569,6 +591,7 @@ class Units(_Made[Unit]):
                     t.graph_key[i],
                     None if math.isnan(cs) else cs,
                     t.ref[i],
+                    i,
                 )
             )
         watch = tuple(self.watch[self.watch_start[k] : self.watch_start[k + 1]])
