@@ -171,7 +171,7 @@ class Executor:
         self.locks = self._lock_names()
         self.trash: int | None = None
         self.in_place = False
-        self.rows = Table()  # run's
+        self.rows = Table()  # the entries the plan `run` carries out was made from
         self._names = itertools.count()
 
     # -- looking --------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ class Executor:
         freed = nfiles = again = 0
         if not dry_run:
             self.trash = self._open_trash()
-        # unlinking is the file system's slow part (freeing blocks, journal): a few at once
+        # unlinking is the file system's slow part (freeing blocks, journal): in the background
         unlinker = None if dry_run else ThreadPoolExecutor(max_workers=UNLINK_THREADS)
         looker = ThreadPoolExecutor(max_workers=LOOK_THREADS)
         units = plan.units  # (a plan's Units make each when sliced: a batch at a time)
@@ -311,9 +311,7 @@ class Executor:
                         freed += f.bytes
                         nfiles += len(f.paths)
                 if unlinker is not None:
-                    names = [name for t in done for _, name in t.trashed]
-                    for i in range(UNLINK_THREADS):
-                        unlinker.submit(_remove_quietly, self.trash, names[i::UNLINK_THREADS])
+                    unlinker.submit(_remove_quietly, self.trash, [name for t in done for _, name in t.trashed])
             if not dry_run:
                 self._drop_empty_dirs(rows)
                 with self.db.engine.begin() as conn:  # when eviction last ran, whatever it took
