@@ -30,7 +30,7 @@ import heapq
 import itertools
 import math
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar, cast, overload
 
@@ -408,6 +408,22 @@ class Links:
         return self.start[i + 1] - self.start[i]
 
 
+class Marks:
+    """A set of positions of one Table, one byte each (a plan takes 100,000s of entries)."""
+
+    def __init__(self, n: int) -> None:
+        self.marks = bytearray(n)
+
+    def add(self, i: int) -> None:
+        self.marks[i] = 1
+
+    def __contains__(self, i: object) -> bool:
+        return isinstance(i, int) and bool(self.marks[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for i, m in enumerate(self.marks) if m)
+
+
 class _Names:
     """The entries a (kind, name) names, by ref or alias: each name's hash and its entry's position
     packed in one sorted array (a dict of 200,000 names was 23 MB; this is under 2). A hash only
@@ -510,32 +526,41 @@ class Graph:
         kind = t.kind[i]
         return (kind == "code" and not t.alias[i]) or (kind == "triton" and not t.flags[i] & LAUNCHER)
 
-    def closure(self, start: Iterable[int], taken: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    def closure(self, start: Iterable[int], taken: Container[int] = frozenset()) -> list[int]:
         """`start` plus every entry all of whose referrers are in it (or already taken), and every
         AOT entry whose fxgraph entries all are: deleting them leaves nothing that can hit."""
         members = list(dict.fromkeys(start))
-        inside = set(members) | set(taken)
-        kind = self.rows.kind
-        changed = True
-        while changed:
-            changed = False
-            for m in list(members):
-                for c in self.children[m]:
-                    if c not in inside and all(p in inside for p in self.parents[c]):
-                        members.append(c)
+        return members + self._grow(members, set(members), taken)
+
+    def dependents(self, taken: Marks) -> list[int]:
+        """What deleting `taken` takes with it: the closure of `taken`, less `taken` itself."""
+        return self._grow(taken, set(), taken)
+
+    def _grow(self, seeds: Iterable[int], inside: set[int], taken: Container[int]) -> list[int]:
+        """The entries that join `seeds` (in `inside`, or `taken`) by the closure's two rules, each
+        looked at when one of its neighbours joins (a worklist: linear in the links it crosses)."""
+        kind, children, parents = self.rows.kind, self.children, self.parents
+
+        def has(x: int) -> bool:
+            return x in inside or x in taken
+
+        grown: list[int] = []
+        for todo in (seeds, grown):  # (grown is appended to while it is walked: a queue)
+            for m in todo:
+                for c in children[m]:
+                    if not has(c) and all(has(p) for p in parents[c]):
                         inside.add(c)
-                        changed = True
-                for p in self.parents[m]:
+                        grown.append(c)
+                for p in parents[m]:
                     if (
-                        p not in inside
+                        not has(p)
                         and kind[p] == "aotautograd"
-                        and not self.parents.count(p)
-                        and all(c in inside for c in self.children[p])
+                        and not parents.count(p)
+                        and all(has(c) for c in children[p])
                     ):
-                        members.append(p)
                         inside.add(p)
-                        changed = True
-        return members
+                        grown.append(p)
+        return grown
 
     def descendants(self, start: Iterable[int]) -> set[int]:
         seen, stack = set(), list(start)
@@ -638,7 +663,7 @@ class _Builder:
         self.unknown = set(unparsed)
         if unparsed:
             self.unknown |= {i for i, kind in enumerate(t.kind) if kind in REFERENCED}
-        self.taken: set[int] = set()
+        self.taken = Marks(len(t))
         self.units = Units(g)
         self.skipped: dict[str, str] = {}
         self.freed_bytes = self.freed_files = self.recreatable_bytes = 0
@@ -679,7 +704,7 @@ class _Builder:
     def sweep_dependents(self) -> None:
         """Shared entries whose every referrer is going, and AOT entries left with no graph."""
         g = self.g
-        extra = [i for i in g.closure(self.taken) if i not in self.taken]
+        extra = g.dependents(self.taken)
         for i in extra:
             self.take(_Candidate([i], "dependent", g.rows.touched(i)))
 
