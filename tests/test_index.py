@@ -650,3 +650,25 @@ def test_entries_read_by_other_readers_are_read_again(fixture_cache, cli_for, db
         assert c.execute("SELECT DISTINCT reader FROM caches").fetchall() == [(parse.READER,)]
         assert c.execute("SELECT DISTINCT reader FROM parsed_content").fetchall() == [(parse.READER,)]
     assert cli.json("scan")["unchanged"] == len(good)  # and then a rescan trusts the tree again
+
+
+def test_a_streams_workers_are_not_handed_on_once_its_thread_is_gone(gpu_cache):
+    """A worker gets SIGKILL when the thread that started it ends (PR_SET_PDEATHSIG is per
+    thread). A stream's thread starts workers and ends at close: none of them may wait in the
+    pool for its next job (which then read a dead worker's EOF: "the parse worker died")."""
+    from cachemgr.index.workers import WALK, Job, Pool
+
+    pool = Pool(2)
+    try:
+        kernels = sorted(p.relative_to(gpu_cache).as_posix() for p in (gpu_cache / "triton" / "0").iterdir())
+        jobs = [Job(i, 0, str(gpu_cache), WALK, "", None, (k,)) for i, k in enumerate(kernels[:8])]
+        with pool.stream(lambda job, why: why) as stream:
+            stream.submit(jobs)
+            results = [stream.get() for _ in jobs]
+        assert all(not isinstance(r, str) for _, r in results), results
+        time.sleep(0.5)  # a killed worker's signal has long arrived
+        assert all(w.proc.poll() is None for w in pool.idle), [w.proc.returncode for w in pool.idle]
+        (job, result), *_ = list(pool.run(jobs[:1], lambda job, why: why))
+        assert not isinstance(result, str), result  # the next job finds a live worker
+    finally:
+        pool.close()

@@ -88,6 +88,7 @@ class _Worker:
         self.job: Job | None = None
         self.started = 0.0
         self.buf = b""
+        self.thread = threading.get_ident()  # it gets SIGKILL when this thread ends (procs: PDEATHSIG)
 
     def send(self, job: Job) -> None:
         data = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
@@ -284,7 +285,14 @@ class Stream:
             self.cv.notify_all()
         self.thread.join()
         self.run.close()  # a worker still busy holds a job nobody waits for any more
-        self.run.pool.last_used = time.monotonic()
+        pool = self.run.pool
+        # The workers this stream's thread started die with it (PR_SET_PDEATHSIG is per thread):
+        # closed here, not handed to the pool's next job (which then read a dead worker's EOF).
+        ours = [w for w in pool.idle if w.thread == self.thread.ident]
+        pool.idle[:] = [w for w in pool.idle if w.thread != self.thread.ident]
+        for w in ours:
+            w.close()
+        pool.last_used = time.monotonic()
 
     def _drive(self) -> None:
         run = self.run
