@@ -405,7 +405,9 @@ def test_cache_dir_removed_while_running_then_back(tmp_path, start, cli_for, cpu
     shutil.copytree(cpu_cache_master, cache)
     cli = cli_for(cache, host=HOST)
     d = start(cache, watchdog_usec=400_000)
-    shutil.rmtree(cache)
+    # (the daemon may still be reading entries, each through a link in its trash folder, which it
+    # makes again if the rmtree took it first: then the rmtree finds a folder not empty)
+    wait_until(lambda: shutil.rmtree(cache, ignore_errors=True) or not cache.exists())
     d.wait_log(f"cache directory {cache} was removed")
     cache.mkdir()
     write_atomic(cache / "ab" / ("b" * 64 + ".best_config"), b"{}")
