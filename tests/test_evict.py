@@ -737,3 +737,15 @@ def test_streamed_links_plan_as_the_rows_do(aged_gpu, db_url):
         assert list(plan(streamed, limits, "lru", time.time()).units) == list(
             plan(rows, limits, "lru", time.time()).units
         )
+
+
+def test_references_of_entries_indexed_after_the_rows_are_passed_over():
+    """The rows and then their references are read by two queries; the daemon may index entries
+    in between. References of an entry the rows do not hold are not given to another entry."""
+    from cachemgr.evict import _positioned
+    from cachemgr.evict.policy import Table
+
+    t = Table()
+    t.id.extend([3, 7, 9])
+    refs = [(3, "code", "a"), (5, "code", "b"), (9, "triton", "c"), (12, "code", "d")]
+    assert list(_positioned(t, refs)) == [(0, "code", "a"), (2, "triton", "c")]

@@ -96,13 +96,15 @@ def load_rows(db: Database, cache_id: int, root: safefs.Root | str, full: bool =
     return t
 
 
-def _position(t: Table, eid: int) -> int:
-    return bisect.bisect_left(t.id, eid)  # rows come by id
-
-
 def _positioned(t: Table, refs: Iterable[tuple[int, str, str]]) -> Iterator[tuple[int, str, str]]:
+    """(position, kind, ref) of the references of the table's entries (its rows came by id). An
+    entry indexed since the rows were read (the daemon writes meanwhile) is not in the plan: its
+    references are passed over."""
+    ids = t.id
     for eid, kind, ref in refs:
-        yield _position(t, eid), kind, ref
+        i = bisect.bisect_left(ids, eid)
+        if i < len(ids) and ids[i] == eid:
+            yield i, kind, ref
 
 
 def _table(rows: Iterable[tuple], pins: dict, full: bool) -> Table:
