@@ -749,3 +749,30 @@ def test_references_of_entries_indexed_after_the_rows_are_passed_over():
     t.id.extend([3, 7, 9])
     refs = [(3, "code", "a"), (5, "code", "b"), (9, "triton", "c"), (12, "code", "d")]
     assert list(_positioned(t, refs)) == [(0, "code", "a"), (2, "triton", "c")]
+
+
+def test_evict_model_takes_the_aot_entries_of_its_graphs(aged_gpu, db_url):
+    """With --model only the model's graphs may go, and with them the AOT entries that name them
+    (read from the AOT entries' references: the plan's table must hold them for --model)."""
+    from types import SimpleNamespace
+
+    from cachemgr import safefs
+    from cachemgr.cli.evict import plan_eviction
+    from cachemgr.evict import Limits
+    from cachemgr.index.db import Database
+    from cachemgr.index.scan import reconcile
+
+    db = Database(db_url)
+    cid = db.cache_id("h", str(aged_gpu))
+    reconcile(db, cid, str(aged_gpu))
+    with sqlite3.connect(db_path(db_url)) as c:
+        graph, aot = c.execute(
+            "SELECT r.ref, e.key FROM entry_refs r JOIN entries e ON e.id = r.entry_id "
+            "WHERE e.kind = 'aotautograd' AND r.kind = 'fxgraph' ORDER BY e.id LIMIT 1"
+        ).fetchone()
+    app = SimpleNamespace(db=db, cache_id=cid, store=SimpleNamespace(model_graphs=lambda model: {graph}))
+    with safefs.Root(str(aged_gpu)) as root:
+        p, _ = plan_eviction(app, root, SimpleNamespace(policy="lru"), Limits(max_size=0, grace=0), time.time(), "m")
+    taken = {e.key for e in p.entries}
+    assert aot in taken and any(k.startswith(f"fxgraph/{graph[1:3]}/{graph}/") for k in taken)
+    assert all(not k.startswith("aotautograd/") or k == aot for k in taken)  # no other model's AOT entry
