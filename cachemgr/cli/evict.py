@@ -199,7 +199,7 @@ def plan_eviction(app, root, s, limits, now: float, model: str | None = None):
     from cachemgr.evict import disk_state, load_clock, load_rows
     from cachemgr.evict.policy import plan
 
-XX
+    rows = load_rows(app.db, app.cache_id, root, full=bool(model))  # (--model reads AOT entries' references)
     mine = _model_rows(app, rows, model) if model else None
     clock = load_clock(app.db, app.cache_id) if s.policy == "cost" else None  # GDSF's clock, as the last run left it
     p = plan(rows, limits, s.policy, now, disk_state(root), clock)
