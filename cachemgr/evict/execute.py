@@ -269,11 +269,10 @@ class Executor:
     def run(self, plan: Plan, rows: Table, dry_run: bool = False) -> Outcome:
         """Carry out `plan`, made from `rows` (its units' watch lists are positions in it)."""
         self.rows = rows
-        for u in plan.units:
-            for e in u.entries:
-                if e.kind == Kind.CODE:
-                    folder, _, stem = e.key.partition("/")
-                    self.code_stems.setdefault(folder, set()).add(stem)
+        for i in plan.positions():
+            if rows.kind[i] == Kind.CODE:
+                folder, _, stem = rows.key[i].partition("/")
+                self.code_stems.setdefault(folder, set()).add(stem)
         removed = Evicted(rows)
         skipped: dict[str, str] = {}
         freed = nfiles = again = 0

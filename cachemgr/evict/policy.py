@@ -180,6 +180,12 @@ class Plan:
         units = self.units
         return units.entry_count() if isinstance(units, Units) else sum(len(u.entries) for u in units)
 
+    def positions(self) -> Iterator[int]:
+        """The positions (in the Table it was made from) of the entries the plan takes, no Unit
+        made for them."""
+        units = self.units
+        return iter(units.members) if isinstance(units, Units) else (e.at for u in units for e in u.entries)
+
 
 # -- the entries, as columns ----------------------------------------------------------------------
 
@@ -477,21 +483,21 @@ class Graph:
             mine = sorted(t.refs.items())
             autotune_refs = ((i, k, r) for i, refs in mine if t.kind[i] == "autotune" for k, r in refs)
             other_refs = ((i, k, r) for i, refs in mine if t.kind[i] != "autotune" for k, r in refs)
-        named = _Names(t)
-        g = cls(t, Links(0, array("q"), array("q")), Links(0, array("q"), array("q")), bytearray(n), bytearray(n))
+        names = _Names(t)
+        named, dead = bytearray(n), bytearray(n)
         tuned: dict[str, list[int]] = {}  # triton kernel hash -> autotune results of it
         for i, kind, ref in autotune_refs:
             if kind == "triton":
                 tuned.setdefault(ref, []).append(i)
-                for x in named(kind, ref):
-                    g.named[x] = 1
+                for x in names(kind, ref):
+                    named[x] = 1
         src, dst = array("q"), array("q")
         for i, refs in itertools.groupby(other_refs, key=lambda r: r[0]):
             linked: dict[int, None] = {}
             for _, kind, ref in refs:
-                targets = named(kind, ref)
+                targets = names(kind, ref)
                 for x in targets:
-                    g.named[x] = 1
+                    named[x] = 1
                 if kind == "triton":
                     targets = targets + tuned.get(ref, [])
                 elif len(targets) > 1 and kind == "code":
@@ -501,10 +507,9 @@ class Graph:
                         linked[x] = None
             src.extend([i] * len(linked))
             dst.extend(linked)
-            g.dead[i] = t.kind[i] == "aotautograd" and not linked  # (it has references: it is here)
-        del named, tuned  # (before the links are laid out: the peak of a plan's memory is here)
-        g.children, g.parents = Links(n, src, dst), Links(n, dst, src)
-        return g
+            dead[i] = t.kind[i] == "aotautograd" and not linked  # (it has references: it is here)
+        del names, tuned  # (before the links are laid out: the peak of a plan's memory is here)
+        return cls(t, Links(n, src, dst), Links(n, dst, src), dead, named)
 
     def is_orphan(self, i: int) -> bool:
         """Nothing can hit through it: a module, C++ build, kernel or autotune result no entry
