@@ -198,11 +198,11 @@ class DiskEntry:
 
 @dataclass(slots=True)
 class DirWalk:
-    """What a walk found: the directories it listed, every directory's mtime, and (for
+    """What a walk found: how many directories it listed, every directory's mtime, and (for
     `walk_dirs`) the entries of the listed directories."""
 
-    entries: dict[str, DiskEntry]  # entry key -> entry, for entries whose home is in `listed`
-    listed: set[str]  # directories read (new or changed since `known`): their entries are all in `entries`
+    entries: dict[str, DiskEntry]  # entry key -> entry, for entries whose home is a listed directory
+    listed: int  # directories read (new or changed since `known`): their entries are all in `entries`
     mtimes: dict[str, int]  # every directory seen -> st_mtime_ns (RACY where it may still change unseen)
     unreadable: list[str] = field(default_factory=list)  # directories that could not be listed
 
@@ -230,7 +230,7 @@ def walk_dirs(
     root: str | safefs.Root, subtree: str = "", known: dict[str, int] | None = None, keep_paths: bool = True
 ) -> DirWalk:
     """`iter_dirs`, collected: every entry of every directory read, in one DirWalk."""
-    state = DirWalk({}, set(), {})
+    state = DirWalk({}, 0, {})
     for listing in iter_dirs(root, subtree, known, keep_paths, state):
         for e in listing.entries:
             state.entries[e.key] = e
@@ -271,7 +271,7 @@ def iter_dirs(
     to walk apart (`iter_dirs(root, unit, ...)`, in other processes too): together they cover
     the tree exactly once. Directories are read in name order, so entries come in key order.
     """
-    state = state if state is not None else DirWalk({}, set(), {})
+    state = state if state is not None else DirWalk({}, 0, {})
     if isinstance(root, str):
         try:
             r = safefs.Root(root)
@@ -301,7 +301,7 @@ def iter_dirs(
 def walk_units(root: safefs.Root, units: list[str]) -> tuple[list[Listing], DirWalk]:
     """Walk each of `units` (as `iter_dirs` handed them out) under `root`, in this process: the
     listings in order, and what the walk saw (mtimes, listed, unreadable; no entries)."""
-    state = DirWalk({}, set(), {})
+    state = DirWalk({}, 0, {})
     out: list[Listing] = []
     for unit in units:
         out.extend(iter_dirs(root, unit, None, False, state))
@@ -331,7 +331,7 @@ class _Walker:
                     for child in self.children.get(rel, ()):
                         yield from self._descend(fd, child, child.rpartition("/")[2], None)
                     return
-                out.listed.add(rel)
+                out.listed += 1
                 if is_kernel_dir(rel):
                     kernel = DiskEntry(Kind.TRITON, rel, rel.rpartition("/")[2])
             entries: dict[str, DiskEntry] = {}

@@ -188,7 +188,7 @@ def index_names(
         # a full walk reads every directory whatever its mtime: the stored ones stay in the database
         known = None if full else dict(conn.execute(q).all())
         empty = conn.execute(select(ENTRIES.c.id).where(ENTRIES.c.cache_id == cache_id).limit(1)).first() is None
-    state = layout.DirWalk({}, set(), {})
+    state = layout.DirWalk({}, 0, {})
     counts = Counts()
     now = time.time()
     listings = (
@@ -204,7 +204,6 @@ def index_names(
             # this batch's entries, never before them, so a rescan never trusts a directory whose
             # entries are not in the index. Then forgotten: memory holds a batch, not the tree.
             seen, state.mtimes = state.mtimes, {}
-            state.listed.clear()  # (not used here: kept, it would hold a path per directory of the tree)
             stored = dirs.see(seen)
             try:
                 d = _sync_dirs(db, cache_id, batch, empty, now, stored, seen)
@@ -403,7 +402,7 @@ def _walk(root: str, state: layout.DirWalk, pool: Pool) -> Iterator[layout.Listi
                 del listings
                 # (after its listings: a directory's mtime is never handed on before its entries)
                 state.mtimes.update(seen.mtimes)
-                state.listed.update(seen.listed)
+                state.listed += seen.listed
                 state.unreadable.extend(seen.unreadable)
 
 
