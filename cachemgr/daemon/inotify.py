@@ -411,11 +411,9 @@ class TreeWatcher:
                 cutoff = time.monotonic() - MOVE_PAIRING
                 for cookie in [c for c, (_, t) in self.moving.items() if t < cutoff]:
                     self._drop(self.moving.pop(cookie)[0])  # moved out of the root: stop watching it
-            added_rels = [d.rel() for d in added]
         for kind, rel in out:
             self.put(kind, rel)
-        for rel in added_rels:
-            self.on_dir(rel)
+        self._tell_added(added)
         if overflow:
             self.on_overflow()
         if lost:
