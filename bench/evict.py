@@ -49,12 +49,14 @@ from cachemgr.evict import Limits, evict
 from cachemgr.index.db import Database
 from cachemgr.evict import execute
 db, cid, root, keep = Database(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-if int(sys.argv[5]):
-    execute.LOOK_THREADS = int(sys.argv[5])
+processes = int(sys.argv[5])
+if processes >= 0:  # 0: one looker thread, whatever the plan's size
+    execute.PROCESSES_FROM, execute.LOOK_PROCESSES = (0, processes) if processes else (1 << 62, 1)
 t = time.perf_counter()
 res = evict(db, cid, root, Limits(max_files=keep, low_water=1.0, grace=60))
 took = time.perf_counter() - t
 print(json.dumps({"seconds": took, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "worker_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
                   "evicted": res.evicted, "freed_files": res.freed_files, "freed_bytes": res.freed_bytes,
                   "recreatable": res.recreatable_freed_bytes, "skipped": len(res.skipped)}))
 """
@@ -132,7 +134,12 @@ def main() -> None:
         help="the fixture .tgz (default: tests/fixtures/gpu/inductor-cache-h200-torch2.11.tgz)",
     )
     ap.add_argument("--json", help="also write the figures here")
-    ap.add_argument("--threads", type=int, default=0, help="looker threads (default: the executor's own choice)")
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=-1,
+        help="look and move in this many worker processes (0: in one thread; default: the executor's own choice)",
+    )
     args = ap.parse_args()
     files = 10_000 if args.quick else args.files
     work = Path(tempfile.mkdtemp(prefix="bench-evict-", dir=args.dir))
@@ -144,7 +151,7 @@ def main() -> None:
 
         os.sync()
         out = subprocess.run(
-            [sys.executable, "-c", EVICT, db.url, str(cid), str(root), str(n // 2), str(args.threads)],
+            [sys.executable, "-c", EVICT, db.url, str(cid), str(root), str(n // 2), str(args.processes)],
             env=child_env(),
             check=True,
             capture_output=True,
@@ -175,7 +182,7 @@ def main() -> None:
         )
         print(
             f"cachemgr evict (plan + trash + index + unlink): {ours:.2f} s, peak RSS {res['rss'] / MB:.0f} MB "
-            "(target < 150 MB)"
+            f"(target < 150 MB; its worker processes' largest {res['worker_rss'] / MB:.0f} MB)"
         )
         print(f"find -delete over the same paths:               {theirs:.2f} s")
         print(f"ratio: {ours / theirs:.2f}x (target <= 2x)")
@@ -188,6 +195,7 @@ def main() -> None:
                         "seconds": ours,
                         "find_delete": theirs,
                         "rss": res["rss"],
+                        "worker_rss": res["worker_rss"],
                     },
                     indent=1,
                 )

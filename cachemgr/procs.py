@@ -28,6 +28,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
+from typing import IO
 
 PR_SET_PDEATHSIG = 1
 PARENT_ENV = "CACHEMGR_PARENT_PID"
@@ -98,3 +99,22 @@ def wait_group_gone(pgid: int, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def cores() -> int:
+    """How many cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def spawn_module(module: str) -> tuple[subprocess.Popen, IO[bytes], IO[bytes]]:
+    """`python -m <module>` started by `spawn`, with its stdin and stdout piped to us (stderr dropped)."""
+    import sys
+
+    proc = spawn(
+        [sys.executable, "-m", module], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    assert proc.stdin is not None and proc.stdout is not None  # (PIPE)
+    return proc, proc.stdin, proc.stdout

@@ -40,11 +40,17 @@ class Refused(OSError):
         super().__init__(errno.EPERM, why, path)
         self.why = why
 
+    def __reduce__(self):  # sent back by eviction's worker processes
+        return type(self), (self.why, self.filename)
+
 
 class TooLarge(Refused):
     def __init__(self, size: int, limit: int, path: str = "") -> None:
         super().__init__(f"too large to read ({size} bytes, limit {limit})", path)
-        self.size = size
+        self.size, self.limit = size, limit
+
+    def __reduce__(self):
+        return type(self), (self.size, self.limit, self.filename)
 
 
 def identity(st: os.stat_result) -> Identity:

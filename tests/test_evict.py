@@ -75,8 +75,20 @@ def aged_gpu(gpu_cache):
 # -- size, files, age, free space ----------------------------------------------------------------
 
 
+@pytest.fixture(params=["thread", "processes"])
+def lookers(request, monkeypatch):
+    """Units looked at and moved by a thread of the evicting process (a small plan), or by two
+    worker processes (a large one: every plan here, for the test)."""
+    from cachemgr.evict import execute
+
+    if request.param == "processes":
+        monkeypatch.setattr(execute, "PROCESSES_FROM", 0)
+        monkeypatch.setattr(execute, "LOOK_PROCESSES", 2)
+    return request.param
+
+
 @pytest.mark.parametrize("which", ["aged_cpu", "aged_gpu"])
-def test_max_size_bytes_on_disk_and_stats_agree(which, request, cli_for, db_url):
+def test_max_size_bytes_on_disk_and_stats_agree(which, request, cli_for, db_url, lookers):
     root = request.getfixturevalue(which)
     cli = cli_for(root)
     cli("scan")
@@ -419,9 +431,11 @@ def test_a_directory_that_is_no_cache_is_never_emptied(tmp_path, cli_for, db_url
 
 CRASH = """
 import os, signal, sys
-from cachemgr.evict import Limits, carry_out, make_plan
+from cachemgr.evict import Limits, carry_out, execute, make_plan
 from cachemgr.index.db import Database
 root, url, stage = sys.argv[1:4]
+if sys.argv[4] == "processes":  # looked at and moved by worker processes, which die with this one
+    execute.PROCESSES_FROM, execute.LOOK_PROCESSES = 0, 2
 db = Database(url)
 cid = db.cache_id("testhost", root)
 plan, rows = make_plan(db, cid, root, Limits(max_size=0, grace=0))
@@ -433,13 +447,14 @@ carry_out(db, cid, root, plan, rows, 0, hook=hook)
 """
 
 
+@pytest.mark.parametrize("looker", ["thread", "processes"])
 @pytest.mark.parametrize("stage", ["renamed", "committed"])
-def test_kill_9_mid_eviction_is_repaired_by_scan(stage, aged_gpu, cli_for, db_url):
+def test_kill_9_mid_eviction_is_repaired_by_scan(stage, looker, aged_gpu, cli_for, db_url):
     cli = cli_for(aged_gpu)
     cli("scan")
     before = disk(aged_gpu)
     out = subprocess.run(
-        [sys.executable, "-c", CRASH, str(aged_gpu), db_url, stage],
+        [sys.executable, "-c", CRASH, str(aged_gpu), db_url, stage, looker],
         capture_output=True,
         text=True,
         env=subprocess_env(),
@@ -632,32 +647,30 @@ def test_cost_policy_keeps_its_clock_across_cli_runs(aged_gpu, cli_for):
     assert clock >= 1e9
 
 
-@pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("batch", [500, 8])
-def test_a_failure_while_other_threads_move_units_puts_every_unit_back(aged_gpu, db_url, monkeypatch, batch, threads):
-    """Units are looked at and moved off the main thread (by one thread, or several), the next
-    batch while this one commits. One move fails part way (in one batch, or with batches of 8)
-    while the looks go on: nothing of the failing batch or the next is committed, every file that
-    went into the trash comes back, and the index still agrees with the disk."""
-    from cachemgr.evict import Limits, evict, execute
+def test_a_failure_while_the_looker_moves_units_puts_every_unit_back(aged_gpu, db_url, monkeypatch, batch):
+    """Units are looked at and moved off the main thread, the next batch while this one commits.
+    One move fails part way (in one batch, or with batches of 8) while the looks go on: nothing
+    of the failing batch or the next is committed, every file that went into the trash comes
+    back, and the index still agrees with the disk."""
+    from cachemgr.evict import Limits, evict, execute, look
     from cachemgr.index.db import Database
     from cachemgr.index.scan import reconcile
 
     db = Database(db_url)
     cid = db.cache_id("h", str(aged_gpu))
     reconcile(db, cid, str(aged_gpu))
-    take, calls = execute.Executor._take, []
+    take, calls = look.Looker.take, []
 
-    def failing_take(self, t):
-        calls.append(t)
+    def failing_take(self, took, files):
+        calls.append(took)
         if len(calls) == 40:
             raise RuntimeError("the file system went away")
-        return take(self, t)
+        return take(self, took, files)
 
     monkeypatch.setattr(execute, "BATCH", batch)
-    monkeypatch.setattr(execute, "LOOK_THREADS", threads)
     monkeypatch.setattr(execute, "LOOK_CHUNK", 2)  # many tasks: the looks go on after the failure
-    monkeypatch.setattr(execute.Executor, "_take", failing_take)
+    monkeypatch.setattr(look.Looker, "take", failing_take)
     before = disk(aged_gpu)
     with pytest.raises(RuntimeError, match="went away"):
         evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
@@ -665,9 +678,70 @@ def test_a_failure_while_other_threads_move_units_puts_every_unit_back(aged_gpu,
         assert len(calls) > 40  # units were moved after the failure
         assert disk(aged_gpu) == before
     assert os.listdir(aged_gpu / layout.TRASH_DIR) == []
-    monkeypatch.setattr(execute.Executor, "_take", take)
+    monkeypatch.setattr(look.Looker, "take", take)
     check = reconcile(db, cid, str(aged_gpu))
     assert not (check.added or check.changed or check.removed), check.as_dict()
+
+
+def test_a_worker_process_killed_mid_eviction(aged_gpu, db_url, monkeypatch):
+    """A worker process dies (SIGKILL) while it holds units to look at: the run stops with a
+    one-line error; what the other worker moved of the batches not committed comes back; what
+    went is only what was planned; the next eviction empties the trash and a scan agrees."""
+    from cachemgr.evict import Limits, carry_out, execute, look, make_plan
+    from cachemgr.evict.execute import exclusive
+    from cachemgr.index.db import Database
+    from cachemgr.index.scan import reconcile
+
+    db = Database(db_url)
+    cid = db.cache_id("h", str(aged_gpu))
+    reconcile(db, cid, str(aged_gpu))
+    started, made = look._Process.__init__, []
+
+    def recorded(self, start):
+        started(self, start)
+        made.append(self)
+
+    def hook(stage):  # after the first batch was moved, before its commit
+        if stage == "renamed" and not any(w.proc.returncode for w in made):
+            os.kill(made[0].proc.pid, signal.SIGKILL)
+            made[0].proc.wait()
+
+    monkeypatch.setattr(execute, "PROCESSES_FROM", 0)
+    monkeypatch.setattr(execute, "LOOK_PROCESSES", 2)
+    monkeypatch.setattr(execute, "BATCH", 8)
+    monkeypatch.setattr(look._Process, "__init__", recorded)
+    before = disk(aged_gpu)
+    with exclusive(str(aged_gpu)) as root:
+        p, rows = make_plan(db, cid, root, Limits(max_size=0, grace=0))
+        planned = {e.key for e in p.entries}
+        with pytest.raises(look.WorkerDied, match=r"eviction worker process ended \(signal SIGKILL\)"):
+            carry_out(db, cid, root, p, rows, 0, hook=hook)
+    assert len(made) == 2 and all(w.proc.poll() is not None for w in made)  # none is left running
+    after = disk(aged_gpu)
+    assert set(after) < set(before) and all(after[k] == before[k] for k in after)
+    for path in set(before) - set(after):
+        c = layout.classify(path)
+        assert c is not None and c.key in planned, path
+    check = reconcile(db, cid, str(aged_gpu))  # rows of what the dead worker moved go
+    assert not (check.added or check.changed), check.as_dict()
+    r = carry_out(db, cid, str(aged_gpu), *make_plan(db, cid, str(aged_gpu), Limits(max_size=0, grace=0)), 0)
+    assert r.evicted and os.listdir(aged_gpu / layout.TRASH_DIR) == [] and disk(aged_gpu) == {}
+    check = reconcile(db, cid, str(aged_gpu))
+    assert not (check.added or check.changed or check.removed), check.as_dict()
+
+
+def test_a_worker_refuses_a_replaced_root(aged_gpu, tmp_path):
+    """A worker opens the root by path: if it is not the directory the evicting process holds
+    locked (replaced meanwhile), it refuses to look at anything."""
+    from cachemgr import safefs
+    from cachemgr.evict import look
+
+    other = tmp_path / "other"
+    other.mkdir()
+    with safefs.Root(str(aged_gpu)) as root:
+        with pytest.raises(safefs.Refused, match="replaced"):
+            look._start(os.getpid(), str(other), root.id, None, {}, 0.0)
+        assert look._start(os.getpid(), str(aged_gpu), root.id, None, {}, 0.0).root.id == root.id
 
 
 def test_a_commit_that_fails_puts_back_its_batch_and_the_next(aged_gpu, db_url, monkeypatch):

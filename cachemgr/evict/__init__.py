@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cachemgr import layout, safefs
 from cachemgr.evict.policy import (
@@ -32,8 +33,10 @@ from cachemgr.evict.policy import (
     select,
     table_of,
 )
-from cachemgr.index.db import Database
 from cachemgr.vocab import Kind
+
+if TYPE_CHECKING:  # (the index's SQLAlchemy is not imported by eviction's worker processes)
+    from cachemgr.index.db import Database
 
 __all__ = ["POLICIES", "EvictResult", "Limits", "Plan", "Row", "Table", "evict", "load_rows", "make_plan", "carry_out"]
 

@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, cast
 
 PARSE_SECONDS = 30.0  # one entry; a worker still at it then is killed and the entry marked corrupt
 WORKER_MEMORY = 512 << 20  # address space a worker may take beyond its start-up size
@@ -62,11 +62,9 @@ class Job:
 
 
 def default_workers() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, MAX_WORKERS))
+    from cachemgr import procs
+
+    return max(1, min(procs.cores(), MAX_WORKERS))
 
 
 # -- the parent side ------------------------------------------------------------------------------
@@ -76,24 +74,14 @@ class _Worker:
     def __init__(self) -> None:
         from cachemgr import procs
 
-        self.proc = procs.spawn(
-            [sys.executable, "-m", "cachemgr.index.workers"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
-        assert self.proc.stdin is not None and self.proc.stdout is not None  # (PIPE)
-        self.stdin: IO[bytes] = self.proc.stdin
-        self.stdout: IO[bytes] = self.proc.stdout
+        self.proc, self.stdin, self.stdout = procs.spawn_module("cachemgr.index.workers")
         self.job: Job | None = None
         self.started = 0.0
         self.buf = b""
         self.thread = threading.get_ident()  # it gets SIGKILL when this thread ends (procs: PDEATHSIG)
 
     def send(self, job: Job) -> None:
-        data = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
-        self.stdin.write(HEADER.pack(len(data)) + data)
-        self.stdin.flush()
+        send(self.stdin, job)
         self.job, self.started = job, time.monotonic()
 
     def current(self) -> Job:
@@ -335,7 +323,7 @@ def _limit_memory() -> None:
         pass
 
 
-def _read_exactly(f, n: int) -> bytes | None:
+def read_exactly(f: IO[bytes], n: int) -> bytes | None:
     data = b""
     while len(data) < n:
         chunk = f.read(n - len(data))
@@ -343,6 +331,22 @@ def _read_exactly(f, n: int) -> bytes | None:
             return None
         data += chunk
     return data
+
+
+def send(f: IO[bytes], obj: object) -> None:
+    """Write one message of the protocol (length, pickle) and flush it."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(HEADER.pack(len(data)) + data)
+    f.flush()
+
+
+def receive(f: IO[bytes]) -> object:
+    """Read one message of the protocol (from our own parent or worker); EOFError at the end."""
+    header = read_exactly(f, HEADER.size)
+    data = None if header is None else read_exactly(f, HEADER.unpack(header)[0])
+    if data is None:
+        raise EOFError
+    return pickle.loads(data)  # noqa: S301 - cachemgr's own process on the other end
 
 
 def main() -> None:
@@ -358,14 +362,11 @@ def main() -> None:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     describer = Describer()
     while True:
-        header = _read_exactly(stdin, HEADER.size)
-        if header is None:
+        try:
+            job = cast(Job, receive(stdin))  # (as `-m`, this module is __main__: Job is the package's)
+        except EOFError:
             return
-        job = pickle.loads(_read_exactly(stdin, HEADER.unpack(header)[0]) or b"")  # noqa: S301 - from our parent
-        result = describer.run_job(job)
-        data = pickle.dumps((job.id, result), protocol=pickle.HIGHEST_PROTOCOL)
-        stdout.write(HEADER.pack(len(data)) + data)
-        stdout.flush()
+        send(stdout, (job.id, describer.run_job(job)))
         gc.collect(0)
 
 

@@ -1,0 +1,466 @@
+"""Looking at planned units and moving them out of the cache: the part of eviction that touches
+files one at a time (lstat, lock probes, renames into the trash, unlinks).
+
+It runs beside the evicting process's index commits: in a thread of that process for a small
+plan, and in worker processes for a large one (`Lookers`), so that its Python work per file uses
+the cores a host has instead of taking turns with the commits for one. A worker is spawned (it
+inherits nothing but what `start` is given), opens the root and the trash itself, and works only
+if both are the very directories (device, inode) the evicting process holds locked; it dies with
+that process (PDEATHSIG) and leaves Ctrl-C to it. What goes in and out is plain data: a unit to
+look at is a `Look`, and the answer for it a `Took` or the reason it stays.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import os
+import signal
+import stat
+import sys
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import cast
+
+from cachemgr import layout, safefs
+from cachemgr.errors import CachemgrError
+from cachemgr.vocab import Held, Kind
+
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EMLINK, errno.EXDEV)  # the trash cannot take it: delete in place
+
+Planned = tuple[int, str, str, str | None]  # an entry of a unit: (id, kind, key, ref)
+Watched = tuple[int, str, str]  # an entry whose use protects a unit: (id, kind, key)
+
+
+@dataclass(frozen=True, slots=True)
+class Look:
+    """A unit to look at and take: all of its entries, or none of them."""
+
+    entries: tuple[Planned, ...]
+    watch: tuple[Watched, ...] = ()
+
+
+@dataclass(slots=True)
+class Took:
+    """A unit whose files left the cache: into the trash (`trashed`, reversible) or deleted."""
+
+    sizes: list[tuple[int, int]]  # (bytes, files) of each entry as it was taken; (0, 0): gone already
+    trashed: list[tuple[str, str]] = field(default_factory=list)  # (key, name in the trash)
+    deleted: bool = False
+
+
+@dataclass(slots=True)
+class _Files:
+    """One entry's files as they are now, or a reason to keep it."""
+
+    paths: list[os.stat_result] = field(default_factory=list)  # lstat of each regular file
+    move: list[tuple[str, safefs.Identity]] = field(default_factory=list)  # what goes: files, or a kernel dir whole
+    problem: Held | None = None
+
+    @property
+    def newest(self) -> float:
+        return max((max(st.st_atime, st.st_mtime) for st in self.paths), default=0.0)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return sum(st.st_size for st in self.paths), len(self.paths)
+
+
+def lock_is_held(root: safefs.Root, key: str) -> bool:
+    """Is a filelock (flock-based, as Inductor's torch.utils._filelock) held on `key` now?"""
+    parent, name = safefs.split(layout.fs_path(key))
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root.dir_fd(parent))
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell: treat it as held
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return True
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True  # EWOULDBLOCK: someone holds it (any other failure: cannot tell, keep it)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_quietly(dir_fd: int | None, names: Sequence[str]) -> None:
+    if dir_fd is None:
+        return
+    for name in names:
+        try:
+            safefs.remove_at(dir_fd, name)
+        except OSError:
+            pass
+
+
+class Looker:
+    """Looks at units under an open root and moves what may go into the trash (`trash`: its
+    descriptor; None: delete in place). `code_stems`: the stems of the plan's code entries, by
+    <2ch> folder (each folder is listed once, and only their names kept)."""
+
+    def __init__(
+        self, root: safefs.Root, trash: int | None, code_stems: dict[str, set[str]], now: float, grace: float
+    ) -> None:
+        self.root, self.trash, self.code_stems = root, trash, code_stems
+        self.cutoff = now - grace
+        self.folders: dict[str, dict[str, list[str]]] = {}  # <2ch> folder -> planned stem -> names
+        self.locks = self._lock_names()
+        self._names = itertools.count()
+
+    def look_and_take(
+        self, looks: Sequence[Look], fresh: dict[int, float], dry_run: bool
+    ) -> list[Took | str | Exception]:
+        """Each unit as it is now, moved out of the cache unless it must stay (then the reason).
+        A failure ends the list: what moved before it is still returned, and the failure last."""
+        out: list[Took | str | Exception] = []
+        for u in looks:
+            try:
+                out.append(self._look_and_take(u, fresh, dry_run))
+            except Exception as e:  # noqa: BLE001 - raised by the caller once every move is accounted for
+                out.append(e)
+                break
+        return out
+
+    def _look_and_take(self, u: Look, fresh: dict[int, float], dry_run: bool) -> Took | str:
+        files = [self.files_of(kind, key) for _, kind, key, _ in u.entries]
+        why = self._keep(u, files, fresh)
+        if why is None and not any(f.paths for f in files):
+            why = Held.GONE  # another process deleted it first: nothing of ours to count
+        if why:
+            return why
+        took = Took([f.size for f in files])
+        if not dry_run:
+            why = self.take(took, files)
+            if why:
+                return why
+        return took
+
+    # -- looking --------------------------------------------------------------------------------
+
+    def _lock_names(self) -> set[str]:
+        try:
+            return {n for n in self.root.listdir(layout.LOCKS_DIR) if n.endswith(".lock")}
+        except OSError:
+            return set()
+
+    def _guarding_locks(self, kind: str, key: str, ref: str | None) -> list[str]:
+        out = []
+        if kind == Kind.LOCK:
+            out.append(key)
+        elif ref and (ref + ".lock") in self.locks:
+            out.append(f"{layout.LOCKS_DIR}/{ref}.lock")
+        elif kind == Kind.CODE and ref:
+            out.append(f"{layout.LOCKS_DIR}/{ref}.lock")  # a build may have just made it
+        if kind in (Kind.TRITON, Kind.PGO):
+            out.append(key + ".lock")  # Triton's bundler locks <kernel dir>.lock, dynamo's PGO <profile>.lock
+        return out
+
+    def _keep(self, u: Look, files: list[_Files], fresh: dict[int, float]) -> str | None:
+        cutoff = self.cutoff
+        for (eid, kind, key, ref), f in zip(u.entries, files, strict=True):
+            if f.problem:
+                return f.problem
+            if f.newest > cutoff or fresh.get(eid, 0.0) > cutoff:
+                return Held.GRACE
+            for lock in self._guarding_locks(kind, key, ref):
+                if lock_is_held(self.root, lock):
+                    return Held.LOCK
+        for wid, kind, key in u.watch:  # the graph that bundles a module/kernel was just used: it is about to load it
+            if fresh.get(wid, 0.0) > cutoff or self.files_of(kind, key).newest > cutoff:
+                return Held.GRACE
+        return None
+
+    def _stem_names(self, folder: str, stem: str) -> list[str]:
+        """Names in a <2ch>/ folder that belong to code entry `stem`: the folder is listed once per
+        run, and only the planned entries' names kept (each given out once), so each entry costs
+        its own files, not the whole folder, and the run holds no listing of the cache."""
+        by_stem = self.folders.get(folder)
+        if by_stem is None:  # two threads may both list it: each gives out its own, the same names
+            wanted = self.code_stems.get(folder, set())
+            by_stem = {}
+            try:
+                names = self.root.listdir(layout.fs_path(folder))
+            except OSError:
+                names = []
+            for n in names:
+                n = layout.key_of(n)
+                s = n.partition(".")[0]
+                if s in wanted and not layout.is_transient(n):
+                    by_stem.setdefault(s, []).append(n)
+            self.folders[folder] = by_stem  # published whole: other threads read it as they find it
+        return by_stem.pop(stem, [])
+
+    def files_of(self, kind: str, key: str) -> _Files:
+        f = _Files()
+        try:
+            if kind == Kind.TRITON:
+                return self._kernel_files(key)
+            if kind == Kind.CODE:
+                folder, stem = key.split("/", 1)
+                rels = [f"{folder}/{n}" for n in self._stem_names(folder, stem)]
+            else:
+                rels = [key]
+            for rel in rels:
+                try:
+                    st = self.root.lstat(layout.fs_path(rel))
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):  # a symlink stays, and so does what it points at
+                    f.paths.append(st)
+                    f.move.append((rel, safefs.identity(st)))
+        except safefs.Refused:
+            f.problem = Held.UNSAFE
+        except OSError as e:
+            f.problem = Held.UNSAFE if e.errno in (errno.ELOOP, errno.ENOTDIR) else Held.FAILED
+        return f
+
+    def _kernel_files(self, key: str) -> _Files:
+        """A Triton kernel directory, moved whole: it must be a real directory holding only
+        finished regular files (a temporary file: a write in progress; a symlink: refused)."""
+        f = _Files()
+        parent, name = safefs.split(layout.fs_path(key))
+        try:  # O_NOFOLLOW | O_DIRECTORY: a symlink (ELOOP) or a file (ENOTDIR) is refused by files_of
+            fd = os.open(name, safefs.O_DIR, dir_fd=self.root.dir_fd(parent))
+        except FileNotFoundError:
+            return f
+        try:
+            st = os.fstat(fd)
+            with os.scandir(fd) as it:
+                for d in it:
+                    s = d.stat(follow_symlinks=False)
+                    if layout.is_transient(d.name):
+                        f.problem = Held.IN_PROGRESS
+                        return f
+                    if not stat.S_ISREG(s.st_mode):
+                        f.problem = Held.UNSAFE
+                        return f
+                    f.paths.append(s)
+        finally:
+            os.close(fd)
+        f.move = [(key, safefs.identity(st))]
+        return f
+
+    # -- moving ---------------------------------------------------------------------------------
+
+    def take(self, took: Took, files: list[_Files]) -> Held | None:
+        """Move a unit's files into the trash, or delete them in place where the trash cannot take
+        them. On a refusal, what was moved goes back and the unit is kept."""
+        for f in files:
+            for key, ident in f.move:
+                try:
+                    if self.trash is not None:
+                        name = f"{os.getpid()}-{next(self._names)}"
+                        try:
+                            self.root.move(layout.fs_path(key), ident, self.trash, name)
+                            took.trashed.append((key, name))
+                            continue
+                        except OSError as e:
+                            if e.errno not in NO_ROOM:
+                                raise
+                    self.root.delete(layout.fs_path(key), ident)
+                    took.deleted = True
+                except FileNotFoundError:
+                    continue  # gone meanwhile
+                except OSError as e:
+                    why = (
+                        Held.CHANGED
+                        if isinstance(e, safefs.Refused)
+                        else (Held.UNSAFE if e.errno in (errno.ELOOP, errno.ENOTDIR) else Held.FAILED)
+                    )
+                    if took.deleted:  # part of it is gone already: the rest goes in the commit's repair
+                        return None
+                    self.restore(took)
+                    return why
+        return None
+
+    def restore(self, took: Took) -> None:
+        """Put back what a unit moved into the trash."""
+        for key, name in reversed(took.trashed):
+            parent, base = safefs.split(layout.fs_path(key))
+            try:
+                os.rename(name, base, src_dir_fd=self.trash, dst_dir_fd=self.root.dir_fd(parent))
+            except OSError:
+                pass  # its place was taken meanwhile: it stays in the trash, the next scan drops its row
+        took.trashed = []
+
+
+# -- where the looks run --------------------------------------------------------------------------
+
+
+class Lookers:
+    """Looks and unlinks run beside the caller: in a thread each (`processes` 0), or in that
+    many worker processes, each with a Looker of its own made like `looker`."""
+
+    def __init__(self, looker: Looker, processes: int = 0) -> None:
+        self.looker = looker
+        self.workers: list[_Process] = []
+        self.threads: list[ThreadPoolExecutor] = []
+        if processes:
+            root = looker.root
+            trash = None if looker.trash is None else safefs.identity(os.fstat(looker.trash))
+            start = (os.getpid(), root.path, root.id, trash, looker.code_stems, looker.cutoff)
+            self.workers = [_Process(start) for _ in range(processes)]
+        else:
+            self.threads = [ThreadPoolExecutor(1, thread_name_prefix=f"cachemgr-{n}") for n in ("look", "unlink")]
+
+    def look(self, looks: Sequence[Look], fresh: dict[int, float], dry_run: bool) -> Future:
+        """Look at (and take) these units; the Future's result is `Looker.look_and_take`'s."""
+        if self.workers:
+            return min(self.workers, key=_Process.load).submit((LOOK, looks, fresh, dry_run))
+        return self.threads[0].submit(self.looker.look_and_take, looks, fresh, dry_run)
+
+    def unlink(self, names: list[str]) -> None:
+        """Empty these names out of the trash, in the background (a failure leaves a name to the
+        next run, which empties the trash first)."""
+        if not names:
+            return
+        if self.workers:
+            min(self.workers, key=_Process.load).submit((UNLINK, names))
+        else:
+            self.threads[1].submit(remove_quietly, self.looker.trash, names)
+
+    def close(self) -> None:
+        """Wait for what was handed out (looks and unlinks) to finish, and stop the workers."""
+        for w in self.workers:
+            w.close()
+        for t in self.threads:
+            t.shutdown(wait=True)
+
+
+LOOK, UNLINK = "look", "unlink"
+
+
+class _Process:
+    """One worker process (`python -m cachemgr.evict.look`: a plain command, so no caller's
+    `__main__` is imported again), fed jobs on its stdin in the index workers' protocol. Each job
+    has a Future, answered in order by a reader thread; a job sent is never cancelled (what it
+    moves must be accounted for), and a worker that dies fails every job it held."""
+
+    def __init__(self, start: tuple) -> None:
+        import threading
+
+        from cachemgr import procs
+        from cachemgr.index import workers
+
+        self.proc, self.stdin, self.stdout = procs.spawn_module("cachemgr.evict.look")
+        self.jobs: deque[Future] = deque()
+        self.protocol = workers
+        self.protocol.send(self.stdin, start)
+        self.reader = threading.Thread(target=self._read, name="cachemgr-look-reader", daemon=True)
+        self.reader.start()
+
+    def load(self) -> int:
+        return len(self.jobs)
+
+    def submit(self, job: tuple) -> Future:
+        f: Future = Future()
+        f.set_running_or_notify_cancel()  # cannot be cancelled: the worker has it
+        self.jobs.append(f)
+        try:
+            self.protocol.send(self.stdin, job)
+        except OSError:
+            pass  # it died: the reader fails this job with the others
+        return f
+
+    def _read(self) -> None:
+        try:
+            while True:
+                ok, value = cast(tuple, self.protocol.receive(self.stdout))
+                f = self.jobs.popleft()
+                if ok:
+                    f.set_result(value)
+                else:
+                    f.set_exception(value)
+        except Exception:  # noqa: BLE001 - EOF (it died), or an answer that cannot be read: it is done for
+            self.proc.kill()
+        code = self.proc.wait()
+        why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+        while self.jobs:
+            self.jobs.popleft().set_exception(WorkerDied(f"an eviction worker process ended ({why})"))
+
+    def close(self) -> None:
+        try:
+            self.stdin.close()  # EOF: it finishes what it has, then exits
+        except OSError:
+            pass
+        self.reader.join()
+        self.stdout.close()
+
+
+class WorkerDied(CachemgrError):
+    """An eviction worker process ended while it held work (killed, out of memory): the run
+    stops; what it had moved into the trash is emptied by the next run, its rows by the next scan."""
+
+
+# -- a worker process's side ------------------------------------------------------------------------
+
+
+def _start(
+    parent: int,
+    path: str,
+    root_id: safefs.Identity,
+    trash_id: safefs.Identity | None,
+    code_stems: dict[str, set[str]],
+    cutoff: float,
+) -> Looker:
+    """Open the root and the trash the evicting process holds (the very same directories)."""
+    root = safefs.Root(path)
+    if root.id != root_id:
+        raise safefs.Refused("the cache directory was replaced during eviction", path)
+    trash = None
+    if trash_id is not None:
+        trash = os.open(layout.TRASH_DIR, safefs.O_DIR, dir_fd=root.fd)
+        if safefs.identity(os.fstat(trash)) != trash_id:
+            raise safefs.Refused("the trash folder was replaced during eviction", layout.TRASH_DIR)
+    return Looker(root, trash, code_stems, cutoff, 0.0)
+
+
+def main() -> None:
+    import pickle
+
+    from cachemgr import procs
+    from cachemgr.index.workers import receive, send
+
+    procs.die_with_parent_from_env()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the evicting process handles Ctrl-C and waits for us
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    looker: Looker | None = None
+    refused: Exception | None = None
+    try:
+        looker = _start(*cast(tuple, receive(stdin)))
+    except OSError as e:
+        refused = e  # (EOFError: the parent is gone; so are we)
+    while True:
+        try:
+            kind, *args = cast(tuple, receive(stdin))
+        except EOFError:
+            return
+        answer: tuple[bool, object]
+        try:
+            if looker is None:
+                raise refused or RuntimeError("the eviction worker did not start")
+            if kind == LOOK:
+                answer = True, looker.look_and_take(*args)
+            else:
+                remove_quietly(looker.trash, *args)
+                answer = True, None
+        except Exception as e:  # noqa: BLE001 - raised by the caller
+            answer = False, e
+        try:
+            send(stdout, answer)
+        except (pickle.PicklingError, TypeError, AttributeError):  # an exception that does not pickle: its text
+            send(stdout, (False, RuntimeError(repr(answer[1]))))
+
+
+if __name__ == "__main__":  # run as the module itself, so what it sends back names cachemgr.evict.look's classes
+    from cachemgr.evict import look
+
+    look.main()
