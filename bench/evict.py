@@ -8,7 +8,8 @@ rescan that must find every entry unchanged). Then, on two trees of links to the
 
   cachemgr: plan + carry out eviction down to half the files (rename into the trash, index rows
             and events committed, unlink), `cachemgr.evict.evict` in a process of its own, whose
-            peak RSS is reported (target < 150 MB at 1,000,000 files);
+            peak RSS is reported (target < 150 MB at 1,000,000 files), and the largest peak
+            (VmHWM) of its worker processes (a large plan is looked at and moved by those);
   baseline: `find <the same entries' paths> -delete` (fed by xargs), on the other tree.
 
 Both unlink directory entries only (the files' data stays, held by the other tree's links).
@@ -16,6 +17,7 @@ Both unlink directory entries only (the files' data stays, held by the other tre
     python bench/evict.py                  # 100,000 files
     python bench/evict.py --files 1000000
     python bench/evict.py --quick          # 10,000 files
+    python bench/evict.py --processes 0    # one looker thread, whatever the plan's size
 """
 
 from __future__ import annotations
@@ -49,6 +51,18 @@ from cachemgr.evict import Limits, evict
 from cachemgr.index.db import Database
 from cachemgr.evict import execute
 db, cid, root, keep = Database(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+from cachemgr.evict import look
+worker_peak = [0]  # the largest VmHWM of a worker process, read before it is closed
+_close = look._Process.close
+def _measured(self):
+    try:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            hwm = next(line for line in f if line.startswith("VmHWM:"))
+        worker_peak[0] = max(worker_peak[0], int(hwm.split()[1]) * 1024)
+    except (OSError, StopIteration):
+        pass
+    _close(self)
+look._Process.close = _measured
 processes = int(sys.argv[5])
 if processes >= 0:  # 0: one looker thread, whatever the plan's size
     execute.PROCESSES_FROM, execute.LOOK_PROCESSES = (0, processes) if processes else (1 << 62, 1)
@@ -56,7 +70,7 @@ t = time.perf_counter()
 res = evict(db, cid, root, Limits(max_files=keep, low_water=1.0, grace=60))
 took = time.perf_counter() - t
 print(json.dumps({"seconds": took, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "worker_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+                  "worker_rss": worker_peak[0],
                   "evicted": res.evicted, "freed_files": res.freed_files, "freed_bytes": res.freed_bytes,
                   "recreatable": res.recreatable_freed_bytes, "skipped": len(res.skipped)}))
 """

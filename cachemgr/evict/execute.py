@@ -43,7 +43,7 @@ from cachemgr.evict.look import Look, Looker, Lookers, Took, remove_quietly
 from cachemgr.evict.policy import Evicted, Plan, Table, Unit
 from cachemgr.index.db import Database
 from cachemgr.index.models import Cache, Dir, Entry, Event
-from cachemgr.index.scan import delete_entries, insert_rows
+from cachemgr.index.scan import delete_entries, insert_rows, one_of
 from cachemgr.vocab import Event as Ev
 from cachemgr.vocab import Kind, Reason
 
@@ -280,9 +280,8 @@ class Executor:
         with self.db.engine.connect() as conn:
             for i in range(0, len(ids), 500):
                 chunk = ids[i : i + 500]
-                out.update(
-                    conn.execute(select(ENTRIES.c.id, ENTRIES.c.last_access).where(ENTRIES.c.id.in_(chunk))).all()
-                )
+                q = select(ENTRIES.c.id, ENTRIES.c.last_access).where(one_of(conn, ENTRIES.c.id, chunk))
+                out.update(conn.execute(q).all())
         return out
 
     # -- trash ----------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import cast
+from typing import NamedTuple, cast
 
 from cachemgr import layout, safefs
 from cachemgr.errors import CachemgrError
@@ -35,8 +35,7 @@ Planned = tuple[int, str, str, str | None]  # an entry of a unit: (id, kind, key
 Watched = tuple[int, str, str]  # an entry whose use protects a unit: (id, kind, key)
 
 
-@dataclass(frozen=True, slots=True)
-class Look:
+class Look(NamedTuple):  # (a tuple: 100,000s are pickled for worker processes)
     """A unit to look at and take: all of its entries, or none of them."""
 
     entries: tuple[Planned, ...]

@@ -21,6 +21,7 @@ its write, the write fails on a unique key, rolls back, and that batch runs once
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -39,6 +40,7 @@ from sqlalchemy import (
     delete,
     func,
     insert,
+    literal_column,
     or_,
     select,
     text,
@@ -985,14 +987,15 @@ def delete_entries(conn, ids: list[int]) -> None:
     and the component sets no other entry uses any more."""
     sets = _sets_of(conn, ids)
     for chunk in _chunks(ids):
-        conn.execute(delete(ENTRIES).where(ENTRIES.c.id.in_(chunk)))
+        conn.execute(delete(ENTRIES).where(one_of(conn, ENTRIES.c.id, chunk)))
     _drop_unused_sets(conn, sets)
 
 
 def _sets_of(conn, entry_ids: list[int]) -> set[int]:
     out: set[int] = set()
     for chunk in _chunks(entry_ids):
-        out.update(conn.execute(select(ENTRY_SETS.c.set_id).where(ENTRY_SETS.c.entry_id.in_(chunk))).scalars())
+        q = select(ENTRY_SETS.c.set_id).where(one_of(conn, ENTRY_SETS.c.entry_id, chunk))
+        out.update(conn.execute(q).scalars())
     return out
 
 
@@ -1047,6 +1050,15 @@ class ComponentSets:
         ]
         insert_rows(self.conn, SET_ITEMS, rows)
         self.pending.clear()
+
+
+def one_of(conn, column, ids: list[int]):
+    """`column IN ids` for a list of integers. On SQLite the list is one JSON parameter read by
+    json_each, so the statement is compiled once whatever its length: an expanding IN is compiled
+    anew for each list (at 1,000,000 files eviction's deletes spent 0.7 s compiling them)."""
+    if conn.dialect.name != "sqlite":
+        return column.in_(ids)
+    return column.in_(select(literal_column("value")).select_from(func.json_each(json.dumps(ids))))
 
 
 def insert_rows(conn, table, rows: list[dict]) -> None:
