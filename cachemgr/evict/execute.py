@@ -50,10 +50,10 @@ from cachemgr.vocab import Kind, Reason
 ENTRIES, EVENTS, CACHES, DIRS = Entry.__table__, Event.__table__, Cache.__table__, Dir.__table__
 BATCH = 500  # units per transaction
 # The units of a batch are looked at and moved (look.py) while this process commits the batch
-# before. In a thread for a small plan; for a large one in worker processes, one per core up to
-# LOOK_PROCESSES, which gain over one looker thread once the plan is some thousands of units
-# (a spawned worker costs about 0.1 s to start; threads of one process only took turns over the
-# GIL: 100,000 files took 3.4 s with one looker thread, 4.1-5.0 s with 2-8, on a 16-core host).
+# before: in a thread for a small plan, in worker processes for a large one (a worker costs about
+# 0.1 s to start). 100,000 files on a 16-core host: 2.57 s with one thread, 2.16 s with 4 workers,
+# 3.28 s with 8, 4.15 s with 16 (they contend in the kernel and for this process's commits).
+# Threads did not help: with 2-8 looker threads the GIL made it slower, 4.1-5.0 s.
 LOOK_PROCESSES = 4
 PROCESSES_FROM = 2000  # units in a plan
 LOOK_CHUNK = 16  # units per look task (a future per unit costs more than looking at a small one)
