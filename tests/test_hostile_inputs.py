@@ -697,6 +697,10 @@ model = [
 """  # a run left alone would compile the mlp, then hang for 600 s in sleepy
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Running:
     """A `cachemgr prewarm` process whose stderr is read line by line as it comes."""
 
@@ -707,6 +711,9 @@ class Running:
             stderr=subprocess.PIPE,
             text=True,
             env=subprocess_env(**PREWARM_ENV),
+            # Ctrl-C as a terminal delivers it: a test run started in the background (`cmd &` in a
+            # script) hands its children SIGINT ignored, and Python then never raises KeyboardInterrupt
+            preexec_fn=_default_sigint,
         )
         self.queue: queue.Queue = queue.Queue()
         self.seen: list[str] = []

@@ -384,7 +384,10 @@ def run(
             t.start()
             threads.append(t)
         for t in threads:
-            t.join()
+            # a timed join: the kernel may hand Ctrl-C to another thread, and Python then runs its
+            # handler here only once this thread runs again (an untimed join waited for the worker)
+            while t.is_alive():
+                t.join(0.2)
     except BaseException:
         workers.stop()
         raise
