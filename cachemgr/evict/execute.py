@@ -129,7 +129,7 @@ class Executor:
         self.db, self.cache_id, self.root, self.grace, self.hook = db, cache_id, root, grace, hook
         self.now = time.time() if now is None else now
         self.trash: int | None = None
-        self.looker = Looker(root, None, {}, self.now, grace)
+        self.looker = Looker(root, None, {}, self.now - grace)
         self.in_place = False
         self.rows = Table()  # the entries the plan `run` carries out was made from
 

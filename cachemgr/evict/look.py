@@ -25,8 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple, cast
 
-from cachemgr import layout, safefs
+from cachemgr import layout, procs, safefs
 from cachemgr.errors import CachemgrError
+from cachemgr.index.workers import receive, send
 from cachemgr.vocab import Held, Kind
 
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EMLINK, errno.EXDEV)  # the trash cannot take it: delete in place
@@ -105,11 +106,9 @@ class Looker:
     descriptor; None: delete in place). `code_stems`: the stems of the plan's code entries, by
     <2ch> folder (each folder is listed once, and only their names kept)."""
 
-    def __init__(
-        self, root: safefs.Root, trash: int | None, code_stems: dict[str, set[str]], now: float, grace: float
-    ) -> None:
+    def __init__(self, root: safefs.Root, trash: int | None, code_stems: dict[str, set[str]], cutoff: float) -> None:
         self.root, self.trash, self.code_stems = root, trash, code_stems
-        self.cutoff = now - grace
+        self.cutoff = cutoff  # what was written or read after it stays (now less the grace period)
         self.folders: dict[str, dict[str, list[str]]] = {}  # <2ch> folder -> planned stem -> names
         self.locks = self._lock_names()
         self._names = itertools.count()
@@ -346,13 +345,9 @@ class _Process:
     def __init__(self, start: tuple) -> None:
         import threading
 
-        from cachemgr import procs
-        from cachemgr.index import workers
-
         self.proc, self.stdin, self.stdout = procs.spawn_module("cachemgr.evict.look")
         self.jobs: deque[Future] = deque()
-        self.protocol = workers
-        self.protocol.send(self.stdin, start)
+        send(self.stdin, start)
         self.reader = threading.Thread(target=self._read, name="cachemgr-look-reader", daemon=True)
         self.reader.start()
 
@@ -364,7 +359,7 @@ class _Process:
         f.set_running_or_notify_cancel()  # cannot be cancelled: the worker has it
         self.jobs.append(f)
         try:
-            self.protocol.send(self.stdin, job)
+            send(self.stdin, job)
         except OSError:
             pass  # it died: the reader fails this job with the others
         return f
@@ -372,7 +367,7 @@ class _Process:
     def _read(self) -> None:
         try:
             while True:
-                ok, value = cast(tuple, self.protocol.receive(self.stdout))
+                ok, value = cast(tuple, receive(self.stdout))
                 f = self.jobs.popleft()
                 if ok:
                     f.set_result(value)
@@ -419,14 +414,11 @@ def _start(
         trash = os.open(layout.TRASH_DIR, safefs.O_DIR, dir_fd=root.fd)
         if safefs.identity(os.fstat(trash)) != trash_id:
             raise safefs.Refused("the trash folder was replaced during eviction", layout.TRASH_DIR)
-    return Looker(root, trash, code_stems, cutoff, 0.0)
+    return Looker(root, trash, code_stems, cutoff)
 
 
 def main() -> None:
     import pickle
-
-    from cachemgr import procs
-    from cachemgr.index.workers import receive, send
 
     procs.die_with_parent_from_env()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the evicting process handles Ctrl-C and waits for us
