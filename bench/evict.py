@@ -18,6 +18,7 @@ Both unlink directory entries only (the files' data stays, held by the other tre
     python bench/evict.py --files 1000000
     python bench/evict.py --quick          # 10,000 files
     python bench/evict.py --processes 0    # one looker thread, whatever the plan's size
+    python bench/evict.py --profile ev.prof  # where the evicting process's time goes (pstats)
 """
 
 from __future__ import annotations
@@ -66,9 +67,17 @@ look._Process.close = _measured
 processes = int(sys.argv[5])
 if processes >= 0:  # 0: one looker thread, whatever the plan's size
     execute.PROCESSES_FROM, execute.LOOK_PROCESSES = (0, processes) if processes else (1 << 62, 1)
+profile = None
+if sys.argv[6]:  # --profile: the evicting process under cProfile (its time is then not the measure)
+    import cProfile
+    profile = cProfile.Profile()
+    profile.enable()
 t = time.perf_counter()
 res = evict(db, cid, root, Limits(max_files=keep, low_water=1.0, grace=60))
 took = time.perf_counter() - t
+if profile is not None:
+    profile.disable()
+    profile.dump_stats(sys.argv[6])
 print(json.dumps({"seconds": took, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "worker_rss": worker_peak[0],
                   "evicted": res.evicted, "freed_files": res.freed_files, "freed_bytes": res.freed_bytes,
@@ -154,8 +163,13 @@ def main() -> None:
         default=-1,
         help="look and move in this many worker processes (0: in one thread; default: the executor's own choice)",
     )
+    ap.add_argument("--profile", default="", help="write the evicting process's cProfile stats here (pstats)")
     args = ap.parse_args()
+    if args.profile:
+        args.profile = os.path.abspath(args.profile)
     files = 10_000 if args.quick else args.files
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-evict-", dir=args.dir))
     try:
         t = time.perf_counter()
@@ -165,7 +179,7 @@ def main() -> None:
 
         os.sync()
         out = subprocess.run(
-            [sys.executable, "-c", EVICT, db.url, str(cid), str(root), str(n // 2), str(args.processes)],
+            [sys.executable, "-c", EVICT, db.url, str(cid), str(root), str(n // 2), str(args.processes), args.profile],
             env=child_env(),
             check=True,
             capture_output=True,

@@ -24,6 +24,12 @@ class Kind(StrEnum):
     OTHER = "other"  # anything else under the root
 
 
+# The readers' version (cachemgr.parse). Bump it when a reader extracts something it did not (or
+# extracts it differently): every index then reads its entries again once, and parse results kept
+# by content by another version are not taken. 2: precompile entries' torch version (NEWOBJ args)
+# and time.
+READER = 2
+
 PICKLED = frozenset({Kind.FXGRAPH, Kind.AOTAUTOGRAD, Kind.PRECOMPILE})  # entries that are pickles to parse
 
 # What losing an entry of each kind costs, read off torch's own source (docs/formats.md, section 2).

@@ -1220,7 +1220,7 @@ def rescan_unchanged(path: str, head: str, host: str, root: str) -> int | None:
     directories all kept their mtimes (`layout.walk_dirs` reads none of them) needs none of it.
     """
     from cachemgr.layout import walk_dirs
-    from cachemgr.parse import READER
+    from cachemgr.vocab import READER
 
     conn = open_sqlite(path, write=True)
     if conn is None:

@@ -18,11 +18,7 @@ from cachemgr.parse.entries import (
     parse_precompile,
 )
 from cachemgr.parse.unpickle import clean, safe_load, state_of
-
-# The readers' version. Bump it when a reader extracts something it did not (or extracts it
-# differently): every index then reads its entries again once, and parse results kept by content
-# by another version are not taken. 2: precompile entries' torch version (NEWOBJ args) and time.
-READER = 2
+from cachemgr.vocab import READER  # (kept in vocab: a rescan checks it without importing the readers)
 
 __all__ = [
     "READER",
