@@ -468,6 +468,30 @@ def test_rescan_sees_new_and_removed_directories(gpu_cache, cli_for):
     assert cli.json("stats")["bytes"] == find_bytes(gpu_cache)
 
 
+def test_rescan_sees_a_kernel_directory_swapped_for_a_symlink(gpu_cache, tmp_path, cli_for):
+    """A rescan reads a known kernel directory's mtime with an lstat through its parent, without
+    opening it. One replaced by a symlink to a copy with the very same mtime (its parent's mtime
+    set back too) is not trusted nor followed: its entry leaves the index, the copy is untouched."""
+    age_dirs(gpu_cache)
+    cli = cli_for(gpu_cache)
+    cli("scan")
+    age_dirs(gpu_cache)  # (the scan's trash folder moved the root's mtime)
+    assert cli.json("scan")["added"] == 0
+    kernel = next(p for p in sorted(gpu_cache.glob("triton/0/*")) if not any(c.is_dir() for c in p.iterdir()))
+    parent, mtime = kernel.parent.stat(), kernel.stat().st_mtime_ns
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(kernel, outside)
+    os.utime(outside, ns=(mtime, mtime))
+    shutil.rmtree(kernel)
+    kernel.symlink_to(outside)
+    os.utime(kernel.parent, ns=(parent.st_atime_ns, parent.st_mtime_ns))
+    assert os.stat(kernel).st_mtime_ns == mtime  # followed, it would look unchanged
+    r = cli.json("scan")
+    assert (r["added"], r["changed"], r["removed"]) == (0, 0, 1)
+    assert kernel.relative_to(gpu_cache).as_posix() not in {e["key"] for e in cli.json("ls")}
+    assert sorted(p.name for p in outside.iterdir()) and cli.json("stats")["bytes"] == find_bytes(gpu_cache)
+
+
 def test_component_sets_live_as_long_as_their_entries(gpu_cache, cli_for, db_url):
     cli = cli_for(gpu_cache)
     cli("scan")
