@@ -30,6 +30,7 @@ from cachemgr.index.scan import (
     at_or_below,
     check_root,
     once_more_on_race,
+    one_of,
     parse_pending,
     sync,
 )
@@ -90,7 +91,7 @@ def _apply_batch(
             known.update(
                 (r.key, r)
                 for r in conn.execute(
-                    select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk))
+                    select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, one_of(conn, ENTRIES.c.key, chunk))
                 )
             )
         for sub in (s for s in subtrees if s not in exact):
@@ -148,7 +149,7 @@ def _write_hits(conn, cache_id: int, hits: dict[str, int], now: float) -> dict[s
             (r.key, r)
             for r in conn.execute(
                 select(ENTRIES.c.id, ENTRIES.c.key, ENTRIES.c.kind, ENTRIES.c.graph_key, ENTRIES.c.bytes).where(
-                    ENTRIES.c.cache_id == cache_id, ENTRIES.c.key.in_(chunk)
+                    ENTRIES.c.cache_id == cache_id, one_of(conn, ENTRIES.c.key, chunk)
                 )
             )
         )

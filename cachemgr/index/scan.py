@@ -223,7 +223,7 @@ def index_names(
         for chunk in _chunks(gone):
             ids = list(
                 conn.execute(
-                    select(ENTRIES.c.id).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.dir.in_(chunk))
+                    select(ENTRIES.c.id).where(ENTRIES.c.cache_id == cache_id, one_of(conn, ENTRIES.c.dir, chunk))
                 ).scalars()
             )
             delete_entries(conn, ids)
@@ -468,7 +468,7 @@ def _sync_dirs(
                 known.update(
                     (r.key, r)
                     for r in conn.execute(
-                        select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.dir.in_(chunk))
+                        select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, one_of(conn, ENTRIES.c.dir, chunk))
                     )
                 )
     with db.engine.begin() as conn:
@@ -570,7 +570,7 @@ def _write_dirs(conn, cache_id: int, stored: dict[str, int], seen: dict[str, int
     was read: written over what another scan may have written meanwhile); forget directories
     that are gone. (Rows are made a chunk at a time: a first scan sees every directory.)"""
     for chunk in _chunks(gone):
-        conn.execute(delete(DIRS).where(DIRS.c.cache_id == cache_id, DIRS.c.path.in_(chunk)))
+        conn.execute(delete(DIRS).where(DIRS.c.cache_id == cache_id, one_of(conn, DIRS.c.path, chunk)))
     moved = ((d, m) for d, m in seen.items() if stored.get(d) != m)
     while chunk := [{"cache_id": cache_id, "path": d, "mtime_ns": m} for d, m in itertools.islice(moved, BULK)]:
         upsert_rows(conn, DIRS, ("cache_id", "path"), chunk)
@@ -664,7 +664,9 @@ def _pending_rows(db: Database, cache_id: int, wanted: list[str] | None, total: 
                 rows = conn.execute(
                     select(*cols)
                     .where(
-                        ENTRIES.c.cache_id == cache_id, ENTRIES.c.parse_state != PARSED, ENTRIES.c.key.in_(key_chunk)
+                        ENTRIES.c.cache_id == cache_id,
+                        ENTRIES.c.parse_state != PARSED,
+                        one_of(conn, ENTRIES.c.key, key_chunk),
                     )
                     .limit(min(PARSE_CHUNK, left))
                 ).fetchall()
