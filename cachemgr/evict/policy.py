@@ -30,7 +30,7 @@ import heapq
 import itertools
 import math
 from array import array
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar, cast, overload
 
@@ -436,28 +436,33 @@ class _Names:
     leads: every entry it gives is checked against the name."""
 
     def __init__(self, t: Table) -> None:
-        self.t, self.bits = t, max(1, len(t).bit_length())
+        self.kind, self.bits = t.kind, max(1, len(t).bit_length())
+        # the columns' items read without a sequence's bounds checks (a position here is the table's)
+        self.ref, self.alias = _at(t.ref), _at(t.alias)
         packed = []
-        for i in range(len(t)):
-            kind = t.kind[i]
-            for name in (t.ref[i], t.alias[i]):
+        shift = self.bits
+        for i, kind in enumerate(self.kind):
+            for name in (self.ref(i), self.alias(i)):
                 if name:
-                    packed.append(self._prefix(kind, name) | i)
+                    packed.append((hash((kind, name)) >> shift) << shift | i)
         self.packed = array("q", sorted(packed))  # (same prefix: by position, as a dict's lists were)
 
-    def _prefix(self, kind: str, name: str) -> int:
-        return (hash((kind, name)) >> self.bits) << self.bits
-
     def __call__(self, kind: str, name: str) -> list[int]:
-        t, packed, prefix, mask = self.t, self.packed, self._prefix(kind, name), (1 << self.bits) - 1
+        packed, bits = self.packed, self.bits
+        prefix, mask = (hash((kind, name)) >> bits) << bits, (1 << bits) - 1
         out = []
         at = bisect.bisect_left(packed, prefix)
         while at < len(packed) and packed[at] & ~mask == prefix:
             i = packed[at] & mask
-            if t.kind[i] == kind and name in (t.ref[i], t.alias[i]):
+            if self.kind[i] == kind and name in (self.ref(i), self.alias(i)):
                 out.append(i)
             at += 1
         return out
+
+
+def _at(column: Sequence[str | None]) -> Callable[[int], str | None]:
+    """`column[i]`; for a column made on demand (_Made), its item maker itself."""
+    return column.item if isinstance(column, _Made) else column.__getitem__
 
 
 @dataclass
