@@ -329,10 +329,7 @@ class _Walker:
                 out.mtimes[rel] = m if m < self.racy_after else RACY
                 if self.known.get(rel) == m:
                     for child in self.children.get(rel, ()):
-                        name = child.rpartition("/")[2]
-                        if child not in self.children and self._unchanged_leaf(fd, child, name):
-                            continue
-                        yield from self._descend(fd, child, name, None)
+                        yield from self._descend(fd, child, child.rpartition("/")[2], None)
                     return
                 out.listed += 1
                 if is_kernel_dir(rel):
@@ -365,7 +362,7 @@ class _Walker:
         by an lstat through its parent and recorded without opening it (it holds the names it
         held, so nothing new is below it): a rescan of a 100,000-file tree opened and closed
         12,000 kernel directories to read the mtimes, 2/3 of its walk. Anything else: False."""
-        if key.count("/") >= safefs.MAX_DEPTH:
+        if key not in self.known or key in self.children:
             return False
         try:
             st = os.stat(fs_path(name), dir_fd=parent_fd, follow_symlinks=False)
@@ -380,6 +377,8 @@ class _Walker:
     def _descend(self, parent_fd: int, key: str, name: str, kernel: DiskEntry | None) -> Iterator[Listing]:
         if key.count("/") >= safefs.MAX_DEPTH:
             self.out.unreadable.append(key)
+            return
+        if kernel is None and self._unchanged_leaf(parent_fd, key, name):
             return
         try:
             fd = os.open(fs_path(name), safefs.O_DIR, dir_fd=parent_fd)
