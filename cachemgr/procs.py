@@ -18,20 +18,39 @@ Two helpers, both Linux-first and harmless elsewhere:
   own, with `CACHEMGR_PARENT_PID` set for its `die_with_parent_from_env()`. A terminal's Ctrl-C
   reaches only the foreground group (cachemgr), which then stops the child's whole group with
   `kill_group` and waits for it with `wait_group_gone`: nothing of it runs after cachemgr exits.
+
+And one for this process: `collector_paused()`, the cyclic garbage collector off for a bulk step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
 PR_SET_PDEATHSIG = 1
 PARENT_ENV = "CACHEMGR_PARENT_PID"
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while a bulk step makes and drops millions of acyclic
+    objects (walk listings, rows, plans): each of its full collections walks every live object,
+    and unpickling a walk worker's listings took 3.5x as long with it on. Cycles made meanwhile
+    are collected once it is back on."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGKILL) -> bool:

@@ -307,9 +307,10 @@ def test_parallel_parse_survives_an_unguarded_main(gpu_cache, tmp_path):
     assert with_graph_key == 6
 
 
-def test_a_scan_racing_another_writer_reads_again_instead_of_failing(gpu_cache, db_url, monkeypatch):
+def test_a_scan_racing_another_writer_reads_again_instead_of_failing(gpu_cache, db_url, tmp_path, monkeypatch):
     """Another process indexes the same new entries between this scan's read and its write (two
-    scans at once, or the daemon): the write meets their rows, rolls back, and the scan reads again."""
+    scans at once, or the daemon): the write meets their rows, rolls back, and the scan reads again.
+    (A rescan: a first scan into an empty index holds the write lock throughout, see the next test.)"""
     from sqlalchemy import text as sa_text
 
     from cachemgr.index import scan
@@ -317,6 +318,9 @@ def test_a_scan_racing_another_writer_reads_again_instead_of_failing(gpu_cache, 
 
     db, other = Database(db_url), Database(db_url)
     cid = db.cache_id("testhost", str(gpu_cache))
+    (gpu_cache / "fxgraph").rename(tmp_path / "fxgraph-aside")
+    before = scan.reconcile(db, cid, str(gpu_cache)).added
+    (tmp_path / "fxgraph-aside").rename(gpu_cache / "fxgraph")  # new entries, indexed by two scans at once
     real_sync, raced = scan.sync, []
 
     def lose_the_race_then_sync(*args, **kw):
@@ -327,12 +331,54 @@ def test_a_scan_racing_another_writer_reads_again_instead_of_failing(gpu_cache, 
 
     monkeypatch.setattr(scan, "sync", lose_the_race_then_sync)
     r = scan.reconcile(db, cid, str(gpu_cache))
-    assert raced[0].added == 262 and not r.added and r.unchanged == 262
+    assert 0 < before < 262 and raced[0].added == 262 - before
+    assert not r.added and r.unchanged == 262
     with db.engine.connect() as conn:
         n, total = conn.execute(
             sa_text("SELECT COUNT(*), SUM(bytes) FROM entries WHERE cache_id = :c"), {"c": cid}
         ).one()
     assert (n, total) == (262, find_bytes(gpu_cache))
+
+
+def test_a_first_scan_stopped_midway_leaves_the_index_with_its_indexes(gpu_cache, db_url, monkeypatch):
+    """A first scan into an empty SQLite index drops the entries table's indexes for its bulk
+    insert and makes them again at its end, in one transaction: stopped midway, the index is as
+    it was (no rows, every index there); run again, it has every entry and the same indexes."""
+    from sqlalchemy import text as sa_text
+
+    from cachemgr.index import scan
+    from cachemgr.index.db import Database
+
+    db = Database(db_url)
+    cid = db.cache_id("testhost", str(gpu_cache))
+    indexes = "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'entries' ORDER BY name"
+    with db.engine.connect() as conn:
+        made = conn.execute(sa_text(indexes)).all()
+    assert len(made) >= 8
+    real_sync, calls = scan.sync, []
+
+    def stop_after_one_batch(conn, *args, **kw):
+        calls.append(None)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        assert conn.execute(sa_text(indexes)).all() == [r for r in made if r.sql is None]  # dropped meanwhile
+        return real_sync(conn, *args, **kw)
+
+    monkeypatch.setattr(scan, "BULK", 20)  # several batches
+    monkeypatch.setattr(scan, "sync", stop_after_one_batch)
+    with pytest.raises(KeyboardInterrupt):
+        scan.reconcile(db, cid, str(gpu_cache))
+    with db.engine.connect() as conn:
+        assert conn.execute(sa_text(indexes)).all() == made
+        assert conn.execute(sa_text("SELECT COUNT(*) FROM entries")).scalar_one() == 0
+        assert conn.execute(sa_text("SELECT last_scan FROM caches")).scalar_one() is None
+    monkeypatch.setattr(scan, "sync", real_sync)
+    assert scan.reconcile(db, cid, str(gpu_cache)).added == 262
+    with db.engine.connect() as conn:
+        assert conn.execute(sa_text(indexes)).all() == made
+        assert conn.execute(sa_text("PRAGMA integrity_check")).scalar_one() == "ok"
+        plan = conn.execute(sa_text("EXPLAIN QUERY PLAN SELECT id FROM entries WHERE cache_id = 1 AND dir = 'x'")).all()
+    assert "ix_entries_cache_dir" in str(plan)
 
 
 def test_a_daemon_batch_racing_a_scan_reads_again_instead_of_failing(gpu_cache, db_url, monkeypatch):

@@ -77,7 +77,7 @@ class _Worker:
         self.proc, self.stdin, self.stdout = procs.spawn_module("cachemgr.index.workers")
         self.job: Job | None = None
         self.started = 0.0
-        self.buf = b""
+        self.buf = bytearray()  # grows in place: a walk result is megabytes, read 64 KiB at a time
         self.thread = threading.get_ident()  # it gets SIGKILL when this thread ends (procs: PDEATHSIG)
 
     def send(self, job: Job) -> None:
@@ -100,8 +100,10 @@ class _Worker:
         (n,) = HEADER.unpack_from(self.buf)
         if len(self.buf) < HEADER.size + n:
             return None
-        data, self.buf = self.buf[HEADER.size : HEADER.size + n], self.buf[HEADER.size + n :]
-        return pickle.loads(data)  # noqa: S301 - our own worker's output
+        with memoryview(self.buf)[HEADER.size : HEADER.size + n] as data:
+            result = pickle.loads(data)  # noqa: S301 - our own worker's output
+        del self.buf[: HEADER.size + n]
+        return result
 
     def kill(self) -> str:
         """Stop it; say how it ended."""
