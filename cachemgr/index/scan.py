@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from sqlalchemy import (
     BigInteger,
@@ -101,6 +101,7 @@ PARSED_COLUMNS = (
     "corrupt",
     "unrecorded",
 )
+WRITTEN_COLUMNS = ("alias", *PARSED_COLUMNS)  # what phase two writes of each entry it reads
 KNOWN_COLUMNS = (
     ENTRIES.c.id,
     ENTRIES.c.key,
@@ -920,31 +921,25 @@ def _write_parsed(conn, cache_id: int, rows, described: dict[int, Described], re
     for chunk in _chunks(seen_before):
         conn.execute(delete(REFS).where(one_of(conn, REFS.c.entry_id, chunk)))
         conn.execute(delete(ENTRY_SETS).where(one_of(conn, ENTRY_SETS.c.entry_id, chunk)))
-    columns = ("alias", *PARSED_COLUMNS)
-    update_rows(
+    update_tuples(
         conn,
         ENTRIES,
+        ("parse_state", *WRITTEN_COLUMNS),
         ("id",),
-        [
-            {"id": r.id, "parse_state": PARSED, **{c: row.get(c) for c in columns}}
-            for r in rows
-            for row in (described[r.id].row,)
-        ],
+        [(PARSED, *map(described[r.id].row.get, WRITTEN_COLUMNS), r.id) for r in rows],
     )
     sets = ComponentSets(conn, [described[r.id].parts for r in rows])
-    refs: list[dict[str, Any]] = []
-    entry_sets: list[dict[str, Any]] = []
+    refs: list[tuple] = []
+    entry_sets: list[tuple] = []
     for r in rows:
         d = described[r.id]
-        refs.extend({"entry_id": r.id, "kind": kind, "ref": ref} for kind, ref in d.refs)
-        entry_sets.extend(
-            {"entry_id": r.id, "part": part, "set_id": set_id} for part, set_id in sets.ids_for(d.parts).items()
-        )
+        refs.extend([(r.id, kind, ref) for kind, ref in d.refs])
+        entry_sets.extend([(r.id, part, set_id) for part, set_id in sets.ids_for(d.parts).items()])
         if d.row.get("corrupt") and len(out.corrupt) < MAX_REPORTED:
             out.corrupt.append((r.key, d.row["corrupt"]))
     sets.flush()
-    insert_rows(conn, REFS, refs)
-    insert_rows(conn, ENTRY_SETS, entry_sets)
+    insert_tuples(conn, REFS, ("entry_id", "kind", "ref"), refs)
+    insert_tuples(conn, ENTRY_SETS, ("entry_id", "part", "set_id"), entry_sets)
     _drop_unused_sets(conn, replaced)
     events = _new_events(conn, cache_id, [r for r in rows if r.parse_state == PENDING_NEW], described)
     insert_rows(conn, EVENTS, events)
@@ -1167,24 +1162,31 @@ def upsert_rows(conn, table, key: tuple[str, ...], rows: list[dict]) -> None:
 
 def update_rows(conn, table, where: tuple[str, ...], rows: list[dict]) -> None:
     """UPDATE many rows, each dict naming the `where` columns' values and the new values of the
-    others (all with the keys of the first). On SQLite through the driver's executemany, as
-    `insert_rows`."""
+    others (all with the keys of the first)."""
+    if rows:
+        names = tuple(n for n in rows[0] if n not in where)
+        order = names + where
+        update_tuples(conn, table, names, where, [tuple([r[n] for n in order]) for r in rows])
+
+
+def update_tuples(conn, table, names: Sequence[str], where: Sequence[str], rows: list[tuple]) -> None:
+    """UPDATE many rows given as tuples: the new values of the columns `names`, then the values
+    of the `where` columns that pick the row. On SQLite through the driver's executemany, as
+    `insert_tuples`."""
     if not rows:
         return
-    names = [n for n in rows[0] if n not in where]
     if conn.dialect.name != "sqlite":
         q = update(table).where(*(table.c[w] == bindparam("b_" + w) for w in where))
-        conn.execute(
-            q.values(**{n: bindparam("b_" + n) for n in names}), [{"b_" + k: v for k, v in r.items()} for r in rows]
-        )
+        order = ["b_" + n for n in (*names, *where)]
+        params = [dict(zip(order, r, strict=True)) for r in rows]
+        conn.execute(q.values(**{n: bindparam("b_" + n) for n in names}), params)
         return
     quote = conn.dialect.identifier_preparer.quote
     sql = (
         f"UPDATE {quote(table.name)} SET {', '.join(quote(n) + ' = ?' for n in names)} "
         f"WHERE {' AND '.join(quote(w) + ' = ?' for w in where)}"
     )
-    order = names + list(where)
-    conn.exec_driver_sql(sql, [tuple([r[n] for n in order]) for r in rows])
+    conn.exec_driver_sql(sql, rows)
 
 
 def _chunks(items: list, n: int = CHUNK) -> Iterable[list]:
