@@ -361,7 +361,8 @@ def test_a_first_scan_stopped_midway_leaves_the_index_with_its_indexes(gpu_cache
         calls.append(None)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        assert conn.execute(sa_text(indexes)).all() == [r for r in made if r.sql is None]  # dropped meanwhile
+        kept = [r for r in made if r.sql is None or " WHERE " in r.sql]  # the others dropped meanwhile
+        assert len(kept) < len(made) and conn.execute(sa_text(indexes)).all() == kept
         return real_sync(conn, *args, **kw)
 
     monkeypatch.setattr(scan, "BULK", 20)  # several batches
