@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import NO_TORCH_PROGRAM, REPO, run_program, subprocess_env
+from conftest import NO_TORCH_PROGRAM, REPO, Cli, run_program, subprocess_env
 
 from cachemgr import layout
 
@@ -380,6 +380,38 @@ def test_a_first_scan_stopped_midway_leaves_the_index_with_its_indexes(gpu_cache
         assert conn.execute(sa_text("PRAGMA integrity_check")).scalar_one() == "ok"
         plan = conn.execute(sa_text("EXPLAIN QUERY PLAN SELECT id FROM entries WHERE cache_id = 1 AND dir = 'x'")).all()
     assert "ix_entries_cache_dir" in str(plan)
+
+
+def test_a_scan_started_during_a_first_fill_waits_for_it_then_adds_nothing(gpu_cache, db_url, monkeypatch):
+    """A first scan into an empty SQLite index holds the write lock from its walk's start to its
+    commit. A `cachemgr scan` process started meanwhile waits for that commit, then finds every
+    entry indexed: it adds none, and fails on no unique key."""
+    from sqlalchemy import text as sa_text
+
+    from cachemgr.index import scan
+    from cachemgr.index.db import Database
+
+    db = Database(db_url)
+    cid = db.cache_id("testhost", str(gpu_cache))
+    real_sync, other = scan.sync, []
+
+    def start_another_scan_then_sync(*args, **kw):
+        if not other:  # inside the first fill's transaction: the other process must wait for it
+            cmd = [sys.executable, "-m", "cachemgr", *Cli(gpu_cache, db_url).base(), "scan", "--json"]
+            other.append(subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, text=True))
+            time.sleep(3)  # (its start-up and imports: it then waits on the lock this scan holds)
+            assert other[0].poll() is None
+        return real_sync(*args, **kw)
+
+    monkeypatch.setattr(scan, "sync", start_another_scan_then_sync)
+    assert scan.reconcile(db, cid, str(gpu_cache)).added == 262
+    out, _ = other[0].communicate(timeout=120)
+    assert other[0].returncode == 0
+    theirs = json.loads(out)
+    assert theirs["added"] == 0 and theirs["unchanged"] == 262
+    with db.engine.connect() as conn:
+        assert conn.execute(sa_text("SELECT COUNT(*) FROM entries")).scalar_one() == 262
+        assert conn.execute(sa_text("PRAGMA integrity_check")).scalar_one() == "ok"
 
 
 def test_a_daemon_batch_racing_a_scan_reads_again_instead_of_failing(gpu_cache, db_url, monkeypatch):
