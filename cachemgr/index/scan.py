@@ -622,12 +622,12 @@ def at_or_below(conn, column, sub: str):
 def _write_dirs(conn, cache_id: int, stored: dict[str, int], seen: dict[str, int], gone: list[str]) -> None:
     """Record the mtime each directory had when it was read (those new or moved since `stored`
     was read: written over what another scan may have written meanwhile); forget directories
-    that are gone. (Rows are made a chunk at a time: a first scan sees every directory.)"""
+    that are gone."""
     for chunk in _chunks(gone):
         conn.execute(delete(DIRS).where(DIRS.c.cache_id == cache_id, one_of(conn, DIRS.c.path, chunk)))
-    moved = ((d, m) for d, m in seen.items() if stored.get(d) != m)
-    while chunk := [{"cache_id": cache_id, "path": d, "mtime_ns": m} for d, m in itertools.islice(moved, BULK)]:
-        upsert_rows(conn, DIRS, ("cache_id", "path"), chunk)
+    moved = [(cache_id, d, m) for d, m in seen.items() if stored.get(d) != m]
+    for chunk in _chunks(moved, BULK):
+        upsert_tuples(conn, DIRS, ("cache_id", "path", "mtime_ns"), ("cache_id", "path"), chunk)
 
 
 # -- phase two ------------------------------------------------------------------------------------
@@ -1139,19 +1139,18 @@ def insert_tuples(conn, table, names: Sequence[str], rows: list[tuple]) -> None:
     conn.exec_driver_sql(sql, rows)
 
 
-def upsert_rows(conn, table, key: tuple[str, ...], rows: list[dict]) -> None:
-    """INSERT many rows (as `insert_rows`), each updating the row with the same `key` columns
-    where there is one."""
+def upsert_tuples(conn, table, names: Sequence[str], key: Sequence[str], rows: list[tuple]) -> None:
+    """INSERT many rows given as tuples of the columns `names` (as `insert_tuples`), each updating
+    the row with the same `key` columns where there is one."""
     if not rows:
         return
-    names = list(rows[0])
     if conn.dialect.name != "sqlite":
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 
         q = pg_insert(table)
         conn.execute(
             q.on_conflict_do_update(index_elements=list(key), set_={n: q.excluded[n] for n in names if n not in key}),
-            rows,
+            [dict(zip(names, r, strict=True)) for r in rows],
         )
         return
     quote = conn.dialect.identifier_preparer.quote
@@ -1160,7 +1159,7 @@ def upsert_rows(conn, table, key: tuple[str, ...], rows: list[dict]) -> None:
         f"ON CONFLICT ({', '.join(map(quote, key))}) DO UPDATE SET "
         f"{', '.join(f'{quote(n)} = excluded.{quote(n)}' for n in names if n not in key)}"
     )
-    conn.exec_driver_sql(sql, [tuple([r[n] for n in names]) for r in rows])
+    conn.exec_driver_sql(sql, rows)
 
 
 def update_rows(conn, table, where: tuple[str, ...], rows: list[dict]) -> None:
