@@ -548,28 +548,50 @@ class Graph:
 
     def _grow(self, seeds: Iterable[int], inside: set[int], taken: Container[int]) -> list[int]:
         """The entries that join `seeds` (in `inside`, or `taken`) by the closure's two rules, each
-        looked at when one of its neighbours joins (a worklist: linear in the links it crosses)."""
+        looked at when one of its neighbours joins (a worklist: linear in the links it crosses).
+
+        An entry's referrers still outside are counted once, when it is first looked at, and the
+        count lowered as each joins: asking all of them again at each join made a module or kernel
+        that P joining graphs share cost P² (and so do an AOT entry's graphs)."""
         kind, children, parents = self.rows.kind, self.children, self.parents
 
         def has(x: int) -> bool:
             return x in inside or x in taken
 
+        parents_out: dict[int, int] = {}  # a child looked at -> its parents not in yet
+        children_out: dict[int, int] = {}  # an AOT entry looked at -> its graphs not in yet
         grown: list[int] = []
+
+        def join(x: int) -> None:
+            inside.add(x)
+            grown.append(x)
+            for c in children[x]:
+                if c in parents_out:
+                    parents_out[c] -= 1
+            for p in parents[x]:
+                if p in children_out:
+                    children_out[p] -= 1
+
+        def ready(x: int, out: dict[int, int], others: Links) -> bool:
+            """Are all of x's parents (or children) in? Counted the first time, then kept by join."""
+            left = out.get(x)
+            if left is None:
+                left = out[x] = sum(1 for y in others[x] if not has(y))
+            return not left
+
         for todo in (seeds, grown):  # (grown is appended to while it is walked: a queue)
             for m in todo:
                 for c in children[m]:
-                    if not has(c) and all(has(p) for p in parents[c]):
-                        inside.add(c)
-                        grown.append(c)
+                    if not has(c) and ready(c, parents_out, parents):
+                        join(c)
                 for p in parents[m]:
                     if (
                         not has(p)
                         and kind[p] == "aotautograd"
                         and not parents.count(p)
-                        and all(has(c) for c in children[p])
+                        and ready(p, children_out, children)
                     ):
-                        inside.add(p)
-                        grown.append(p)
+                        join(p)
         return grown
 
     def descendants(self, start: Iterable[int]) -> set[int]:
