@@ -697,8 +697,8 @@ def test_a_worker_process_killed_mid_eviction(aged_gpu, db_url, monkeypatch):
     reconcile(db, cid, str(aged_gpu))
     started, made = look._Process.__init__, []
 
-    def recorded(self, start):
-        started(self, start)
+    def recorded(self):
+        started(self)
         made.append(self)
 
     def hook(stage):  # after the first batch was moved, before its commit

@@ -305,7 +305,11 @@ class Lookers:
             root = looker.root
             trash = None if looker.trash is None else safefs.identity(os.fstat(looker.trash))
             start = (os.getpid(), root.path, root.id, trash, looker.code_stems, looker.cutoff)
-            self.workers = [_Process(start) for _ in range(processes)]
+            # all spawned before any is sent its start: they boot side by side (the start is
+            # larger than a pipe holds, so each send waits until that worker has booted and reads)
+            self.workers = [_Process() for _ in range(processes)]
+            for w in self.workers:
+                w.start(start)
         else:
             self.threads = [ThreadPoolExecutor(1, thread_name_prefix=f"cachemgr-{n}") for n in ("look", "unlink")]
 
@@ -342,13 +346,19 @@ class _Process:
     has a Future, answered in order by a reader thread; a job sent is never cancelled (what it
     moves must be accounted for), and a worker that dies fails every job it held."""
 
-    def __init__(self, start: tuple) -> None:
+    def __init__(self) -> None:
         import threading
 
         self.proc, self.stdin, self.stdout = procs.spawn_module("cachemgr.evict.look")
         self.jobs: deque[Future] = deque()
-        send(self.stdin, start)
         self.reader = threading.Thread(target=self._read, name="cachemgr-look-reader", daemon=True)
+
+    def start(self, start: tuple) -> None:
+        """Send the worker what it opens (its first message), and read its answers from now on."""
+        try:
+            send(self.stdin, start)
+        except OSError:
+            pass  # it died booting: the reader finds it gone and fails its jobs
         self.reader.start()
 
     def load(self) -> int:
