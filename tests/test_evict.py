@@ -628,6 +628,10 @@ def test_evict_library_api(aged_gpu, db_url):
     assert d["remaining_bytes"] <= 9_000_000 and all(set(e) >= {"key", "bytes"} for e in d["entries"])
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.planned = 0  # frozen
+    # eviction raises its connection's checkpoint threshold per commit, and puts it back after
+    assert r.evicted and db.engine.pool.checkedin() == 1
+    with db.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar_one() == 1000
 
 
 def test_cost_policy_keeps_its_clock_across_cli_runs(aged_gpu, cli_for):
