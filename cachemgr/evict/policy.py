@@ -565,12 +565,14 @@ class Graph:
         def join(x: int) -> None:
             inside.add(x)
             grown.append(x)
-            for c in children[x]:
-                if c in parents_out:
-                    parents_out[c] -= 1
-            for p in parents[x]:
-                if p in children_out:
-                    children_out[p] -= 1
+            if parents_out:  # (most closures are one entry and its few: nothing counted yet)
+                for c in children[x]:
+                    if c in parents_out:
+                        parents_out[c] -= 1
+            if children_out:
+                for p in parents[x]:
+                    if p in children_out:
+                        children_out[p] -= 1
 
         def ready(x: int, out: dict[int, int], others: Links) -> bool:
             """Are all of x's parents (or children) in? Counted the first time, then kept by join."""
