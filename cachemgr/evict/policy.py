@@ -584,7 +584,7 @@ class Graph:
         for todo in (seeds, grown):  # (grown is appended to while it is walked: a queue)
             for m in todo:
                 for c in children[m]:
-                    if not has(c) and ready(c, parents_out, parents):
+                    if not has(c) and (parents.count(c) == 1 or ready(c, parents_out, parents)):  # (one: m)
                         join(c)
                 for p in parents[m]:
                     if (
