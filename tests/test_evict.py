@@ -734,6 +734,48 @@ def test_a_worker_process_killed_mid_eviction(aged_gpu, db_url, monkeypatch):
     assert not (check.added or check.changed or check.removed), check.as_dict()
 
 
+def test_workers_that_die_while_booting_fail_the_run_and_are_never_waited_on(aged_gpu, db_url, monkeypatch):
+    """Every worker process exits before it reads its start (a broken interpreter, out of
+    memory): the run stops with WorkerDied, at once, and moves nothing. A look handed to a worker
+    whose reader had already finished was never answered: the run hung."""
+    import threading
+
+    from cachemgr import procs
+    from cachemgr.evict import Limits, carry_out, execute, look, make_plan
+    from cachemgr.evict.execute import exclusive
+    from cachemgr.index.db import Database
+    from cachemgr.index.scan import reconcile
+
+    def dead_on_arrival(module):
+        p = procs.spawn([sys.executable, "-c", "raise SystemExit(3)"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        p.wait()
+        return p, p.stdin, p.stdout
+
+    db = Database(db_url)
+    cid = db.cache_id("h", str(aged_gpu))
+    reconcile(db, cid, str(aged_gpu))
+    monkeypatch.setattr(execute, "PROCESSES_FROM", 0)
+    monkeypatch.setattr(execute, "LOOK_PROCESSES", 2)
+    monkeypatch.setattr(look.procs, "spawn_module", dead_on_arrival)
+    before = disk(aged_gpu)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        with exclusive(str(aged_gpu)) as root:
+            try:
+                carry_out(db, cid, root, *make_plan(db, cid, root, Limits(max_size=0, grace=0)), 0)
+            except BaseException as e:  # noqa: BLE001 - looked at below
+                raised.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the eviction hung on a worker that was gone"
+    assert len(raised) == 1 and isinstance(raised[0], look.WorkerDied), raised
+    assert "exit 3" in str(raised[0])
+    assert disk(aged_gpu) == before and not os.listdir(aged_gpu / layout.TRASH_DIR)
+
+
 def test_a_worker_refuses_a_replaced_root(aged_gpu, tmp_path):
     """A worker opens the root by path: if it is not the directory the evicting process holds
     locked (replaced meanwhile), it refuses to look at anything."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import SupportsInt, cast
 
 from sqlalchemy import func, select, update
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from cachemgr import layout, safefs
 from cachemgr.errors import UnsafePath
@@ -273,8 +273,11 @@ class Executor:
                     insert_rows(conn, EVENTS, events)
             finally:
                 if pages is not None:
-                    conn.exec_driver_sql(f"PRAGMA wal_autocheckpoint={pages}")
-                    conn.commit()
+                    try:
+                        conn.exec_driver_sql(f"PRAGMA wal_autocheckpoint={pages}")
+                        conn.commit()
+                    except SQLAlchemyError:  # (the batch is committed, or its own error is on its way)
+                        conn.invalidate()  # not back into the pool with eviction's threshold
 
     def _rescue(self, taken: list[_Taken]) -> None:
         """The batch failed before its commit: record what was deleted in place, put back what is

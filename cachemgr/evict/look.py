@@ -351,6 +351,8 @@ class _Process:
 
         self.proc, self.stdin, self.stdout = procs.spawn_module("cachemgr.evict.look")
         self.jobs: deque[Future] = deque()
+        self.ended: str | None = None  # set by the reader once the worker is gone: no job may wait on it
+        self.lock = threading.Lock()  # (a job is queued before, or refused after, the reader's last drain)
         self.reader = threading.Thread(target=self._read, name="cachemgr-look-reader", daemon=True)
 
     def start(self, start: tuple) -> None:
@@ -362,12 +364,16 @@ class _Process:
         self.reader.start()
 
     def load(self) -> int:
-        return len(self.jobs)
+        return len(self.jobs) if self.ended is None else 1 << 62  # (a dead worker is chosen last)
 
     def submit(self, job: tuple) -> Future:
         f: Future = Future()
         f.set_running_or_notify_cancel()  # cannot be cancelled: the worker has it
-        self.jobs.append(f)
+        with self.lock:
+            if self.ended is not None:  # its reader is done: nothing would ever answer this job
+                f.set_exception(WorkerDied(self.ended))
+                return f
+            self.jobs.append(f)
         try:
             send(self.stdin, job)
         except OSError:
@@ -387,8 +393,11 @@ class _Process:
             self.proc.kill()
         code = self.proc.wait()
         why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
-        while self.jobs:
-            self.jobs.popleft().set_exception(WorkerDied(f"an eviction worker process ended ({why})"))
+        with self.lock:
+            self.ended = f"an eviction worker process ended ({why})"
+            held, self.jobs = self.jobs, deque()
+        for f in held:
+            f.set_exception(WorkerDied(self.ended))
 
     def close(self) -> None:
         try:

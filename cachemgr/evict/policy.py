@@ -552,14 +552,15 @@ class Graph:
 
         An entry's referrers still outside are counted once, when it is first looked at, and the
         count lowered as each joins: asking all of them again at each join made a module or kernel
-        that P joining graphs share cost P² (and so do an AOT entry's graphs)."""
+        that P joining graphs share cost P². An AOT entry's graphs are counted once too, and that
+        count never falls: a graph of an AOT entry that is out cannot join by the first rule."""
         kind, children, parents = self.rows.kind, self.children, self.parents
 
         def has(x: int) -> bool:
             return x in inside or x in taken
 
         parents_out: dict[int, int] = {}  # a child looked at -> its parents not in yet
-        children_out: dict[int, int] = {}  # an AOT entry looked at -> its graphs not in yet
+        children_out: dict[int, int] = {}  # an AOT entry looked at -> its graphs not in (then or ever)
         grown: list[int] = []
 
         def join(x: int) -> None:
@@ -569,13 +570,9 @@ class Graph:
                 for c in children[x]:
                     if c in parents_out:
                         parents_out[c] -= 1
-            if children_out:
-                for p in parents[x]:
-                    if p in children_out:
-                        children_out[p] -= 1
 
         def ready(x: int, out: dict[int, int], others: Links) -> bool:
-            """Are all of x's parents (or children) in? Counted the first time, then kept by join."""
+            """Are all of x's parents (or children) in? Counted the first time (parents: join lowers it)."""
             left = out.get(x)
             if left is None:
                 left = out[x] = sum(1 for y in others[x] if not has(y))
