@@ -734,6 +734,22 @@ def test_a_worker_process_killed_mid_eviction(aged_gpu, db_url, monkeypatch):
     assert not (check.added or check.changed or check.removed), check.as_dict()
 
 
+def _two_workers_spawned_by(spawn_module, root, db_url, monkeypatch):
+    """The index of `root`, scanned, and eviction set to look through 2 worker processes that
+    `spawn_module` starts."""
+    from cachemgr.evict import execute, look
+    from cachemgr.index.db import Database
+    from cachemgr.index.scan import reconcile
+
+    db = Database(db_url)
+    cid = db.cache_id("h", str(root))
+    reconcile(db, cid, str(root))
+    monkeypatch.setattr(execute, "PROCESSES_FROM", 0)
+    monkeypatch.setattr(execute, "LOOK_PROCESSES", 2)
+    monkeypatch.setattr(look.procs, "spawn_module", spawn_module)
+    return db, cid
+
+
 def test_workers_that_die_while_booting_fail_the_run_and_are_never_waited_on(aged_gpu, db_url, monkeypatch):
     """Every worker process exits before it reads its start (a broken interpreter, out of
     memory): the run stops with WorkerDied, at once, and moves nothing. A look handed to a worker
@@ -741,22 +757,15 @@ def test_workers_that_die_while_booting_fail_the_run_and_are_never_waited_on(age
     import threading
 
     from cachemgr import procs
-    from cachemgr.evict import Limits, carry_out, execute, look, make_plan
+    from cachemgr.evict import Limits, carry_out, look, make_plan
     from cachemgr.evict.execute import exclusive
-    from cachemgr.index.db import Database
-    from cachemgr.index.scan import reconcile
 
     def dead_on_arrival(module):
         p = procs.spawn([sys.executable, "-c", "raise SystemExit(3)"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         p.wait()
         return p, p.stdin, p.stdout
 
-    db = Database(db_url)
-    cid = db.cache_id("h", str(aged_gpu))
-    reconcile(db, cid, str(aged_gpu))
-    monkeypatch.setattr(execute, "PROCESSES_FROM", 0)
-    monkeypatch.setattr(execute, "LOOK_PROCESSES", 2)
-    monkeypatch.setattr(look.procs, "spawn_module", dead_on_arrival)
+    db, cid = _two_workers_spawned_by(dead_on_arrival, aged_gpu, db_url, monkeypatch)
     before = disk(aged_gpu)
     raised: list[BaseException] = []
 
@@ -774,6 +783,36 @@ def test_workers_that_die_while_booting_fail_the_run_and_are_never_waited_on(age
     assert len(raised) == 1 and isinstance(raised[0], look.WorkerDied), raised
     assert "exit 3" in str(raised[0])
     assert disk(aged_gpu) == before and not os.listdir(aged_gpu / layout.TRASH_DIR)
+
+
+def test_a_worker_that_cannot_be_started_leaves_nothing_open(aged_gpu, db_url, monkeypatch):
+    """The second worker cannot be spawned (no processes or descriptors left): the run fails with
+    that error, moves nothing, and closes what it had opened (the trash, the first worker)."""
+    import errno
+
+    from cachemgr import procs
+    from cachemgr.evict import Limits, carry_out, make_plan
+    from cachemgr.evict.execute import exclusive
+
+    spawned, real = [], procs.spawn_module
+
+    def second_fails(module):
+        if spawned:
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        proc, stdin, stdout = real(module)
+        spawned.append(proc)
+        return proc, stdin, stdout
+
+    db, cid = _two_workers_spawned_by(second_fails, aged_gpu, db_url, monkeypatch)
+    before = disk(aged_gpu)
+    with exclusive(str(aged_gpu)) as root:
+        p, rows = make_plan(db, cid, root, Limits(max_size=0, grace=0))
+        open_before = set(os.listdir("/proc/self/fd"))
+        with pytest.raises(OSError, match="temporarily unavailable"):
+            carry_out(db, cid, root, p, rows, 0)
+        assert set(os.listdir("/proc/self/fd")) <= open_before  # the trash's descriptor is closed
+    assert disk(aged_gpu) == before
+    assert spawned[0].returncode == 0  # it read EOF for its start, and ended, before the error was raised
 
 
 def test_a_worker_refuses_a_replaced_root(aged_gpu, tmp_path):

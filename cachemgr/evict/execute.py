@@ -154,10 +154,11 @@ class Executor:
             self.trash = self.looker.trash = self._open_trash()
         units = plan.units  # (a plan's Units make each when sliced: a batch at a time)
         processes = default_processes() if len(units) >= PROCESSES_FROM and not dry_run else 0
-        lookers = Lookers(self.looker, processes)
-        batch = self._look(lookers, units[:BATCH], dry_run) if units else None
-        following = None
-        try:
+        lookers: Lookers | None = None
+        batch = following = None
+        try:  # (from the first worker on: a failure closes what was opened, the trash included)
+            lookers = Lookers(self.looker, processes)
+            batch = self._look(lookers, units[:BATCH], dry_run) if units else None
             at = 0
             while batch is not None:
                 failure = _collect(batch.looks, batch.taken, skipped)
@@ -193,7 +194,8 @@ class Executor:
             for b in (batch, following):  # looked at, not committed: what moved goes back
                 if b is not None:
                     self._settle(b, skipped, dry_run)
-            lookers.close()
+            if lookers is not None:
+                lookers.close()
             if self.trash is not None:
                 os.close(self.trash)
                 self.trash = self.looker.trash = None

@@ -307,7 +307,13 @@ class Lookers:
             start = (os.getpid(), root.path, root.id, trash, looker.code_stems, looker.cutoff)
             # all spawned before any is sent its start: they boot side by side (the start is
             # larger than a pipe holds, so each send waits until that worker has booted and reads)
-            self.workers = [_Process() for _ in range(processes)]
+            try:
+                while len(self.workers) < processes:
+                    self.workers.append(_Process())
+            except BaseException:  # (no more processes or descriptors): those spawned end before we raise
+                for w in self.workers:
+                    w.end_unstarted()
+                raise
             for w in self.workers:
                 w.start(start)
         else:
@@ -362,6 +368,12 @@ class _Process:
         except OSError:
             pass  # it died booting: the reader finds it gone and fails its jobs
         self.reader.start()
+
+    def end_unstarted(self) -> None:
+        """A worker never sent its start: EOF instead, and it exits."""
+        self.stdin.close()
+        self.proc.wait()
+        self.stdout.close()
 
     def load(self) -> int:
         return len(self.jobs) if self.ended is None else 1 << 62  # (a dead worker is chosen last)
@@ -446,8 +458,10 @@ def main() -> None:
     refused: Exception | None = None
     try:
         looker = _start(*cast(tuple, receive(stdin)))
+    except EOFError:
+        return  # never started: the parent is gone, or ended us before it began
     except OSError as e:
-        refused = e  # (EOFError: the parent is gone; so are we)
+        refused = e
     while True:
         try:
             kind, *args = cast(tuple, receive(stdin))
