@@ -350,7 +350,8 @@ class _Process:
     """One worker process (`python -m cachemgr.evict.look`: a plain command, so no caller's
     `__main__` is imported again), fed jobs on its stdin in the index workers' protocol. Each job
     has a Future, answered in order by a reader thread; a job sent is never cancelled (what it
-    moves must be accounted for), and a worker that dies fails every job it held."""
+    moves must be accounted for), and a worker that dies fails every job it held, and every job
+    sent to it after (it is chosen last: the run stops at the first failed job)."""
 
     def __init__(self) -> None:
         import threading
