@@ -135,6 +135,21 @@ def _grow_by_definition(g, seeds, inside, taken):
 KINDS = ("fxgraph", "aotautograd", "code", "triton", "autotune")
 
 
+def _linked(kinds, pairs, links=None):
+    """A Graph of entries of these kinds, linked parent -> child by `pairs` (Links of the class
+    `links`, Links itself by default)."""
+    from array import array
+
+    from cachemgr.evict.policy import Graph, Links, Table
+
+    links = links or Links
+    n = len(kinds)
+    src, dst = array("q", [a for a, _ in pairs]), array("q", [b for _, b in pairs])
+    t = Table()
+    t.kind.extend(kinds)
+    return Graph(t, links(n, src, dst), links(n, dst, src), bytearray(n), bytearray(n))
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=40),
@@ -146,16 +161,10 @@ def test_closure_and_dependents_are_the_definitions_on_any_graph(kinds, links, s
     """Closure and dependents, grown by counting each entry's neighbours still out, give the
     entries (in the order) that asking every neighbour again at each join gives: on random
     graphs, shared children, cycles and AOT entries included."""
-    from array import array
-
-    from cachemgr.evict.policy import Graph, Links, Marks, Table
+    from cachemgr.evict.policy import Marks
 
     n = len(kinds)
-    pairs = list(dict.fromkeys((a % n, b % n) for a, b in links if a % n != b % n))
-    src, dst = array("q", [a for a, _ in pairs]), array("q", [b for _, b in pairs])
-    t = Table()
-    t.kind.extend(kinds)
-    g = Graph(t, Links(n, src, dst), Links(n, dst, src), bytearray(n), bytearray(n))
+    g = _linked(kinds, list(dict.fromkeys((a % n, b % n) for a, b in links if a % n != b % n)))
     seeds = list(dict.fromkeys(s % n for s in seeds))
     marks = Marks(n)
     for i in taken:
@@ -168,16 +177,11 @@ def test_a_child_shared_by_entries_that_join_one_by_one_costs_its_links_not_thei
     """A chain of P entries, each the only referrer of the next, that all share one child: they
     join the closure one at a time, and the shared child is counted once, then lowered at each
     join (asking its P referrers again at each join read P²/2 of them: 2,000,000 at P = 2,000)."""
-    from array import array
-
-    from cachemgr.evict.policy import Graph, Links, Table
+    from cachemgr.evict.policy import Links
 
     p = 2000  # the chain 0..1999, the shared child 2000
     n = p + 1
     pairs = [(i, i + 1) for i in range(p - 1)] + [(i, p) for i in range(p)]
-    src, dst = array("q", [a for a, _ in pairs]), array("q", [b for _, b in pairs])
-    t = Table()
-    t.kind.extend(["fxgraph"] * n)
     read = 0
 
     class Counting(Links):
@@ -189,7 +193,6 @@ def test_a_child_shared_by_entries_that_join_one_by_one_costs_its_links_not_thei
                 read += 1
                 yield x
 
-    children, parents = Counting(n, src, dst), Counting(n, dst, src)
-    g = Graph(t, children, parents, bytearray(n), bytearray(n))
+    g = _linked(["fxgraph"] * n, pairs, Counting)
     assert g.closure([0]) == list(range(n))
     assert read < 5 * len(pairs), read  # each link read a few times (the old growth: 2,000,000)
