@@ -322,7 +322,7 @@ class Lookers:
     def look(self, looks: Sequence[Look], fresh: dict[int, float], dry_run: bool) -> Future:
         """Look at (and take) these units; the Future's result is `Looker.look_and_take`'s."""
         if self.workers:
-            return min(self.workers, key=_Process.load).submit((LOOK, looks, fresh, dry_run))
+            return self._worker().submit((LOOK, looks, fresh, dry_run))
         return self.threads[0].submit(self.looker.look_and_take, looks, fresh, dry_run)
 
     def unlink(self, names: list[str]) -> None:
@@ -331,9 +331,16 @@ class Lookers:
         if not names:
             return
         if self.workers:
-            min(self.workers, key=_Process.load).submit((UNLINK, names))
+            f = self._worker().submit((UNLINK, names))
+            if f.done():
+                f.result()  # refused by a worker that died: the run stops here (WorkerDied)
         else:
             self.threads[1].submit(remove_quietly, self.looker.trash, names)
+
+    def _worker(self) -> _Process:
+        """The least loaded worker, or one that has died: a run stops at its first dead worker
+        (the job sent to it fails at once), whatever the others could still do."""
+        return min(self.workers, key=_Process.load)
 
     def close(self) -> None:
         """Wait for what was handed out (looks and unlinks) to finish, and stop the workers."""
@@ -351,7 +358,7 @@ class _Process:
     `__main__` is imported again), fed jobs on its stdin in the index workers' protocol. Each job
     has a Future, answered in order by a reader thread; a job sent is never cancelled (what it
     moves must be accounted for), and a worker that dies fails every job it held, and every job
-    sent to it after (it is chosen last: the run stops at the first failed job)."""
+    sent to it after (it is chosen first: the run stops at the first failed job)."""
 
     def __init__(self) -> None:
         import threading
@@ -377,13 +384,16 @@ class _Process:
         self.stdout.close()
 
     def load(self) -> int:
-        return len(self.jobs) if self.ended is None else 1 << 62  # (a dead worker is chosen last)
+        dead = self.ended is not None or self.proc.returncode is not None
+        return -1 if dead else len(self.jobs)  # (a dead worker is chosen first, so the run stops)
 
     def submit(self, job: tuple) -> Future:
         f: Future = Future()
         f.set_running_or_notify_cancel()  # cannot be cancelled: the worker has it
         with self.lock:
-            if self.ended is not None:  # its reader is done: nothing would ever answer this job
+            if self.ended is None and self.proc.poll() is not None:  # (before its reader saw it)
+                self.ended = _ended(self.proc.returncode)
+            if self.ended is not None:  # nothing would ever answer this job
                 f.set_exception(WorkerDied(self.ended))
                 return f
             self.jobs.append(f)
@@ -405,9 +415,8 @@ class _Process:
         except Exception:  # noqa: BLE001 - EOF (it died), or an answer that cannot be read: it is done for
             self.proc.kill()
         code = self.proc.wait()
-        why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
         with self.lock:
-            self.ended = f"an eviction worker process ended ({why})"
+            self.ended = _ended(code)
             held, self.jobs = self.jobs, deque()
         for f in held:
             f.set_exception(WorkerDied(self.ended))
@@ -419,6 +428,11 @@ class _Process:
             pass
         self.reader.join()
         self.stdout.close()
+
+
+def _ended(code: int) -> str:
+    why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+    return f"an eviction worker process ended ({why})"
 
 
 class WorkerDied(CachemgrError):
