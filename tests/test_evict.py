@@ -426,6 +426,24 @@ def test_a_directory_that_is_no_cache_is_never_emptied(tmp_path, cli_for, db_url
     assert layout.foreign_root(str(tmp_path / "fresh")) is None  # nothing compiled yet
 
 
+def test_a_failed_cpp_build_left_behind_keeps_the_cache_an_inductor_cache(aged_cpu, cli_for):
+    """A C++ build that fails (a vector-ISA probe that g++ could not build, seen with torch
+    2.13 on a 2-core development host) leaves <2ch>/c<hash>.cpp and the folder g++ ran in,
+    <2ch>/c<hash>_CxxBuild/, with no .so. Once its source is evicted, the folder stays alone in
+    its <2ch>/: every later evict had refused the cache as not Inductor's (exit 7)."""
+    source = next(aged_cpu.glob("??/c*.cpp"))
+    left = aged_cpu / "zz"
+    left.mkdir()
+    shutil.copyfile(source, left / "c0failedprobe0000000000000000000000.cpp")
+    (left / "c0failedprobe0000000000000000000000_CxxBuild").mkdir()
+    age_files(aged_cpu, 30 * 86400)
+    cli = cli_for(aged_cpu)
+    assert cli.json("evict", "--max-size", "0")["evicted"] > 0
+    assert os.listdir(left) == ["c0failedprobe0000000000000000000000_CxxBuild"]
+    assert cli.json("evict", "--max-size", "0")["evicted"] == 0
+    cli.json("purge", "--all", "--yes")  # (exit 0: purge is refused the same way)
+
+
 # -- crashes ---------------------------------------------------------------------------------------
 
 
@@ -687,10 +705,13 @@ def test_a_failure_while_the_looker_moves_units_puts_every_unit_back(aged_gpu, d
     assert not (check.added or check.changed or check.removed), check.as_dict()
 
 
-def test_a_worker_process_killed_mid_eviction(aged_gpu, db_url, monkeypatch):
-    """A worker process dies (SIGKILL) while it holds units to look at: the run stops with a
-    one-line error; what the other worker moved of the batches not committed comes back; what
-    went is only what was planned; the next eviction empties the trash and a scan agrees."""
+@pytest.mark.parametrize("idle", [False, True], ids=["busy", "idle"])
+def test_a_worker_process_killed_mid_eviction(aged_gpu, db_url, monkeypatch, idle):
+    """A worker process dies (SIGKILL) mid-run, whether it holds units to look at or had
+    answered all it was sent: the run stops with a one-line error; what the other worker moved
+    of the batches not committed comes back; what went is only what was planned; the next
+    eviction empties the trash and a scan agrees. (An idle worker's death had gone unnoticed
+    when the rest went to the live one: the run ended as if nothing had happened.)"""
     from cachemgr.evict import Limits, carry_out, execute, look, make_plan
     from cachemgr.evict.execute import exclusive
     from cachemgr.index.db import Database
@@ -707,6 +728,8 @@ def test_a_worker_process_killed_mid_eviction(aged_gpu, db_url, monkeypatch):
 
     def hook(stage):  # after the first batch was moved, before its commit
         if stage == "renamed" and not any(w.proc.returncode for w in made):
+            while idle and made[0].jobs:
+                time.sleep(0.001)
             os.kill(made[0].proc.pid, signal.SIGKILL)
             made[0].proc.wait()
 
