@@ -48,6 +48,8 @@ HIT_FOLDERS = frozenset({"fxgraph", "aotautograd"})  # top folders of the entrie
 
 _TWO_CHAR = re.compile(r"^[a-z0-9]{2}$")
 _CODE_NAME = re.compile(r"^(c[a-z0-9]{20,})(\..+)$")
+# where g++ runs for one C++ build (cpp_builder's _BUILD_TEMP_DIR); left behind when a build fails
+_CXX_BUILD_DIR = re.compile(r"^c[a-z0-9]{20,}_CxxBuild$")
 _AOT_KEY = re.compile(r"^a[a-z0-9]{51}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _DEVICE = re.compile(r"^\d{1,3}$")
@@ -516,8 +518,9 @@ def foreign_root(root: str) -> str | None:
     Eviction takes unreferenced files as orphans, so pointed at `/`, a home directory or a
     site-packages folder by mistake it would empty it. A root is accepted only by positive
     evidence: everything at its top level is a folder Inductor, Triton or torch makes (or a
-    <2ch>/ folder of generated modules), those folders hold what Inductor puts there (key-shaped
-    names), and nothing else is there. An empty directory is accepted (nothing compiled yet).
+    <2ch>/ folder of generated modules, or of the folders g++ ran in for them), those folders
+    hold what Inductor puts there (key-shaped names), and nothing else is there. An empty
+    directory is accepted (nothing compiled yet).
     """
     real = os.path.realpath(root)
     if os.path.dirname(real) == real:
@@ -553,7 +556,8 @@ def _not_inductors(r: safefs.Root, name: str) -> str | None:
         return f"{shown}/ cannot be read"
     if _TWO_CHAR.match(name):
         if children and not any(
-            (c := classify(f"{name}/{key_of(n)}")) is not None and c.kind in (Kind.CODE, Kind.AUTOTUNE)
+            _CXX_BUILD_DIR.match(n)
+            or ((c := classify(f"{name}/{key_of(n)}")) is not None and c.kind in (Kind.CODE, Kind.AUTOTUNE))
             for n in children
         ):
             return f"{shown}/ holds no generated modules"
