@@ -48,8 +48,6 @@ HIT_FOLDERS = frozenset({"fxgraph", "aotautograd"})  # top folders of the entrie
 
 _TWO_CHAR = re.compile(r"^[a-z0-9]{2}$")
 _CODE_NAME = re.compile(r"^(c[a-z0-9]{20,})(\..+)$")
-# where g++ runs for one C++ build (cpp_builder's _BUILD_TEMP_DIR); left behind when a build fails
-_CXX_BUILD_DIR = re.compile(r"^c[a-z0-9]{20,}_CxxBuild$")
 _AOT_KEY = re.compile(r"^a[a-z0-9]{51}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _DEVICE = re.compile(r"^\d{1,3}$")
@@ -507,8 +505,28 @@ OWN_FOLDERS = frozenset(
         "cache",
         "dynamo",
         "gcc",
+        "bisect",  # compiler_bisector.SUBDIR_NAME
+        "quack",  # 2.14: kernel/flex_gemm/runtime.inductor_quack_cache_dir
+        "torch_cutlass",  # codegen/cutlass/utils.try_import_cutlass: links to CUTLASS's Python sources
+        "torch_cutlass_library",  # the same, in older torch
+        "unhashed_kernel_inputs",  # triton_heuristics._dump_launch_tensors (TORCHINDUCTOR_DUMP_LAUNCH_TENSORS)
     }
 )
+# Other top-level names Inductor makes (torch 2.13 / 2.14 source): a folder each of
+_OWN_DIRS = re.compile(
+    r"^(c[a-z0-9]{20,}"  # AOTInductor's output when no path is given: code_hash(model code) (compile_fx)
+    r"|tmp[a-z0-9_]{8}"  # fresh_cache(dir=cache_dir(), delete=False) under TORCHINDUCTOR_FORCE_DISABLE_CACHES
+    r"|halide-runtime-.+)$"  # HalideCodeCache's standalone runtime
+)
+# and a file each of
+_OWN_FILES = re.compile(
+    r"^(configs_[0-9a-f]{8}\.json"  # CUTLASS's op configs (codegen/cutlass/cache.py)
+    r"|tmp[a-z0-9_]{8}\.py)$"  # a wrapper kept for its output_code log (codegen/wrapper.py)
+)
+# and in a <2ch>/ folder, beside or after its modules: the folder g++ ran in for a C++ build (cpp_builder's
+# _BUILD_TEMP_DIR, left when a build fails; a probe's is named by its bare key), a debug dump of a
+# kernel's launch tensors (triton_<kernel>_run_<n>/), ROCm's kept temporaries (c<hash>-hip-...)
+_MODULE_FOLDER_EXTRAS = re.compile(r"^(c[a-z0-9]{20,}(_CxxBuild|-.+)|triton_\w+_run_\d+)$")
 _CHILDREN = {"fxgraph": _TWO_CHAR, "aotautograd": _AOT_KEY, "triton": _DEVICE}  # what these folders hold
 
 
@@ -549,20 +567,20 @@ def _not_inductors(r: safefs.Root, name: str) -> str | None:
     except OSError:
         return None  # gone meanwhile
     if not stat.S_ISDIR(st.st_mode):
-        return f"{shown} is not a folder Inductor makes"
+        return None if _OWN_FILES.match(name) else f"{shown} is not a folder Inductor makes"
     try:
         children = [n for n in r.listdir(name) if not is_transient(n)]
     except OSError:
         return f"{shown}/ cannot be read"
     if _TWO_CHAR.match(name):
         if children and not any(
-            _CXX_BUILD_DIR.match(n)
+            _MODULE_FOLDER_EXTRAS.match(n)
             or ((c := classify(f"{name}/{key_of(n)}")) is not None and c.kind in (Kind.CODE, Kind.AUTOTUNE))
             for n in children
         ):
             return f"{shown}/ holds no generated modules"
         return None
-    if name not in OWN_FOLDERS:
+    if name not in OWN_FOLDERS and not _OWN_DIRS.match(name):
         return f"{shown} is not a folder Inductor makes"
     shape = _CHILDREN.get(name)
     if shape is not None:

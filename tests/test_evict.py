@@ -444,6 +444,48 @@ def test_a_failed_cpp_build_left_behind_keeps_the_cache_an_inductor_cache(aged_c
     cli.json("purge", "--all", "--yes")  # (exit 0: purge is refused the same way)
 
 
+def test_what_aoti_cutlass_and_debug_runs_leave_keeps_the_cache_an_inductor_cache(aged_cpu, cli_for, tmp_path):
+    """Names torch 2.13 / 2.14 put in a cache dir beside its usual folders (read from their
+    source; the AOTI folder made by aoti_compile_and_package): each had made evict refuse the
+    whole cache as not Inductor's. Eviction now runs, over them too (unknown files go by age,
+    as any), and leaves CUTLASS's links, and what they point at, as they were. Near misses of
+    those names are still refused."""
+    cutlass = tmp_path / "cutlass" / "python"
+    (cutlass / "cutlass_library").mkdir(parents=True)
+    (cutlass / "cutlass_library" / "__init__.py").write_text("# CUTLASS's own")
+    module_folder = next(aged_cpu.glob("??/c*.py")).parent
+    made = {
+        "c5nzq3b2kxqrn7ti6wofe6hpuhbk3ssfzgj3bqmrldcdzmw2zq2z/model.wrapper.cpp": "aoti",
+        "tmpab_cd123/output_code.py": "fresh cache kept",
+        "tmpxyz12345.py": "wrapper",
+        "configs_1a2b3c4d.json": "[]",
+        "unhashed_kernel_inputs/triton_poi_fused_0_run_0/arg_0.pt": "tensor",
+        "bisect/run_state.txt": "bisect",
+        "quack/flex_gemm.py": "quack",
+        "halide-runtime-host-3f2a/done": "",
+        f"{module_folder.name}/triton_poi_fused_add_0_run_1/arg_0.pt": "tensor",
+    }
+    for rel, text in made.items():
+        (aged_cpu / rel).parent.mkdir(parents=True, exist_ok=True)
+        (aged_cpu / rel).write_text(text)
+    for folder in ("torch_cutlass", "torch_cutlass_library"):
+        (aged_cpu / folder).mkdir()
+        (aged_cpu / folder / "cutlass_library").symlink_to(cutlass / "cutlass_library")
+    age_files(aged_cpu, 30 * 86400)
+    assert layout.foreign_root(str(aged_cpu)) is None
+    cli = cli_for(aged_cpu)
+    assert cli.json("evict", "--max-size", "0")["evicted"] > len(made)
+    assert [rel for rel in made if (aged_cpu / rel).exists()] == ["halide-runtime-host-3f2a/done"]  # (0 bytes)
+    for folder in ("torch_cutlass", "torch_cutlass_library"):
+        assert (aged_cpu / folder / "cutlass_library" / "__init__.py").read_text() == "# CUTLASS's own"
+    assert cli.json("evict", "--max-size", "0")["evicted"] == 0  # (not refused: exit 0)
+    for near in ("configs_backup.json", "tmpfile.py", "cnotahash", "tmp_short"):
+        other = tmp_path / f"near-{near}"
+        shutil.copytree(aged_cpu, other, symlinks=True)
+        (other / near).mkdir() if "." not in near else (other / near).write_text("mine")
+        assert f"{near} is not a folder Inductor makes" in (layout.foreign_root(str(other)) or ""), near
+
+
 # -- crashes ---------------------------------------------------------------------------------------
 
 
