@@ -505,22 +505,24 @@ OWN_FOLDERS = frozenset(
         "cache",
         "dynamo",
         "gcc",
-        "bisect",  # compiler_bisector.SUBDIR_NAME
-        "quack",  # 2.14: kernel/flex_gemm/runtime.inductor_quack_cache_dir
         "torch_cutlass",  # codegen/cutlass/utils.try_import_cutlass: links to CUTLASS's Python sources
         "torch_cutlass_library",  # the same, in older torch
         "unhashed_kernel_inputs",  # triton_heuristics._dump_launch_tensors (TORCHINDUCTOR_DUMP_LAUNCH_TENSORS)
+        "cutedsl_compile_cache",  # runtime/cutedsl_cache.py
     }
 )
+# Top-level folders torch makes that hold no cache entries: what is in them is loaded by path
+# (AOTInductor's output when no path is given, named code_hash(model code) in compile_fx: its
+# .so / .pt2 are what aot_compile and aoti_compile_and_package return; Halide's runtime, behind a
+# `done` marker), or is a tool's state (the compiler bisector's, 2.14's QuACK FlexGEMM cache).
+# Indexed and shown; eviction never plans them (`is_kept`); `purge` takes them when asked.
+_KEPT_DIRS = re.compile(r"^(c[a-z0-9]{20,}|halide-runtime-.+|bisect|quack)$")
 # Other top-level names Inductor makes (torch 2.13 / 2.14 source): a folder each of
-_OWN_DIRS = re.compile(
-    r"^(c[a-z0-9]{20,}"  # AOTInductor's output when no path is given: code_hash(model code) (compile_fx)
-    r"|tmp[a-z0-9_]{8}"  # fresh_cache(dir=cache_dir(), delete=False) under TORCHINDUCTOR_FORCE_DISABLE_CACHES
-    r"|halide-runtime-.+)$"  # HalideCodeCache's standalone runtime
-)
+_OWN_DIRS = re.compile(r"^tmp[a-z0-9_]{8}$")  # fresh_cache(dir=cache_dir(), delete=False) (FORCE_DISABLE_CACHES)
 # and a file each of
 _OWN_FILES = re.compile(
     r"^(configs_[0-9a-f]{8}\.json"  # CUTLASS's op configs (codegen/cutlass/cache.py)
+    r"|memoizer_cache\.(json|lock)"  # runtime/caching Memoizer's dump (TORCHINDUCTOR_DUMP_MEMOIZER_CACHE)
     r"|tmp[a-z0-9_]{8}\.py)$"  # a wrapper kept for its output_code log (codegen/wrapper.py)
 )
 # and in a <2ch>/ folder, beside or after its modules: the folder g++ ran in for a C++ build (cpp_builder's
@@ -528,6 +530,12 @@ _OWN_FILES = re.compile(
 # kernel's launch tensors (triton_<kernel>_run_<n>/), ROCm's kept temporaries (c<hash>-hip-...)
 _MODULE_FOLDER_EXTRAS = re.compile(r"^(c[a-z0-9]{20,}(_CxxBuild|-.+)|triton_\w+_run_\d+)$")
 _CHILDREN = {"fxgraph": _TWO_CHAR, "aotautograd": _AOT_KEY, "triton": _DEVICE}  # what these folders hold
+
+
+def is_kept(key: str) -> bool:
+    """An entry inside a folder of torch's that eviction must leave alone (see _KEPT_DIRS)."""
+    top, sep, _ = key.partition("/")
+    return bool(sep) and _KEPT_DIRS.match(top) is not None
 
 
 def foreign_root(root: str) -> str | None:
@@ -580,7 +588,7 @@ def _not_inductors(r: safefs.Root, name: str) -> str | None:
         ):
             return f"{shown}/ holds no generated modules"
         return None
-    if name not in OWN_FOLDERS and not _OWN_DIRS.match(name):
+    if name not in OWN_FOLDERS and not _OWN_DIRS.match(name) and not _KEPT_DIRS.match(name):
         return f"{shown} is not a folder Inductor makes"
     shape = _CHILDREN.get(name)
     if shape is not None:

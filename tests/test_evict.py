@@ -447,24 +447,31 @@ def test_a_failed_cpp_build_left_behind_keeps_the_cache_an_inductor_cache(aged_c
 def test_what_aoti_cutlass_and_debug_runs_leave_keeps_the_cache_an_inductor_cache(aged_cpu, cli_for, tmp_path):
     """Names torch 2.13 / 2.14 put in a cache dir beside its usual folders (read from their
     source; the AOTI folder made by aoti_compile_and_package): each had made evict refuse the
-    whole cache as not Inductor's. Eviction now runs, over them too (unknown files go by age,
-    as any), and leaves CUTLASS's links, and what they point at, as they were. Near misses of
-    those names are still refused."""
+    whole cache as not Inductor's. Eviction now runs: what programs load by path (AOTI's output,
+    Halide's runtime) and tools' state stay, whatever their age; debris goes by age as any
+    unknown file; CUTLASS's links, and what they point at, stay. Near misses are still refused."""
     cutlass = tmp_path / "cutlass" / "python"
     (cutlass / "cutlass_library").mkdir(parents=True)
     (cutlass / "cutlass_library" / "__init__.py").write_text("# CUTLASS's own")
     module_folder = next(aged_cpu.glob("??/c*.py")).parent
-    made = {
-        "c5nzq3b2kxqrn7ti6wofe6hpuhbk3ssfzgj3bqmrldcdzmw2zq2z/model.wrapper.cpp": "aoti",
+    aoti = "c5nzq3b2kxqrn7ti6wofe6hpuhbk3ssfzgj3bqmrldcdzmw2zq2z"  # code_hash(model code): its output
+    kept = {
+        f"{aoti}/{aoti}.pt2": "aoti package",
+        "halide-runtime-host-3f2a/done": "",
+        "halide-runtime-host-3f2a/standalone_halide_runtime.a": "runtime",
+        "bisect/run_state.txt": "bisect",
+        "quack/flex_gemm.py": "quack",
+    }
+    debris = {
         "tmpab_cd123/output_code.py": "fresh cache kept",
         "tmpxyz12345.py": "wrapper",
         "configs_1a2b3c4d.json": "[]",
+        "memoizer_cache.json": "{}",
+        "cutedsl_compile_cache/c0e4a.o": "object",
         "unhashed_kernel_inputs/triton_poi_fused_0_run_0/arg_0.pt": "tensor",
-        "bisect/run_state.txt": "bisect",
-        "quack/flex_gemm.py": "quack",
-        "halide-runtime-host-3f2a/done": "",
         f"{module_folder.name}/triton_poi_fused_add_0_run_1/arg_0.pt": "tensor",
     }
+    made = kept | debris
     for rel, text in made.items():
         (aged_cpu / rel).parent.mkdir(parents=True, exist_ok=True)
         (aged_cpu / rel).write_text(text)
@@ -474,8 +481,9 @@ def test_what_aoti_cutlass_and_debug_runs_leave_keeps_the_cache_an_inductor_cach
     age_files(aged_cpu, 30 * 86400)
     assert layout.foreign_root(str(aged_cpu)) is None
     cli = cli_for(aged_cpu)
-    assert cli.json("evict", "--max-size", "0")["evicted"] > len(made)
-    assert [rel for rel in made if (aged_cpu / rel).exists()] == ["halide-runtime-host-3f2a/done"]  # (0 bytes)
+    assert cli.json("evict", "--max-size", "0")["evicted"] > len(debris)
+    assert [rel for rel in made if (aged_cpu / rel).exists()] == list(kept)
+    assert all((aged_cpu / rel).read_text() == text for rel, text in kept.items())
     for folder in ("torch_cutlass", "torch_cutlass_library"):
         assert (aged_cpu / folder / "cutlass_library" / "__init__.py").read_text() == "# CUTLASS's own"
     assert cli.json("evict", "--max-size", "0")["evicted"] == 0  # (not refused: exit 0)

@@ -768,11 +768,14 @@ class Singles:
 
 
 def candidates(g: Graph) -> tuple[Singles, Singles, list[_Candidate]]:
-    """(orphans, recreatable entries, groups), each unordered."""
+    """(orphans, recreatable entries, groups), each unordered. An unknown file in a folder whose
+    contents torch loads by path (layout.is_kept) is none of them."""
     t = g.rows
     touched, kinds, hits = t.touched, t.kind, t.hit_count
     orphans, cheap, groups = Singles(g, "orphan"), Singles(g, "recreatable"), []
     for i in range(len(t)):
+        if kinds[i] == Kind.OTHER and layout.is_kept(t.key[i]):
+            continue
         if g.is_orphan(i):
             members = g.closure([i])
             orphans.add(members, max(touched(m) for m in members))
