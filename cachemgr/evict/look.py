@@ -384,16 +384,13 @@ class _Process:
         self.stdout.close()
 
     def load(self) -> int:
-        dead = self.ended is not None or self.proc.returncode is not None
-        return -1 if dead else len(self.jobs)  # (a dead worker is chosen first, so the run stops)
+        return len(self.jobs) if self.ended is None else -1  # (a dead worker is chosen first, so the run stops)
 
     def submit(self, job: tuple) -> Future:
         f: Future = Future()
         f.set_running_or_notify_cancel()  # cannot be cancelled: the worker has it
         with self.lock:
-            if self.ended is None and self.proc.poll() is not None:  # (before its reader saw it)
-                self.ended = _ended(self.proc.returncode)
-            if self.ended is not None:  # nothing would ever answer this job
+            if self.ended is not None:  # its reader is done: nothing would ever answer this job
                 f.set_exception(WorkerDied(self.ended))
                 return f
             self.jobs.append(f)
@@ -415,8 +412,9 @@ class _Process:
         except Exception:  # noqa: BLE001 - EOF (it died), or an answer that cannot be read: it is done for
             self.proc.kill()
         code = self.proc.wait()
+        why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
         with self.lock:
-            self.ended = _ended(code)
+            self.ended = f"an eviction worker process ended ({why})"
             held, self.jobs = self.jobs, deque()
         for f in held:
             f.set_exception(WorkerDied(self.ended))
@@ -428,11 +426,6 @@ class _Process:
             pass
         self.reader.join()
         self.stdout.close()
-
-
-def _ended(code: int) -> str:
-    why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
-    return f"an eviction worker process ended ({why})"
 
 
 class WorkerDied(CachemgrError):
