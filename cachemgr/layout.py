@@ -505,37 +505,43 @@ OWN_FOLDERS = frozenset(
         "cache",
         "dynamo",
         "gcc",
+    }
+)
+# Names torch also writes at the top level (torch 2.13 / 2.14 source), too plain or too rare to
+# tell a cache by: tolerated only beside an OWN_FOLDERS folder or a <2ch>/ folder of modules.
+# Folders of debris and caches:
+_TOLERATED_DIRS = frozenset(
+    {
         "torch_cutlass",  # codegen/cutlass/utils.try_import_cutlass: links to CUTLASS's Python sources
         "torch_cutlass_library",  # the same, in older torch
         "unhashed_kernel_inputs",  # triton_heuristics._dump_launch_tensors (TORCHINDUCTOR_DUMP_LAUNCH_TENSORS)
         "cutedsl_compile_cache",  # runtime/cutedsl_cache.py
     }
 )
-# Top-level folders torch makes that hold no cache entries: what is in them is loaded by path
-# (AOTInductor's output when no path is given, named code_hash(model code) in compile_fx: its
-# .so / .pt2 are what aot_compile and aoti_compile_and_package return; Halide's runtime, behind a
-# `done` marker), or is a tool's state (the compiler bisector's, 2.14's QuACK FlexGEMM cache).
-# Indexed and shown; eviction never plans them (`is_kept`); `purge` takes them when asked.
-_KEPT_DIRS = re.compile(r"^(c[a-z0-9]{20,}|halide-runtime-.+|bisect|quack)$")
-# Other top-level names Inductor makes (torch 2.13 / 2.14 source): a folder each of
-_OWN_DIRS = re.compile(r"^tmp[a-z0-9_]{8}$")  # fresh_cache(dir=cache_dir(), delete=False) (FORCE_DISABLE_CACHES)
-# and a file each of
-_OWN_FILES = re.compile(
-    r"^(configs_[0-9a-f]{8}\.json"  # CUTLASS's op configs (codegen/cutlass/cache.py)
+# Files:
+_TOLERATED_FILES = re.compile(
+    r"configs_[0-9a-f]{8}\.json"  # CUTLASS's op configs (codegen/cutlass/cache.py)
     r"|memoizer_cache\.(json|lock)"  # runtime/caching Memoizer's dump (TORCHINDUCTOR_DUMP_MEMOIZER_CACHE)
-    r"|tmp[a-z0-9_]{8}\.py)$"  # a wrapper kept for its output_code log (codegen/wrapper.py)
 )
-# and in a <2ch>/ folder, beside or after its modules: the folder g++ ran in for a C++ build (cpp_builder's
+# Folders whose contents eviction never plans (`is_kept`; `purge` takes them when asked): what
+# programs load by path (AOTInductor's output when given no path, named code_hash(model code) in
+# compile_fx: the .so / .pt2 that aot_compile and aoti_compile_and_package return; Halide's
+# runtime, behind a `done` marker), tools' state (the compiler bisector's, 2.14's QuACK cache),
+# and what only looks like torch's: tempfile's names, which fresh_cache(dir=cache_dir(),
+# delete=False) leaves under FORCE_DISABLE_CACHES, as would any other program's mkdtemp there.
+_KEPT_DIRS = re.compile(r"c[a-z0-9]{20,}|halide-runtime-.+|bisect|quack|tmp[a-z0-9_]{8}")
+_KEPT_FILES = re.compile(r"tmp[a-z0-9_]{8}\.py")  # a wrapper kept for its output_code log (codegen/wrapper.py)
+# In a <2ch>/ folder, beside or after its modules: the folder g++ ran in for a C++ build (cpp_builder's
 # _BUILD_TEMP_DIR, left when a build fails; a probe's is named by its bare key), a debug dump of a
 # kernel's launch tensors (triton_<kernel>_run_<n>/), ROCm's kept temporaries (c<hash>-hip-...)
-_MODULE_FOLDER_EXTRAS = re.compile(r"^(c[a-z0-9]{20,}(_CxxBuild|-.+)|triton_\w+_run_\d+)$")
+_MODULE_FOLDER_EXTRAS = re.compile(r"c[a-z0-9]{20,}(_CxxBuild|-.+)|triton_\w+_run_\d+")
 _CHILDREN = {"fxgraph": _TWO_CHAR, "aotautograd": _AOT_KEY, "triton": _DEVICE}  # what these folders hold
 
 
 def is_kept(key: str) -> bool:
-    """An entry inside a folder of torch's that eviction must leave alone (see _KEPT_DIRS)."""
-    top, sep, _ = key.partition("/")
-    return bool(sep) and _KEPT_DIRS.match(top) is not None
+    """An entry eviction must leave alone: in a _KEPT_DIRS folder, or a _KEPT_FILES file."""
+    top, sep, _ = fs_path(key).partition("/")
+    return (_KEPT_DIRS if sep else _KEPT_FILES).fullmatch(top) is not None
 
 
 def foreign_root(root: str) -> str | None:
@@ -544,9 +550,10 @@ def foreign_root(root: str) -> str | None:
     Eviction takes unreferenced files as orphans, so pointed at `/`, a home directory or a
     site-packages folder by mistake it would empty it. A root is accepted only by positive
     evidence: everything at its top level is a folder Inductor, Triton or torch makes (or a
-    <2ch>/ folder of generated modules, or of the folders g++ ran in for them), those folders
-    hold what Inductor puts there (key-shaped names), and nothing else is there. An empty
-    directory is accepted (nothing compiled yet).
+    <2ch>/ folder of generated modules), those folders hold what Inductor puts there (key-shaped
+    names), and nothing else is there but names torch writes that tell no cache alone (a
+    tempfile-named folder, CUTLASS's, AOTInductor's output: tolerated beside the others). An
+    empty directory is accepted (nothing compiled yet).
     """
     real = os.path.realpath(root)
     if os.path.dirname(real) == real:
@@ -560,35 +567,47 @@ def foreign_root(root: str) -> str | None:
             names = sorted(n for n in os.listdir(r.fd) if n != TRASH_DIR)
         except OSError:
             return None
-        odd = [why for n in names if (why := _not_inductors(r, n))]
+        seen = [(n, _not_inductors(r, n)) for n in names]
+    odd = [why for _, why in seen if why and why is not _TOLERATED]
+    if not odd and any(why is _TOLERATED for _, why in seen) and all(why for _, why in seen):
+        odd = [f"{key_of(names[0])} and the like, with no folder of Inductor's own beside them"]
     if not odd:
         return None
     shown = "; ".join(odd[:3]) + (f"; and {len(odd) - 3} more" if len(odd) > 3 else "")
     return f"{root} does not look like an Inductor cache directory ({shown})"
 
 
+_TOLERATED = "tolerated"  # (what _not_inductors says of a name that is no evidence alone)
+
+
 def _not_inductors(r: safefs.Root, name: str) -> str | None:
-    """Why the top-level name `name` is not something Inductor makes, or None."""
+    """Why the top-level name `name` is not something Inductor makes, or None; _TOLERATED for a
+    name torch makes that tells no cache by itself."""
     shown = key_of(name)
     try:
         st = r.lstat(name)
     except OSError:
         return None  # gone meanwhile
     if not stat.S_ISDIR(st.st_mode):
-        return None if _OWN_FILES.match(name) else f"{shown} is not a folder Inductor makes"
+        if _TOLERATED_FILES.fullmatch(name) or _KEPT_FILES.fullmatch(name):
+            return _TOLERATED
+        return f"{shown} is not a folder Inductor makes"
     try:
         children = [n for n in r.listdir(name) if not is_transient(n)]
     except OSError:
         return f"{shown}/ cannot be read"
-    if _TWO_CHAR.match(name):
-        if children and not any(
-            _MODULE_FOLDER_EXTRAS.match(n)
-            or ((c := classify(f"{name}/{key_of(n)}")) is not None and c.kind in (Kind.CODE, Kind.AUTOTUNE))
+    if _TWO_CHAR.fullmatch(name):
+        if any(
+            (c := classify(f"{name}/{key_of(n)}")) is not None and c.kind in (Kind.CODE, Kind.AUTOTUNE)
             for n in children
         ):
-            return f"{shown}/ holds no generated modules"
-        return None
-    if name not in OWN_FOLDERS and not _OWN_DIRS.match(name) and not _KEPT_DIRS.match(name):
+            return None
+        if all(_MODULE_FOLDER_EXTRAS.fullmatch(n) for n in children):
+            return _TOLERATED if children else None  # (emptied by eviction; or what a failed build left)
+        return f"{shown}/ holds no generated modules"
+    if name in _TOLERATED_DIRS or _KEPT_DIRS.fullmatch(name):
+        return _TOLERATED
+    if name not in OWN_FOLDERS:
         return f"{shown} is not a folder Inductor makes"
     shape = _CHILDREN.get(name)
     if shape is not None:
