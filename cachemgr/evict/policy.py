@@ -768,8 +768,8 @@ class Singles:
 
 
 def candidates(g: Graph) -> tuple[Singles, Singles, list[_Candidate]]:
-    """(orphans, recreatable entries, groups), each unordered. An unknown file in a folder whose
-    contents torch loads by path (layout.is_kept) is none of them."""
+    """(orphans, recreatable entries, groups), each unordered. An unknown file eviction leaves
+    alone (layout.is_kept: what programs load by path, tools' state, tempfile's names) is none."""
     t = g.rows
     touched, kinds, hits = t.touched, t.kind, t.hit_count
     orphans, cheap, groups = Singles(g, "orphan"), Singles(g, "recreatable"), []
