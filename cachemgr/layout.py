@@ -567,9 +567,9 @@ def foreign_root(root: str) -> str | None:
             names = sorted(n for n in os.listdir(r.fd) if n != TRASH_DIR)
         except OSError:
             return None
-        seen = [(n, _not_inductors(r, n)) for n in names]
-    odd = [why for _, why in seen if why and why is not _TOLERATED]
-    if not odd and any(why is _TOLERATED for _, why in seen) and all(why for _, why in seen):
+        whys = [_not_inductors(r, n) for n in names]
+    odd = [why for why in whys if why and why is not _TOLERATED]
+    if whys and all(why is _TOLERATED for why in whys):
         odd = [f"{key_of(names[0])} and the like, with no folder of Inductor's own beside them"]
     if not odd:
         return None

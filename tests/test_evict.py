@@ -791,7 +791,7 @@ def test_a_worker_process_killed_mid_eviction(aged_gpu, db_url, monkeypatch, whe
         if stage != "renamed" or made[0].ended is not None:
             return
         renamed.append(stage)
-        if when == "idle-last" and len(renamed) < -(-len(p.units) // 8):
+        if when == "idle-last" and len(renamed) < -(-len(p.units) // execute.BATCH):  # (not the last yet)
             return
         while when != "busy" and made[0].jobs:
             time.sleep(0.001)
