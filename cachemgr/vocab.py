@@ -30,6 +30,10 @@ class Kind(StrEnum):
 # and time.
 READER = 2
 
+# entries.parse_state: its files were read, or (scan phase one) it was indexed from its names only
+# and waits to be read: again (PENDING), or as a new entry (PENDING_NEW, a 'new' event when read).
+PARSED, PENDING, PENDING_NEW = 0, 1, 2
+
 PICKLED = frozenset({Kind.FXGRAPH, Kind.AOTAUTOGRAD, Kind.PRECOMPILE})  # entries that are pickles to parse
 
 # What losing an entry of each kind costs, read off torch's own source (docs/formats.md, section 2).

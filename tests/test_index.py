@@ -17,6 +17,7 @@ import pytest
 from conftest import NO_TORCH_PROGRAM, REPO, Cli, run_program, subprocess_env
 
 from cachemgr import layout
+from cachemgr.vocab import READER
 
 
 def disk_counts(root: Path) -> tuple[int, int]:
@@ -177,15 +178,83 @@ def _index_of(db_file: Path) -> dict:
         conn.close()
 
 
-def test_walk_and_parse_in_workers_match_one_process(gpu_cache, tmp_path, monkeypatch):
-    """A first scan whose walk and reads are shared with worker processes (walk units handed out
-    and taken back in order, content read once) indexes exactly what one process indexes."""
+FIRST_SCAN_WITHOUT_SQLALCHEMY = """
+import json, sys
+from cachemgr.index.fill import first_scan
+from cachemgr.index.workers import Pool
+with Pool(2) as pool:
+    r = first_scan(sys.argv[1], "h", sys.argv[2], pool, create_folder=False)
+assert "sqlalchemy" not in sys.modules, "sqlalchemy was imported"
+print(json.dumps(None if r is None else r.as_dict()))
+"""
+
+
+def test_a_first_scan_of_the_embedded_index_is_usable_before_sqlalchemy_is_imported(gpu_cache, tmp_path):
+    """`cachemgr scan` into a new SQLite index runs phase one on stdlib sqlite3 (fill.first_scan:
+    the schema made from head_ddl, every entry and directory written, last_scan set), before it
+    imports SQLAlchemy for phase two. Once parsed, the index is the one a scan through SQLAlchemy
+    makes, whether as a first fill or a row-by-row sync (an index that holds another cache)."""
     from cachemgr.index import scan
     from cachemgr.index.db import Database
     from cachemgr.index.workers import Pool
 
-    monkeypatch.setattr(scan, "PARALLEL_WALK", 1)  # the fixture's 137 kernel directories: share them out
-    monkeypatch.setattr(scan, "WALK_JOB", (1, 3))
+    path = tmp_path / "stdlib.db"
+
+    def first_scan() -> dict | None:
+        out = subprocess.run(
+            [sys.executable, "-c", FIRST_SCAN_WITHOUT_SQLALCHEMY, str(path), str(gpu_cache)],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def state() -> list:
+        with sqlite3.connect(path) as conn:
+            return conn.execute("SELECT last_scan, reader, (SELECT COUNT(*) FROM entries) FROM caches").fetchall()
+
+    r = first_scan()
+    assert r is not None and r["added"] == 262 and 0 < r["pending"] < 262 and r["parsed"] == 0
+    made = state()
+    assert made[0][0] is not None and made[0][1:] == (READER, 262)
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM entries WHERE parse_state <> 0").fetchone() == (r["pending"],)
+    assert first_scan() is None and state() == made  # no first fill now: nothing written
+
+    def parsed(name: str, other_cache_first: bool = False) -> dict:
+        db = Database(f"sqlite:///{tmp_path / name}")
+        if other_cache_first:  # entries of another cache: this scan is no first fill
+            scan.reconcile(db, db.cache_id("other", str(gpu_cache)), str(gpu_cache), parse_now=False)
+        cid = db.cache_id("h", str(gpu_cache))
+        with Pool(2) as pool:
+            if name == "stdlib.db":
+                scan.parse_pending(db, cid, str(gpu_cache), pool=pool)
+            else:
+                assert scan.reconcile(db, cid, str(gpu_cache), pool=pool).added == 262
+        if other_cache_first:
+            with db.engine.begin() as conn:
+                conn.execute(scan.delete(scan.CACHES).where(scan.CACHES.c.host == "other"))
+        db.close()
+        return _index_of(tmp_path / name)
+
+    stdlib = parsed("stdlib.db")
+    assert stdlib["entries"] and stdlib["refs"] and stdlib["sets"] and stdlib["dirs"]
+    assert all(e[-2] == 0 for e in stdlib["entries"])  # every one parsed
+    assert stdlib == parsed("sqlalchemy.db")
+    assert stdlib == parsed("synced.db", other_cache_first=True)
+
+
+def test_walk_and_parse_in_workers_match_one_process(gpu_cache, tmp_path, monkeypatch):
+    """A first scan whose walk and reads are shared with worker processes (walk units handed out
+    and taken back in order, content read once) indexes exactly what one process indexes."""
+    from cachemgr.index import fill, scan
+    from cachemgr.index.db import Database
+    from cachemgr.index.workers import Pool
+
+    monkeypatch.setattr(fill, "PARALLEL_WALK", 1)  # the fixture's 137 kernel directories: share them out
+    monkeypatch.setattr(fill, "WALK_JOB", (1, 3))
 
     def index(name: str, pool: Pool | None) -> dict:
         db = Database(f"sqlite:///{tmp_path / name}")
@@ -211,13 +280,13 @@ def test_a_full_scan_removes_what_is_gone_with_its_walk_in_bounded_steps(gpu_cac
     """A full scan keeps the stored directories in the database (a temporary table), not in this
     process: it removes what is gone as a rescan does, leaves the index as a first scan of the
     same tree would, and runs again. Its walk hands out a few jobs at a time."""
-    from cachemgr.index import scan
+    from cachemgr.index import fill, scan
     from cachemgr.index.db import Database
     from cachemgr.index.workers import Pool
 
-    monkeypatch.setattr(scan, "PARALLEL_WALK", 1)
-    monkeypatch.setattr(scan, "WALK_JOB", (1, 3))
-    monkeypatch.setattr(scan, "WALK_AHEAD", 4)
+    monkeypatch.setattr(fill, "PARALLEL_WALK", 1)
+    monkeypatch.setattr(fill, "WALK_JOB", (1, 3))
+    monkeypatch.setattr(fill, "WALK_AHEAD", 4)
     root = tmp_path / "cache"
     shutil.copytree(gpu_cache, root, symlinks=True)
     db = Database(f"sqlite:///{tmp_path / 'full.db'}")
@@ -346,7 +415,7 @@ def test_a_first_scan_stopped_midway_leaves_the_index_with_its_indexes(gpu_cache
     it was (no rows, every index there); run again, it has every entry and the same indexes."""
     from sqlalchemy import text as sa_text
 
-    from cachemgr.index import scan
+    from cachemgr.index import fill, scan
     from cachemgr.index.db import Database
 
     db = Database(db_url)
@@ -355,25 +424,26 @@ def test_a_first_scan_stopped_midway_leaves_the_index_with_its_indexes(gpu_cache
     with db.engine.connect() as conn:
         made = conn.execute(sa_text(indexes)).all()
     assert len(made) >= 8
-    real_sync, calls = scan.sync, []
+    real_insert, calls = fill.insert_batch, []
 
-    def stop_after_one_batch(conn, *args, **kw):
+    def stop_after_one_batch(conn, *args, **kw):  # (conn: the sqlite3 connection under SQLAlchemy's)
         calls.append(None)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        kept = [r for r in made if r.sql is None or " WHERE " in r.sql]  # the others dropped meanwhile
-        assert len(kept) < len(made) and conn.execute(sa_text(indexes)).all() == kept
-        return real_sync(conn, *args, **kw)
+        kept = [tuple(r) for r in made if r.sql is None or " WHERE " in r.sql]  # the others dropped meanwhile
+        assert len(kept) < len(made) and conn.execute(indexes).fetchall() == kept
+        return real_insert(conn, *args, **kw)
 
-    monkeypatch.setattr(scan, "BULK", 20)  # several batches
-    monkeypatch.setattr(scan, "sync", stop_after_one_batch)
+    monkeypatch.setattr(fill, "BULK", 20)  # several batches
+    monkeypatch.setattr(fill, "CHUNK", 5)
+    monkeypatch.setattr(fill, "insert_batch", stop_after_one_batch)
     with pytest.raises(KeyboardInterrupt):
         scan.reconcile(db, cid, str(gpu_cache))
     with db.engine.connect() as conn:
         assert conn.execute(sa_text(indexes)).all() == made
         assert conn.execute(sa_text("SELECT COUNT(*) FROM entries")).scalar_one() == 0
         assert conn.execute(sa_text("SELECT last_scan FROM caches")).scalar_one() is None
-    monkeypatch.setattr(scan, "sync", real_sync)
+    monkeypatch.setattr(fill, "insert_batch", real_insert)
     assert scan.reconcile(db, cid, str(gpu_cache)).added == 262
     with db.engine.connect() as conn:
         assert conn.execute(sa_text(indexes)).all() == made
@@ -388,22 +458,22 @@ def test_a_scan_started_during_a_first_fill_waits_for_it_then_adds_nothing(gpu_c
     entry indexed: it adds none, and fails on no unique key."""
     from sqlalchemy import text as sa_text
 
-    from cachemgr.index import scan
+    from cachemgr.index import fill, scan
     from cachemgr.index.db import Database
 
     db = Database(db_url)
     cid = db.cache_id("testhost", str(gpu_cache))
-    real_sync, other = scan.sync, []
+    real_insert, other = fill.insert_batch, []
 
-    def start_another_scan_then_sync(*args, **kw):
+    def start_another_scan_then_insert(*args, **kw):
         if not other:  # inside the first fill's transaction: the other process must wait for it
             cmd = [sys.executable, "-m", "cachemgr", *Cli(gpu_cache, db_url).base(), "scan", "--json"]
             other.append(subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, text=True))
             time.sleep(3)  # (its start-up and imports: it then waits on the lock this scan holds)
             assert other[0].poll() is None
-        return real_sync(*args, **kw)
+        return real_insert(*args, **kw)
 
-    monkeypatch.setattr(scan, "sync", start_another_scan_then_sync)
+    monkeypatch.setattr(fill, "insert_batch", start_another_scan_then_insert)
     assert scan.reconcile(db, cid, str(gpu_cache)).added == 262
     out, _ = other[0].communicate(timeout=120)
     assert other[0].returncode == 0

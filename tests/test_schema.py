@@ -76,3 +76,48 @@ def test_processes_opening_one_new_index_at_once_all_get_it(tmp_path):
 def schema_of_a_fresh_index(path) -> dict:
     Database(f"sqlite:///{path}").close()
     return schema(path)
+
+
+def test_the_stored_ddl_is_the_models():
+    """head_ddl.py is what SQLAlchemy makes of the models (after a change to them: `python -m
+    cachemgr.index.schema` writes it again)."""
+    from cachemgr.index.head_ddl import HEAD_DDL
+    from cachemgr.index.schema import ddl_from_models
+
+    assert ddl_from_models() == HEAD_DDL
+
+
+def test_a_stdlib_connection_makes_the_same_index_and_refuses_what_it_should_not_touch(tmp_path):
+    """schema.open_at_head (a first scan's phase one, before SQLAlchemy) makes the schema
+    Database makes, and opens an index at head; anything else it leaves alone (None) for
+    Database to migrate, refuse or report: another program's database, a file that is not
+    SQLite, an index at an older revision, a folder that is missing."""
+    from cachemgr.index.schema import open_at_head
+
+    conn = open_at_head(str(tmp_path / "new.db"), create_folder=False)
+    assert conn is not None
+    assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert conn.execute("PRAGMA foreign_keys").fetchone() == (1,)
+    conn.close()
+    assert schema(tmp_path / "new.db") == schema_of_a_fresh_index(tmp_path / "fresh.db")
+    again = open_at_head(str(tmp_path / "new.db"), create_folder=False)
+    assert again is not None
+    again.close()
+
+    foreign = tmp_path / "foreign.db"
+    with sqlite3.connect(foreign) as c:
+        c.execute("CREATE TABLE invoices (id INTEGER)")
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"not a database, " * 512)
+    old = tmp_path / "old.db"
+    Database(f"sqlite:///{old}").close()
+    with sqlite3.connect(old) as c:
+        c.execute("UPDATE alembic_version SET version_num = '0005'")
+    before = {p: p.read_bytes() for p in (foreign, garbage)}
+    for path in (foreign, garbage, old, tmp_path / "missing" / "i.db"):
+        assert open_at_head(str(path), create_folder=False) is None, path
+    assert {p: p.read_bytes() for p in (foreign, garbage)} == before
+    assert not (tmp_path / "missing").exists()
+    made = open_at_head(str(tmp_path / "state" / "cachemgr" / "i.db"), create_folder=True)
+    assert made is not None
+    made.close()

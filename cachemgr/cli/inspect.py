@@ -57,10 +57,22 @@ def run_scan(app, quiet_progress: bool = False, full: bool = False):
         if unchanged is not None:
             result = ScanResult(root, unchanged=unchanged, seconds=time.monotonic() - t0)
     if result is None:
-        from cachemgr.index import reconcile
+        from cachemgr.index.workers import Pool
 
-        with progress_bar("parsing entries", enabled=None if not quiet_progress else False) as progress:
-            result = reconcile(app.db, app.cache_id, root, progress=progress, full=full)
+        with Pool() as pool:
+            if path is not None and not full:  # a first scan? its phase one without SQLAlchemy too
+                from cachemgr.index.fill import first_scan
+
+                result = first_scan(path, s.host, root, pool, create_folder=s.defaulted("db"))
+            with progress_bar("parsing entries", enabled=None if not quiet_progress else False) as progress:
+                if result is None:
+                    from cachemgr.index import reconcile
+
+                    result = reconcile(app.db, app.cache_id, root, progress=progress, full=full, pool=pool)
+                elif result.pending:
+                    from cachemgr.index import parse_pending
+
+                    result = result.with_parsed(parse_pending(app.db, app.cache_id, root, progress, pool))
     ingest_spool(app)
     return result
 

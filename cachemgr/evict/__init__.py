@@ -33,6 +33,7 @@ from cachemgr.evict.policy import (
     select,
     table_of,
 )
+from cachemgr.vocab import PARSED as PARSE_DONE
 from cachemgr.vocab import Kind
 
 if TYPE_CHECKING:  # (the index's SQLAlchemy is not imported by eviction's worker processes)
@@ -112,8 +113,6 @@ def _positioned(t: Table, refs: Iterable[tuple[int, str, str]]) -> Iterator[tupl
 
 def _table(rows: Iterable[tuple], pins: dict, full: bool) -> Table:
     """A Table of Store.policy_rows' rows (their shared values already one string each)."""
-    from cachemgr.index.models import PARSED as PARSE_DONE
-
     t = Table(full)
     odd: dict[int, str | None] = {}  # refs their keys do not spell (none, as layout stands)
     t.ref = KeyRefs(t, odd)

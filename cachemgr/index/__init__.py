@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 _WHERE = {
     "Database": "cachemgr.index.db",
     "reconcile": "cachemgr.index.scan",
+    "parse_pending": "cachemgr.index.scan",
     "AmbiguousKey": "cachemgr.index.store",
     "CacheRow": "cachemgr.index.store",
     "CompileEvent": "cachemgr.index.store",
@@ -41,12 +42,13 @@ __all__ = [
     "Store",
     "Totals",
     "Usage",
+    "parse_pending",
     "reconcile",
 ]
 
 if TYPE_CHECKING:
     from cachemgr.index.db import Database
-    from cachemgr.index.scan import reconcile
+    from cachemgr.index.scan import parse_pending, reconcile
     from cachemgr.index.store import (
         AmbiguousKey,
         CacheRow,

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from cachemgr.errors import DatabaseError
+from cachemgr.index import schema
 from cachemgr.index.models import Cache
 from cachemgr.index.revision import HEAD_REVISION
 
@@ -28,17 +29,7 @@ def migrations_dir() -> Path:
 
 
 def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
-    """Per connection. WAL (readers never block the daemon's writes) is the file's own setting:
-    `migrate` sets it once the file is known to be cachemgr's."""
-    cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA synchronous=NORMAL")  # safe with WAL; a crash loses at most the last commit
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.execute("PRAGMA busy_timeout=30000")
-    # 8 MiB of pages (SQLite's default is 2): a first scan of 1,000,000 files writes eight indexes
-    # of 200,000+ rows, and with 2 MiB each insert read its pages back from the OS again. (32 MiB
-    # was 12 % faster still, but it counts in every process's memory, held under 150 MB.)
-    cur.execute("PRAGMA cache_size=-8192")
-    cur.close()
+    schema.apply_pragmas(dbapi_conn)
 
 
 class Database:
@@ -56,7 +47,7 @@ class Database:
         if self.is_sqlite:
             path = url.split(":///", 1)[1] if ":///" in url else ""
             if path and path != ":memory:":
-                _folder_for(Path(path), create_folder)
+                schema.folder_for(Path(path), create_folder)
         try:
             self.engine: Engine = create_engine(url, pool_pre_ping=not self.is_sqlite)
         except (SQLAlchemyError, ImportError, ValueError) as e:
@@ -125,27 +116,15 @@ class Database:
             ) from e
 
     def _create_at_head(self) -> bool:
-        """Make an empty SQLite index's schema from the models and stamp it at head, without
-        Alembic (its import and five migrations were a quarter of a first scan's time to a usable
-        index). A test holds this schema equal to the migrations' column by column. False if the
-        file is not empty: Alembic brings whatever is there to head."""
-        from cachemgr.index.models import ENTRY_COMPONENTS_VIEW, Base
-
+        """Make an empty SQLite index's schema at head (schema.HEAD_DDL, made from the models),
+        without Alembic: its import and five migrations were a quarter of a first scan's time to
+        a usable index. False if the file is not empty: Alembic brings whatever is there to head."""
         try:
             with self.engine.begin() as conn:
                 conn.exec_driver_sql("BEGIN IMMEDIATE")  # one process creates; the others find it made
-                if conn.exec_driver_sql("SELECT 1 FROM sqlite_master LIMIT 1").first() is not None:
-                    return False
-                Base.metadata.create_all(conn)
-                conn.exec_driver_sql(ENTRY_COMPONENTS_VIEW)
-                conn.exec_driver_sql(
-                    "CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL, "
-                    "CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num))"
-                )
-                conn.exec_driver_sql("INSERT INTO alembic_version (version_num) VALUES (?)", (HEAD_REVISION,))
+                return schema.create_at_head(conn.connection.driver_connection)
         except SQLAlchemyError as e:
             raise DatabaseError(f"cannot create the index {redact(self.url)}: {_first_line(e)}") from e
-        return True
 
     def _refuse_foreign(self) -> None:
         """A database cachemgr never migrated must be empty (or hold only cachemgr's tables): it
@@ -206,23 +185,6 @@ class Database:
 
     def close(self) -> None:
         self.engine.dispose()
-
-
-def _folder_for(path: Path, create: bool) -> None:
-    """The folder of a SQLite index: made only when asked (cachemgr's default state folder)."""
-    folder = path.parent
-    if folder.is_dir():
-        return
-    if not create:
-        what = "is not a folder" if folder.exists() else "does not exist"
-        raise DatabaseError(
-            f"the index's folder {folder} {what}: cachemgr creates only its default state folder "
-            "(create it, or give another --db)"
-        )
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DatabaseError(f"cannot create the index folder {folder}: {e.strerror}") from e
 
 
 RESERVE_BYTES = 8 << 20  # beside a SQLite index: room to open it and record an eviction on a full disk

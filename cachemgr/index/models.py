@@ -65,7 +65,7 @@ class Cache(Base):
 
 def _where(column: str) -> dict:
     """An index of the rows where `column` is set. SQLite's only: the models make a fresh SQLite
-    index (db._create_at_head), the migrations make every other (their 0006 has PostgreSQL's
+    index (schema.HEAD_DDL, made from them), the migrations make every other (their 0006 has PostgreSQL's
     partial indexes). A `postgresql_where` here made SQLAlchemy import its PostgreSQL dialect,
     and asyncio, into every command: 40-60 ms of each."""
     return {"sqlite_where": text(f"{column} IS NOT NULL")}
@@ -115,16 +115,13 @@ class Entry(Base):
     torch_version_hash: Mapped[str | None] = mapped_column(String(64))
     system_hash: Mapped[str | None] = mapped_column(String(64))
     corrupt: Mapped[str | None] = mapped_column(Text)
-    # 0: its files were read; PENDING / PENDING_NEW: indexed from its names only (scan phase one),
-    # to be read (phase two). Whatever needs parsed fields treats a pending entry as unknown: kept.
+    # vocab.PARSED: its files were read; PENDING / PENDING_NEW: indexed from its names only (scan
+    # phase one), to be read (phase two). Whatever needs parsed fields treats a pending entry as unknown: kept.
     parse_state: Mapped[int] = mapped_column(SmallInteger, default=0, server_default="0")
     unrecorded: Mapped[str | None] = mapped_column(Text)  # what this entry's format does not record, ', '-joined
     content: Mapped[str | None] = mapped_column(String(64))  # an entry file named by its bytes' hash: that name
 
     refs: Mapped[list[EntryRef]] = relationship(cascade="all, delete-orphan", passive_deletes=True)
-
-
-PARSED, PENDING, PENDING_NEW = 0, 1, 2  # Entry.parse_state
 
 
 class ParsedContent(Base):

@@ -5,7 +5,9 @@ or every one with `full`) and, a batch of directories at a time, bring their ind
 with what lstat says: new entries inserted, changed ones updated, gone ones deleted. No file is
 read, so after phase one every file is counted and the index is usable; entries whose files say
 more than their names (graph pickles, autotune results, C++ kernel sources) are left *pending*.
-Memory stays flat: one batch of directories is held at a time, never the tree.
+Memory stays flat: one batch of directories is held at a time, never the tree. A first scan
+into an empty SQLite index is a first fill (cachemgr.index.fill: one transaction, over stdlib
+sqlite3, which `cachemgr scan` runs before it imports SQLAlchemy).
 
 Phase two (`parse_pending`): read the pending entries. A parse result is kept by the entry
 file's content name and size (`parsed_content`: torch names fxgraph and AOTAutograd files by the
@@ -20,7 +22,6 @@ its write, the write fails on a unique key, rolls back, and that batch runs once
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import time
@@ -47,16 +48,13 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from cachemgr import layout, parse, procs, safefs
+from cachemgr.index import fill
 from cachemgr.index.db import Database
 from cachemgr.index.describe import Described, Parts, failed, new_run, prepare_unseen_reads
 from cachemgr.index.models import (
-    PARSED,
-    PENDING,
-    PENDING_NEW,
     Cache,
     ComponentSet,
     ComponentSetItem,
@@ -68,20 +66,15 @@ from cachemgr.index.models import (
     ParsedContent,
 )
 from cachemgr.index.result import ScanResult, check_root
-from cachemgr.index.workers import BATCH, WALK, Job, Pool
-from cachemgr.vocab import PICKLED, Kind
+from cachemgr.index.workers import BATCH, Job, Pool
+from cachemgr.vocab import PARSED, PENDING, PENDING_NEW, PICKLED, Kind
 from cachemgr.vocab import Event as Ev
 
 ENTRIES, REFS, EVENTS, DIRS = Entry.__table__, EntryRef.__table__, Event.__table__, Dir.__table__
 SETS, SET_ITEMS, ENTRY_SETS = ComponentSet.__table__, ComponentSetItem.__table__, EntryComponentSet.__table__
 CONTENT, CACHES = ParsedContent.__table__, Cache.__table__
 CHUNK = 500  # rows per IN (...) list: well under SQLite's and PostgreSQL's parameter limits
-BULK = 2000  # entries per phase-one batch (and per executemany)
 PARSE_CHUNK = 500  # pending entries read per phase-two transaction
-MAX_REPORTED = 1000  # corrupt entries and new keys a result lists (the counts are whole)
-# Kinds whose file name is the hash of the file's bytes (a precompile entry's is always 'entry'):
-# their parse results are kept, and shared, by that name and the size.
-CONTENT_NAMED = frozenset({Kind.FXGRAPH, Kind.AOTAUTOGRAD})
 
 T = TypeVar("T")
 Progress = Callable[[int, int], None]  # (done, total) while parsing entries
@@ -172,7 +165,7 @@ class Counts:
         self.added += len(d.added)
         self.changed += len(d.changed)
         self.removed += len(d.removed)
-        self.new_keys.extend(itertools.islice(pickled, MAX_REPORTED - len(self.new_keys)))
+        self.new_keys.extend(itertools.islice(pickled, fill.MAX_REPORTED - len(self.new_keys)))
 
 
 def index_names(
@@ -180,7 +173,8 @@ def index_names(
 ) -> ScanResult:
     """Phase one: insert, update and delete index rows from a walk of names and lstat alone. A
     walk of the whole tree with nothing to compare against (a first or full scan) is shared with
-    the workers of `pool`, if given (see `_walk`)."""
+    the workers of `pool`, if given (see `fill.walk`); a first scan into an empty SQLite index is
+    `fill.first_fill`."""
     t0 = time.monotonic()
     check_root(root)
     prepare_unseen_reads(root)
@@ -192,18 +186,23 @@ def index_names(
         # a full walk reads every directory whatever its mtime: the stored ones stay in the database
         known = None if full else dict(conn.execute(q).all())
         empty = conn.execute(select(ENTRIES.c.id).where(ENTRIES.c.cache_id == cache_id).limit(1)).first() is None
+    if empty and not sub and db.is_sqlite:  # a first fill, if nobody else wrote meanwhile
+        with db.engine.connect() as conn:
+            filled = fill.first_fill(conn.connection.driver_connection, cache_id, root, pool)
+        if filled is not None:
+            return filled
     state = layout.DirWalk({}, 0, {})
     counts = Counts()
     now = time.time()
     listings = (
-        _walk(root, state, pool)
+        fill.walk(root, state, pool)
         if pool is not None and not sub and not known
         else layout.iter_dirs(root, sub, known, keep_paths=False, state=state)
     )
     dirs = _StoredDirs(known) if known is not None else _StoredDirsTable(db, q)
-    with procs.collector_paused(), _first_fill(db, empty and not sub) as first:
+    with procs.collector_paused():
         try:
-            for batch in _batches(listings):
+            for batch in fill.batches(listings):
                 # The mtimes seen so far are those of directories whose listings are in this batch or an
                 # earlier one (the walk records a directory's mtime just before its listing): written with
                 # this batch's entries, never before them, so a rescan never trusts a directory whose
@@ -212,10 +211,8 @@ def index_names(
                 stored = dirs.see(seen)
                 disk = {e.key: e for listing in batch for e in listing.entries}
                 try:
-                    d = _sync_dirs(db, cache_id, batch, disk, empty, now, stored, seen, first)
+                    d = _sync_dirs(db, cache_id, batch, disk, empty, now, stored, seen)
                 except IntegrityError:  # another writer indexed some of these first: read their rows, once more
-                    if first is not None:  # (none can: the first fill holds the write lock)
-                        raise
                     empty = False
                     d = _sync_dirs(db, cache_id, batch, disk, empty, now, stored, seen)
                 counts.add(d, (k for k in itertools.chain(d.added, d.changed) if disk[k].kind in PICKLED))
@@ -227,7 +224,7 @@ def index_names(
             )
         finally:
             dirs.close()
-        with _writing(db, first) as conn:
+        with db.engine.begin() as conn:
             for chunk in _chunks(gone):
                 ids = list(
                     conn.execute(
@@ -362,144 +359,9 @@ def _read_again_for_a_new_reader(conn, cache_id: int) -> None:
 REREAD_KINDS = sorted({*layout.READ_KINDS, Kind.CODE})  # the kinds whose rows come from reading their files
 
 
-PARALLEL_WALK = 256  # walk units (kernel directories, module folders...) below which a walk stays here
-WALK_JOB = (16, 512)  # fewest and most units per worker job
-WALK_AHEAD = 8192  # units out at the workers or waiting: memory bounded whatever the number of cores
-
-
-@contextlib.contextmanager
-def _first_fill(db: Database, empty: bool) -> Iterator[Connection | None]:
-    """A first scan into a SQLite index with no entries at all (of any cache) yields one
-    connection whose transaction takes every batch, with those of the entries table's indexes
-    that take every row dropped at its start and made again, from their own DDL, at its end:
-    SQLite builds an index from all the rows at once faster than it keeps it up row by row
-    (218,000 entries inserted here: 3.3 -> 2.5 s with the collector on, 2.7-3.1 -> 2.6 s with
-    it paused, as a scan now runs; the commit without a checkpoint saves 0.4 s more). DDL is
-    transactional: a scan stopped midway leaves the
-    index as it was, indexes and all. The write lock is held from the walk's start (another
-    writer waits, busy_timeout), so nobody else writes meanwhile. Otherwise yields None: each
-    batch commits on its own."""
-    if empty and db.is_sqlite:
-        with db.engine.connect() as conn:  # (closed with its transaction open: rolled back)
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-            if conn.execute(select(ENTRIES.c.id).limit(1)).first() is None:  # (or another scan came first)
-                # (a partial index, WHERE column IS NOT NULL, takes few of a first scan's rows: kept)
-                made = conn.exec_driver_sql(
-                    "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = ? AND sql IS NOT NULL"
-                    " AND sql NOT LIKE '% WHERE %'",
-                    (ENTRIES.name,),
-                ).all()
-                for name, _ in made:
-                    conn.exec_driver_sql(f"DROP INDEX {conn.dialect.identifier_preparer.quote(name)}")
-                yield conn
-                for _, ddl in made:
-                    conn.exec_driver_sql(ddl)
-                # Commit without checkpointing the WAL (every page of the new index, copied into
-                # the database file: 0.4 s of 2.5 at a million files here): the index is usable
-                # as it is, and the next commit that checkpoints (phase two's first) copies it.
-                pages = int(conn.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar_one())
-                conn.exec_driver_sql("PRAGMA wal_autocheckpoint=0")
-                try:
-                    conn.commit()
-                finally:  # (the pooled connection as it was)
-                    conn.exec_driver_sql(f"PRAGMA wal_autocheckpoint={pages}")
-                return
-            conn.rollback()
-    yield None
-
-
-def _writing(db: Database, conn: Connection | None) -> contextlib.AbstractContextManager[Connection]:
-    """`conn`'s transaction, if given (the caller commits it); else a transaction of its own."""
-    return contextlib.nullcontext(conn) if conn is not None else db.engine.begin()
-
-
-def _walk(root: str, state: layout.DirWalk, pool: Pool) -> Iterator[layout.Listing]:
-    """`layout.iter_dirs` over the whole tree, with the units below its top folders (Triton
-    kernel directories, graph-prefix and module folders) walked by the pool's workers when there
-    are many: handed out in key order, taken back in the same order, so the listings come as a
-    walk in this process gives them. A job whose worker fails is walked here."""
-    try:
-        r = safefs.Root(root)
-    except OSError:  # iter_dirs says what it can of a root that will not open
-        yield from layout.iter_dirs(root, "", None, keep_paths=False, state=state)
-        return
-    with r:
-        units: list[str] = []
-        yield from layout.iter_dirs(r, "", None, False, state, units=units)
-        if len(units) < PARALLEL_WALK or pool.size < 2:
-            for unit in units:
-                yield from layout.iter_dirs(r, unit, None, False, state)
-            return
-        ahead = 2 * pool.size  # jobs handed out and not yet taken back: their results are held here
-        per = max(WALK_JOB[0], min(WALK_JOB[1], len(units) // (pool.size * 8), WALK_AHEAD // ahead))
-        groups = enumerate(_unit_groups(units, per))
-        with pool.stream(lambda job, why: None, backlog=ahead) as stream:
-            jobs: deque[Job] = deque()
-            got: dict[int, object] = {}
-            while True:
-                while len(jobs) < ahead and (g := next(groups, None)) is not None:
-                    jobs.append(Job(g[0], 0, root, WALK, "", None, tuple(g[1]), r.id))
-                    stream.submit([jobs[-1]])
-                if not jobs:
-                    return
-                job = jobs.popleft()
-                while job.id not in got:
-                    done, result = stream.get()
-                    got[done.id] = result
-                result = got.pop(job.id)
-                if not isinstance(result, tuple):  # the worker died, ran out of time, or saw another root
-                    for unit in job.items:
-                        yield from layout.iter_dirs(r, unit, None, False, state)
-                    continue
-                listings, seen = result
-                del result
-                yield from listings
-                del listings
-                # (after its listings: a directory's mtime is never handed on before its entries)
-                state.mtimes.update(seen.mtimes)
-                state.listed += seen.listed
-                state.unreadable.extend(seen.unreadable)
-
-
-def _unit_groups(units: list[str], per: int) -> Iterator[list[str]]:
-    """Walk units in order, `per` to a job; a folder of the root (generated modules, thousands
-    of files) is a job of its own. Takes the units out of `units` as it goes: a unit's name is
-    then held by its job only (a million-file cache has 113,000 kernel directories)."""
-    units.reverse()
-    group: list[str] = []
-    while units:
-        unit = units.pop()
-        if "/" not in unit:
-            if group:
-                yield group
-                group = []
-            yield [unit]
-            continue
-        group.append(unit)
-        if len(group) >= per:
-            yield group
-            group = []
-    if group:
-        yield group
-
-
 def _count(conn, cache_id: int, sub: str):
     q = select(func.count()).select_from(ENTRIES).where(ENTRIES.c.cache_id == cache_id)
     return q.where(below(conn, ENTRIES.c.key, sub)) if sub else q
-
-
-def _batches(listings: Iterator[layout.Listing]) -> Iterator[list[layout.Listing]]:
-    """Listings grouped so one batch holds about BULK entries (or CHUNK directories)."""
-    batch: list[layout.Listing] = []
-    n = 0
-    for listing in listings:
-        batch.append(listing)
-        n += len(listing.entries)
-        if n >= BULK or len(batch) >= CHUNK:
-            yield batch
-            batch, n = [], 0
-    if batch:
-        yield batch
 
 
 def _sync_dirs(
@@ -511,10 +373,9 @@ def _sync_dirs(
     now: float,
     stored: dict[str, int],
     seen: dict[str, int],
-    into: Connection | None = None,
 ) -> Diff:
-    """Bring the rows of these directories in line with their listings, in one transaction (that
-    of `into`, if given), and record the mtimes `seen` (those differing from `stored`) in it.
+    """Bring the rows of these directories in line with their listings, in one transaction, and
+    record the mtimes `seen` (those differing from `stored`) in it.
     `disk`: the entries of the listings, by key. `empty`: the cache had no rows when the scan
     began (a first scan reads none back)."""
     known: dict[str, Row] = {}
@@ -527,7 +388,7 @@ def _sync_dirs(
                         select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, one_of(conn, ENTRIES.c.dir, chunk))
                     )
                 )
-    with _writing(db, into) as conn:
+    with db.engine.begin() as conn:
         diff = sync(conn, cache_id, disk, known, now)
         _write_dirs(conn, cache_id, stored, seen, [])
         return diff
@@ -565,46 +426,10 @@ def sync(conn, cache_id: int, disk: dict[str, layout.DiskEntry], known: dict, no
             for d in changed
         ],
     )
-    for chunk in _chunks(added, BULK):
-        insert_tuples(conn, ENTRIES, NEW_ROW, [_new_row(cache_id, disk[k], now) for k in chunk])
+    for chunk in _chunks(added, fill.BULK):
+        insert_tuples(conn, ENTRIES, fill.NEW_ROW, [fill.new_row(cache_id, disk[k], now) for k in chunk])
     to_read = [k for k in added if disk[k].needs_reading] + [d.key for d in changed if d.needs_reading]
     return Diff(added, [d.key for d in changed], [k for k in known if k not in disk], to_read)
-
-
-NEW_ROW = (
-    "cache_id",
-    "key",
-    "dir",
-    "kind",
-    "ref",
-    "bytes",
-    "files",
-    "mtime",
-    "first_seen",
-    "last_access",
-    "hit_count",
-    "parse_state",
-    "content",
-)  # a new entry's columns (the parsed ones stay NULL until phase two)
-
-
-def _new_row(cache_id: int, d: layout.DiskEntry, now: float) -> tuple:
-    """The NEW_ROW values of a new entry (a tuple, not a dict: a first scan makes one per entry)."""
-    return (
-        cache_id,
-        d.key,
-        layout.home_dir(d.key, d.kind),
-        d.kind,
-        d.ref,
-        d.bytes,
-        d.files,
-        d.mtime,
-        now,
-        max(d.atime, d.mtime),
-        0,
-        PENDING_NEW if d.needs_reading else PARSED,
-        d.key.rpartition("/")[2][:64] if d.kind in CONTENT_NAMED else None,
-    )
 
 
 def below(conn, column, sub: str):
@@ -628,7 +453,7 @@ def _write_dirs(conn, cache_id: int, stored: dict[str, int], seen: dict[str, int
     for chunk in _chunks(gone):
         conn.execute(delete(DIRS).where(DIRS.c.cache_id == cache_id, one_of(conn, DIRS.c.path, chunk)))
     moved = [(cache_id, d, m) for d, m in seen.items() if stored.get(d) != m]
-    for chunk in _chunks(moved, BULK):
+    for chunk in _chunks(moved, fill.BULK):
         upsert_tuples(conn, DIRS, ("cache_id", "path", "mtime_ns"), ("cache_id", "path"), chunk)
 
 
@@ -794,7 +619,7 @@ class _Reader:
         for r in rows:
             if r.id in chunk.described:
                 continue
-            same = (r.kind, r.content, r.bytes) if r.kind in CONTENT_NAMED and r.content else None
+            same = (r.kind, r.content, r.bytes) if r.kind in fill.CONTENT_NAMED and r.content else None
             if same is not None and same in first:
                 chunk.copies[first[same]].append(r.id)
             elif same is not None and same in self.earlier:
@@ -882,7 +707,7 @@ def _finish(
 def _from_content(conn, rows) -> tuple[dict[int, Described], int]:
     """Described entries for the pending rows whose content was parsed before (same name and
     size), when every component set they name is still stored."""
-    keyed = {(r.content, r.bytes) for r in rows if r.kind in CONTENT_NAMED and r.content}
+    keyed = {(r.content, r.bytes) for r in rows if r.kind in fill.CONTENT_NAMED and r.content}
     if not keyed:
         return {}, 0
     cached = {}
@@ -940,7 +765,7 @@ def _write_parsed(conn, cache_id: int, rows, described: dict[int, Described], re
         d = described[r.id]
         refs.extend([(r.id, kind, ref) for kind, ref in d.refs])
         entry_sets.extend([(r.id, part, set_id) for part, set_id in sets.ids_for(d.parts).items()])
-        if d.row.get("corrupt") and len(out.corrupt) < MAX_REPORTED:
+        if d.row.get("corrupt") and len(out.corrupt) < fill.MAX_REPORTED:
             out.corrupt.append((r.key, d.row["corrupt"]))
     sets.flush()
     insert_tuples(conn, REFS, ("entry_id", "kind", "ref"), refs)
@@ -948,7 +773,7 @@ def _write_parsed(conn, cache_id: int, rows, described: dict[int, Described], re
     _drop_unused_sets(conn, replaced)
     events = _new_events(conn, cache_id, [r for r in rows if r.parse_state == PENDING_NEW], described)
     insert_rows(conn, EVENTS, events)
-    out.new_events.extend(events[: MAX_REPORTED - len(out.new_events)])
+    out.new_events.extend(events[: fill.MAX_REPORTED - len(out.new_events)])
     _keep_content(conn, [r for r in rows if r.id in read], described)
 
 
@@ -998,7 +823,7 @@ def _keep_content(conn, rows, described: dict[int, Described]) -> None:
     kept = []
     for r in rows:
         d = described[r.id]
-        if r.kind in CONTENT_NAMED and r.content and not d.row.get("corrupt"):
+        if r.kind in fill.CONTENT_NAMED and r.content and not d.row.get("corrupt"):
             kept.append(
                 {
                     "name": r.content,

@@ -29,13 +29,12 @@ from typing import Any, Protocol
 from urllib.parse import quote
 
 from cachemgr.errors import DatabaseError, NotFound, UsageError
-from cachemgr.vocab import Event, Kind
+from cachemgr.vocab import PARSED, Event, Kind
 
 SHORT_MIN = 8  # characters of a short key (git's --abbrev, one more)
 PREFIX_MIN = 4  # the shortest prefix `resolve` looks up
 CANDIDATES = 10  # ambiguous prefix: candidates listed
 CHUNK = 500  # values per IN (...) list
-PARSED = 0  # entries.parse_state of an entry whose files were read (cachemgr.index.models.PARSED)
 
 
 # -- drivers ----------------------------------------------------------------------------------------
