@@ -192,12 +192,19 @@ print(json.dumps(None if r is None else r.as_dict()))
 def test_a_first_scan_of_the_embedded_index_is_usable_before_sqlalchemy_is_imported(gpu_cache, tmp_path):
     """`cachemgr scan` into a new SQLite index runs phase one on stdlib sqlite3 (fill.first_scan:
     the schema made from head_ddl, every entry and directory written, last_scan set), before it
-    imports SQLAlchemy for phase two. Once parsed, the index is the one a scan through SQLAlchemy
-    makes, whether as a first fill or a row-by-row sync (an index that holds another cache)."""
+    imports SQLAlchemy for phase two. Autotune results (JSON, not pickles) are read beside its
+    walk, but one larger than any real one is left to phase two's workers. Once parsed, the index
+    is the one a scan through SQLAlchemy makes, whether as a first fill or a row-by-row sync (an
+    index that holds another cache), odd autotune files and all."""
     from cachemgr.index import scan
     from cachemgr.index.db import Database
+    from cachemgr.index.describe import READ_WITH_WALK_BYTES
     from cachemgr.index.workers import Pool
 
+    folder = next(gpu_cache.glob("*/*.best_config")).parent
+    big = {"triton_cache_hash": "BIGHASH", "pad": "x" * READ_WITH_WALK_BYTES}
+    (folder / "big.best_config").write_text(json.dumps(big))
+    (folder / "bad.best_config").write_text("{not json")
     path = tmp_path / "stdlib.db"
 
     def first_scan() -> dict | None:
@@ -216,11 +223,13 @@ def test_a_first_scan_of_the_embedded_index_is_usable_before_sqlalchemy_is_impor
             return conn.execute("SELECT last_scan, reader, (SELECT COUNT(*) FROM entries) FROM caches").fetchall()
 
     r = first_scan()
-    assert r is not None and r["added"] == 262 and 0 < r["pending"] < 262 and r["parsed"] == 0
+    assert r is not None and r["added"] == 264 and 0 < r["pending"] < 264 and r["parsed"] == 0
     made = state()
-    assert made[0][0] is not None and made[0][1:] == (READER, 262)
+    assert made[0][0] is not None and made[0][1:] == (READER, 264)
     with sqlite3.connect(path) as conn:
-        assert conn.execute("SELECT COUNT(*) FROM entries WHERE parse_state <> 0").fetchone() == (r["pending"],)
+        pending = dict(conn.execute("SELECT kind, COUNT(*) FROM entries WHERE parse_state <> 0 GROUP BY kind"))
+        assert sum(pending.values()) == r["pending"] and pending["autotune"] == 1  # big.best_config
+        assert conn.execute("SELECT COUNT(*) FROM entry_refs").fetchone()[0] > 0  # the other results' kernels
     assert first_scan() is None and state() == made  # no first fill now: nothing written
 
     def parsed(name: str, other_cache_first: bool = False) -> dict:
@@ -232,7 +241,7 @@ def test_a_first_scan_of_the_embedded_index_is_usable_before_sqlalchemy_is_impor
             if name == "stdlib.db":
                 scan.parse_pending(db, cid, str(gpu_cache), pool=pool)
             else:
-                assert scan.reconcile(db, cid, str(gpu_cache), pool=pool).added == 262
+                assert scan.reconcile(db, cid, str(gpu_cache), pool=pool).added == 264
         if other_cache_first:
             with db.engine.begin() as conn:
                 conn.execute(scan.delete(scan.CACHES).where(scan.CACHES.c.host == "other"))

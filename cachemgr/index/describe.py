@@ -17,12 +17,16 @@ from dataclasses import dataclass
 from typing import cast
 
 from cachemgr import layout, parse, safefs
-from cachemgr.index.workers import BATCH, WALK, Job, Pool
+from cachemgr.index.workers import BATCH, WALK, WALK_READ, Job, Pool
 from cachemgr.vocab import PICKLED, Kind
 
 MAX_SMALL_FILE = 16 << 20  # an autotune result or a C++ source read for its hash (the real ones are KBs)
 
 Parts = dict[str, tuple[str, list[parse.Component] | None]]  # part -> (digest, items or None if sent before)
+
+
+READ_WITH_WALK = frozenset({Kind.AUTOTUNE})  # read by a first fill's walk, not in phase two: not pickles
+READ_WITH_WALK_BYTES = 64 << 10  # larger ones (none real: a few hundred bytes) are left to phase two's workers
 
 
 @dataclass(slots=True)
@@ -46,13 +50,15 @@ class Describer:
 
     def run_job(self, job: Job) -> object:
         """A worker's answer to one job: a Described, a list of them (BATCH), or what a WALK saw:
-        (listings, DirWalk), or None when the root is not the one the caller opened."""
-        if job.kind == WALK:
+        (listings, DirWalk), with WALK_READ (listings, DirWalk, refs read: see `read_with_walk`);
+        or None when the root is not the one the caller opened."""
+        if job.kind in (WALK, WALK_READ):
             root = self._open(job)
             if isinstance(root, str):
                 return None
             try:
-                return layout.walk_units(root, list(job.items))
+                listings, seen = layout.walk_units(root, list(job.items))
+                return (listings, seen) if job.kind == WALK else (listings, seen, self.read_with_walk(root, listings))
             finally:
                 root.forget()
         if job.kind == BATCH:
@@ -80,6 +86,25 @@ class Describer:
             self.root = None
             return "the cache directory was replaced during the scan"
         return self.root
+
+    def read_with_walk(self, root: safefs.Root, listings: list[layout.Listing]) -> dict[str, list[tuple[str, str]]]:
+        """The references of the entries of `listings` whose files are plain data of a few KB
+        (READ_WITH_WALK: autotune results, JSON), by key: read beside the walk of a first fill,
+        which writes them with their rows. At a million files they are 84 % of the entries phase
+        two would read, at a cost per entry there of several times the read. An entry that does
+        not read cleanly, or is larger than any real one, is left out: phase two reads it (in a
+        worker, under its bounds) and reports it."""
+        out = {}
+        for listing in listings:
+            for e in listing.entries:
+                if e.kind in READ_WITH_WALK and e.bytes <= READ_WITH_WALK_BYTES:
+                    try:
+                        d = self.describe(root, e.kind, e.key, e.ref)
+                    except Exception:  # noqa: BLE001 - left to phase two, which says what it is
+                        continue
+                    if not d.row.get("corrupt"):
+                        out[e.key] = d.refs
+        return out
 
     def describe_job(self, job: Job) -> Described:
         root = self._open(job)

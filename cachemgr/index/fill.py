@@ -25,9 +25,9 @@ from collections.abc import Iterator
 
 from cachemgr import layout, procs, safefs
 from cachemgr.index import schema
-from cachemgr.index.describe import prepare_unseen_reads
+from cachemgr.index.describe import Describer, prepare_unseen_reads
 from cachemgr.index.result import ScanResult, check_root
-from cachemgr.index.workers import WALK, Job, Pool
+from cachemgr.index.workers import WALK, WALK_READ, Job, Pool
 from cachemgr.vocab import PARSED, PENDING_NEW, PICKLED, READER, Kind
 
 CHUNK = 500  # directories per phase-one batch at most
@@ -52,8 +52,9 @@ NEW_ROW = (
     "parse_state",
     "content",
 )  # a new entry's columns (the parsed ones stay NULL until phase two)
-_COLUMNS = ", ".join('"' + c + '"' for c in NEW_ROW)  # (quoted: 'key' is a keyword)
-INSERT_ENTRY = f"INSERT INTO entries ({_COLUMNS}) VALUES ({', '.join('?' * len(NEW_ROW))})"
+_COLUMNS = ", ".join('"' + c + '"' for c in ("id", *NEW_ROW))  # (quoted: 'key' is a keyword)
+INSERT_ENTRY = f"INSERT INTO entries ({_COLUMNS}) VALUES ({', '.join('?' * (1 + len(NEW_ROW)))})"
+INSERT_REF = "INSERT INTO entry_refs (entry_id, kind, ref) VALUES (?, ?, ?)"
 INSERT_DIR = "INSERT INTO dirs (cache_id, path, mtime_ns) VALUES (?, ?, ?)"
 
 PARALLEL_WALK = 256  # walk units (kernel directories, module folders...) below which a walk stays here
@@ -104,18 +105,20 @@ def first_fill(conn, cache_id: int, root: str, pool: Pool | None) -> ScanResult 
         state = layout.DirWalk({}, 0, {})
         added, new_keys = 0, list[str]()
         now = time.time()
+        read: dict[str, list[tuple[str, str]]] = {}  # the walk's reads (describe.read_with_walk), by key
+        ids = itertools.count(1)  # (the entries table is empty, and stays ours until the commit)
         with procs.collector_paused():
-            for batch in batches(walk(root, state, pool)):
+            for batch in batches(walk(root, state, pool, read)):
                 # The mtimes seen so far are those of directories whose listings are in this batch
                 # or an earlier one (the walk records a directory's mtime just before its listing):
                 # written with this batch's entries, never before them. Then forgotten.
                 seen, state.mtimes = state.mtimes, {}
                 entries = [e for listing in batch for e in listing.entries]
-                insert_batch(conn, cache_id, entries, seen, now)
+                insert_batch(conn, cache_id, entries, seen, now, read, ids)
                 added += len(entries)
                 pickled = (e.key for e in entries if e.kind in PICKLED)
                 new_keys.extend(itertools.islice(pickled, MAX_REPORTED - len(new_keys)))
-            insert_batch(conn, cache_id, [], state.mtimes, now)
+            insert_batch(conn, cache_id, [], state.mtimes, now, read, ids)
         # (its entries are read by these readers: none was read by another, as on a rescan)
         conn.execute("UPDATE caches SET last_scan = ?, reader = ? WHERE id = ?", (now, READER, cache_id))
         for _, ddl in made:
@@ -146,15 +149,33 @@ def first_fill(conn, cache_id: int, root: str, pool: Pool | None) -> ScanResult 
     )
 
 
-def insert_batch(conn, cache_id: int, entries: list[layout.DiskEntry], seen: dict[str, int], now: float) -> None:
-    """Rows of new entries, and the mtimes of the directories they were listed in."""
+def insert_batch(
+    conn,
+    cache_id: int,
+    entries: list[layout.DiskEntry],
+    seen: dict[str, int],
+    now: float,
+    read: dict[str, list[tuple[str, str]]],
+    ids: Iterator[int],
+) -> None:
+    """Rows of new entries (numbered from `ids`), those the walk read (`read`: taken from it)
+    parsed, with their references; and the mtimes of the directories they were listed in."""
     for i in range(0, len(entries), BULK):
-        conn.executemany(INSERT_ENTRY, [new_row(cache_id, e, now) for e in entries[i : i + BULK]])
+        rows: list[tuple] = []
+        refs: list[tuple] = []
+        for e in entries[i : i + BULK]:
+            entry_id = next(ids)
+            found = read.pop(e.key, None)
+            rows.append((entry_id, *new_row(cache_id, e, now, parsed=found is not None)))
+            refs.extend((entry_id, kind, ref) for kind, ref in found or ())
+        conn.executemany(INSERT_ENTRY, rows)
+        conn.executemany(INSERT_REF, refs)
     conn.executemany(INSERT_DIR, [(cache_id, d, m) for d, m in seen.items()])
 
 
-def new_row(cache_id: int, d: layout.DiskEntry, now: float) -> tuple:
-    """The NEW_ROW values of a new entry (a tuple, not a dict: a first scan makes one per entry)."""
+def new_row(cache_id: int, d: layout.DiskEntry, now: float, parsed: bool = False) -> tuple:
+    """The NEW_ROW values of a new entry (a tuple, not a dict: a first scan makes one per entry);
+    `parsed`: its files were read already (by the walk), so it is not left pending."""
     return (
         cache_id,
         d.key,
@@ -167,7 +188,7 @@ def new_row(cache_id: int, d: layout.DiskEntry, now: float) -> tuple:
         now,
         max(d.atime, d.mtime),
         0,
-        PENDING_NEW if d.needs_reading else PARSED,
+        PENDING_NEW if d.needs_reading and not parsed else PARSED,
         d.key.rpartition("/")[2][:64] if d.kind in CONTENT_NAMED else None,
     )
 
@@ -186,22 +207,34 @@ def batches(listings: Iterator[layout.Listing]) -> Iterator[list[layout.Listing]
         yield batch
 
 
-def walk(root: str, state: layout.DirWalk, pool: Pool | None) -> Iterator[layout.Listing]:
+def walk(
+    root: str, state: layout.DirWalk, pool: Pool | None, read: dict[str, list[tuple[str, str]]] | None = None
+) -> Iterator[layout.Listing]:
     """`layout.iter_dirs` over the whole tree, with the units below its top folders (Triton
     kernel directories, graph-prefix and module folders) walked by the pool's workers when there
     are many: handed out in key order, taken back in the same order, so the listings come as a
-    walk in this process gives them. A job whose worker fails is walked here."""
+    walk in this process gives them. A job whose worker fails is walked here. With `read`, the
+    entries describe.READ_WITH_WALK names are read beside the walk, and their references put in
+    `read` (by key) before their listing comes."""
     try:
         r = safefs.Root(root)
     except OSError:  # iter_dirs says what it can of a root that will not open
         yield from layout.iter_dirs(root, "", None, keep_paths=False, state=state)
         return
+    describer = Describer()
+
+    def here(listings: Iterator[layout.Listing]) -> Iterator[layout.Listing]:  # walked in this process
+        for listing in listings:
+            if read is not None:
+                read.update(describer.read_with_walk(r, [listing]))
+            yield listing
+
     with r:
         units: list[str] = []
-        yield from layout.iter_dirs(r, "", None, False, state, units=units)
+        yield from here(layout.iter_dirs(r, "", None, False, state, units=units))
         if pool is None or len(units) < PARALLEL_WALK or pool.size < 2:
             for unit in units:
-                yield from layout.iter_dirs(r, unit, None, False, state)
+                yield from here(layout.iter_dirs(r, unit, None, False, state))
             return
         ahead = 2 * pool.size  # jobs handed out and not yet taken back: their results are held here
         per = max(WALK_JOB[0], min(WALK_JOB[1], len(units) // (pool.size * 8), WALK_AHEAD // ahead))
@@ -211,7 +244,7 @@ def walk(root: str, state: layout.DirWalk, pool: Pool | None) -> Iterator[layout
             got: dict[int, object] = {}
             while True:
                 while len(jobs) < ahead and (g := next(groups, None)) is not None:
-                    jobs.append(Job(g[0], 0, root, WALK, "", None, tuple(g[1]), r.id))
+                    jobs.append(Job(g[0], 0, root, WALK if read is None else WALK_READ, "", None, tuple(g[1]), r.id))
                     stream.submit([jobs[-1]])
                 if not jobs:
                     return
@@ -222,9 +255,11 @@ def walk(root: str, state: layout.DirWalk, pool: Pool | None) -> Iterator[layout
                 result = got.pop(job.id)
                 if not isinstance(result, tuple):  # the worker died, ran out of time, or saw another root
                     for unit in job.items:
-                        yield from layout.iter_dirs(r, unit, None, False, state)
+                        yield from here(layout.iter_dirs(r, unit, None, False, state))
                     continue
-                listings, seen = result
+                listings, seen = result[:2]
+                if read is not None:
+                    read.update(result[2])
                 del result
                 yield from listings
                 del listings

@@ -44,6 +44,7 @@ HEADER = struct.Struct("<Q")
 
 
 WALK = "walk"  # Job.kind: walk the directories in `items`
+WALK_READ = "walk-read"  # Job.kind: WALK, and read the plain-data entries found (describe.READ_WITH_WALK)
 BATCH = "batch"  # Job.kind: describe the (kind, key, ref) entries in `items`, none of them a pickle
 
 
