@@ -128,7 +128,8 @@ def first_fill(conn, cache_id: int, root: str, pool: Pool | None) -> ScanResult 
         ).fetchone()
         # Commit without checkpointing the WAL (every page of the new index, copied into the
         # database file: 0.4 s of 2.5 at a million files here): the index is usable as it is,
-        # and the next commit that checkpoints (phase two's first) copies it.
+        # and the next commit that checkpoints (phase two's first), or the close of the last
+        # connection to it, copies it.
         (pages,) = conn.execute("PRAGMA wal_autocheckpoint").fetchone()
         conn.execute("PRAGMA wal_autocheckpoint=0")
         try:

@@ -7,7 +7,8 @@ read, so after phase one every file is counted and the index is usable; entries 
 more than their names (graph pickles, autotune results, C++ kernel sources) are left *pending*.
 Memory stays flat: one batch of directories is held at a time, never the tree. A first scan
 into an empty SQLite index is a first fill (cachemgr.index.fill: one transaction, over stdlib
-sqlite3, which `cachemgr scan` runs before it imports SQLAlchemy).
+sqlite3, which `cachemgr scan` runs before it imports SQLAlchemy); its walk also reads the
+autotune results (small JSON files), so they are not left pending.
 
 Phase two (`parse_pending`): read the pending entries. A parse result is kept by the entry
 file's content name and size (`parsed_content`: torch names fxgraph and AOTAutograd files by the
