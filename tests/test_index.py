@@ -223,7 +223,8 @@ def test_a_first_scan_of_the_embedded_index_is_usable_before_sqlalchemy_is_impor
             return conn.execute("SELECT last_scan, reader, (SELECT COUNT(*) FROM entries) FROM caches").fetchall()
 
     r = first_scan()
-    assert r is not None and r["added"] == 264 and 0 < r["pending"] < 264 and r["parsed"] == 0
+    assert r is not None and r["added"] == 264 and 0 < r["pending"] < 264
+    assert r["parsed"] > 0 and r["pending"] + r["parsed"] < 264  # autotune results read with the walk
     made = state()
     assert made[0][0] is not None and made[0][1:] == (READER, 264)
     with sqlite3.connect(path) as conn:
@@ -253,6 +254,44 @@ def test_a_first_scan_of_the_embedded_index_is_usable_before_sqlalchemy_is_impor
     assert all(e[-2] == 0 for e in stdlib["entries"])  # every one parsed
     assert stdlib == parsed("sqlalchemy.db")
     assert stdlib == parsed("synced.db", other_cache_first=True)
+
+
+def test_a_first_scan_takes_odd_index_urls_and_indexes_as_they_are(gpu_cache, tmp_path):
+    """The stdlib first fill reads the index URL as SQLAlchemy does, or leaves it to SQLAlchemy:
+    `x.db?timeout=60` is x.db, never a file of that literal name beside it. An index someone gave
+    an index of their own (a quoted name; one that cannot be rebuilt over a first scan's rows)
+    is scanned, or refused with one line and exit 5, never exit 70, and kept as it was."""
+    from cachemgr.index.db import Database
+
+    (tmp_path / "q").mkdir()
+    cli = Cli(gpu_cache, f"sqlite:///{tmp_path / 'q' / 'x.db'}?timeout=60")
+    r = cli.json("scan")
+    assert r["added"] == 262 and r["pending"] == 0
+    assert sorted(p.name for p in (tmp_path / "q").iterdir() if "?" in p.name) == []
+    stats = cli.json("stats")
+    assert stats["entries"] == 262 and stats["not_parsed"] == 0
+
+    def index_with(sql: str, name: str) -> str:
+        url = f"sqlite:///{tmp_path / name}"
+        Database(url).close()
+        with sqlite3.connect(tmp_path / name) as conn:
+            conn.execute(sql)
+        return url
+
+    quoted = index_with('CREATE INDEX "my""idx" ON entries (kind)', "quoted.db")
+    assert Cli(gpu_cache, quoted).json("scan")["added"] == 262
+    with sqlite3.connect(tmp_path / "quoted.db") as conn:
+        assert conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'my\"idx'").fetchone() == (1,)
+    unique = index_with("CREATE UNIQUE INDEX one_per_kind ON entries (kind)", "unique.db")
+    out = Cli(gpu_cache, unique).proc("scan")
+    assert out.returncode == 5, out.stderr
+    assert (
+        out.stderr.startswith("cachemgr: error: index database: UNIQUE constraint failed")
+        and out.stderr.count("\n") == 1
+    )
+    with sqlite3.connect(tmp_path / "unique.db") as conn:
+        assert conn.execute("SELECT COUNT(*) FROM entries").fetchone() == (0,)
+        assert conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'one_per_kind'").fetchone() == (1,)
 
 
 def test_walk_and_parse_in_workers_match_one_process(gpu_cache, tmp_path, monkeypatch):

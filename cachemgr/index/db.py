@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event, select, text
+from sqlalchemy import Engine, create_engine, event, make_url, select, text
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -45,7 +45,10 @@ class Database:
         self.is_sqlite = url.startswith("sqlite")
         path = ""
         if self.is_sqlite:
-            path = url.split(":///", 1)[1] if ":///" in url else ""
+            try:  # the file as SQLAlchemy reads the URL (a query, %-escapes): not the URL's text
+                path = make_url(url).database or ""
+            except (SQLAlchemyError, ValueError):
+                path = ""  # (create_engine says what is wrong with it)
             if path and path != ":memory:":
                 schema.folder_for(Path(path), create_folder)
         try:

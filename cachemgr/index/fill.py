@@ -101,9 +101,9 @@ def first_fill(conn, cache_id: int, root: str, pool: Pool | None) -> ScanResult 
             " AND sql IS NOT NULL AND sql NOT LIKE '% WHERE %'"
         ).fetchall()
         for name, _ in made:
-            conn.execute(f'DROP INDEX "{name}"')
+            conn.execute('DROP INDEX "{}"'.format(name.replace('"', '""')))
         state = layout.DirWalk({}, 0, {})
-        added, new_keys = 0, list[str]()
+        added, parsed, new_keys = 0, 0, list[str]()
         now = time.time()
         read: dict[str, list[tuple[str, str]]] = {}  # the walk's reads (describe.read_with_walk), by key
         ids = itertools.count(1)  # (the entries table is empty, and stays ours until the commit)
@@ -114,7 +114,7 @@ def first_fill(conn, cache_id: int, root: str, pool: Pool | None) -> ScanResult 
                 # written with this batch's entries, never before them. Then forgotten.
                 seen, state.mtimes = state.mtimes, {}
                 entries = [e for listing in batch for e in listing.entries]
-                insert_batch(conn, cache_id, entries, seen, now, read, ids)
+                parsed += insert_batch(conn, cache_id, entries, seen, now, read, ids)
                 added += len(entries)
                 pickled = (e.key for e in entries if e.kind in PICKLED)
                 new_keys.extend(itertools.islice(pickled, MAX_REPORTED - len(new_keys)))
@@ -146,6 +146,7 @@ def first_fill(conn, cache_id: int, root: str, pool: Pool | None) -> ScanResult 
         seconds=time.monotonic() - t0,
         unreadable=state.unreadable,
         pending=pending,
+        parsed=parsed,
         new_keys=new_keys,
     )
 
@@ -158,9 +159,11 @@ def insert_batch(
     now: float,
     read: dict[str, list[tuple[str, str]]],
     ids: Iterator[int],
-) -> None:
+) -> int:
     """Rows of new entries (numbered from `ids`), those the walk read (`read`: taken from it)
-    parsed, with their references; and the mtimes of the directories they were listed in."""
+    parsed, with their references; and the mtimes of the directories they were listed in.
+    Returns how many were read."""
+    parsed = 0
     for i in range(0, len(entries), BULK):
         rows: list[tuple] = []
         refs: list[tuple] = []
@@ -168,10 +171,13 @@ def insert_batch(
             entry_id = next(ids)
             found = read.pop(e.key, None)
             rows.append((entry_id, *new_row(cache_id, e, now, parsed=found is not None)))
-            refs.extend((entry_id, kind, ref) for kind, ref in found or ())
+            if found is not None:
+                parsed += 1
+                refs.extend((entry_id, kind, ref) for kind, ref in found)
         conn.executemany(INSERT_ENTRY, rows)
         conn.executemany(INSERT_REF, refs)
     conn.executemany(INSERT_DIR, [(cache_id, d, m) for d, m in seen.items()])
+    return parsed
 
 
 def new_row(cache_id: int, d: layout.DiskEntry, now: float, parsed: bool = False) -> tuple:

@@ -26,7 +26,7 @@ class ScanResult:
     seconds: float = 0.0
     unreadable: list[str] = field(default_factory=list)  # directories not listed: their entries kept as they were
     pending: int = 0  # entries indexed from their names, not read yet (scan phase two)
-    parsed: int = 0  # entries read in this scan (phase two)
+    parsed: int = 0  # entries read in this scan (phase two, and the autotune results a first fill's walk read)
     new_keys: list[str] = field(default_factory=list)  # graph and AOT entries added or changed (capped)
 
     def with_parsed(self, p: ParseResult) -> ScanResult:
@@ -34,7 +34,7 @@ class ScanResult:
         return replace(
             self,
             corrupt=p.corrupt,
-            parsed=p.parsed,
+            parsed=self.parsed + p.parsed,
             pending=max(0, self.pending - p.parsed),
             seconds=self.seconds + p.seconds,
         )

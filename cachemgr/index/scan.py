@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sqlite3
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -52,6 +53,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 
 from cachemgr import layout, parse, procs, safefs
+from cachemgr.errors import DatabaseError
 from cachemgr.index import fill
 from cachemgr.index.db import Database
 from cachemgr.index.describe import Described, Parts, failed, new_run, prepare_unseen_reads
@@ -189,7 +191,10 @@ def index_names(
         empty = conn.execute(select(ENTRIES.c.id).where(ENTRIES.c.cache_id == cache_id).limit(1)).first() is None
     if empty and not sub and db.is_sqlite:  # a first fill, if nobody else wrote meanwhile
         with db.engine.connect() as conn:
-            filled = fill.first_fill(conn.connection.driver_connection, cache_id, root, pool)
+            try:
+                filled = fill.first_fill(conn.connection.driver_connection, cache_id, root, pool)
+            except sqlite3.Error as e:  # (the driver's own: SQLAlchemy wraps only what it ran)
+                raise DatabaseError(f"index database: {e}") from e
         if filled is not None:
             return filled
     state = layout.DirWalk({}, 0, {})

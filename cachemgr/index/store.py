@@ -155,11 +155,13 @@ def open_sqlite(path: str, write: bool = False) -> sqlite3.Connection | None:
 
 
 def sqlite_path(url: str) -> str | None:
-    """The file of a `sqlite:///PATH` URL (None for other databases, or SQLite in memory)."""
+    """The file of a plain `sqlite:///PATH` URL: None for other databases, SQLite in memory, and
+    a URL with a query (`?timeout=60`) or a %-escape, whose file only SQLAlchemy's reading of the
+    URL names (read literally, `x.db?timeout=60` would be another file: a first scan filled it)."""
     if not url.startswith("sqlite:///"):
         return None
     path = url[len("sqlite:///") :]
-    return None if path in ("", ":memory:") else path
+    return None if path in ("", ":memory:") or "?" in path or "%" in path else path
 
 
 # -- what the store returns -------------------------------------------------------------------------
