@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import IO, cast
 
 PARSE_SECONDS = 30.0  # one entry; a worker still at it then is killed and the entry marked corrupt
+CLOSE_SECONDS = 5.0  # a stream's thread sees it is closed within 0.1 s; it is waited for this long at most
 WORKER_MEMORY = 512 << 20  # address space a worker may take beyond its start-up size
 MAX_WORKERS = 64
 HEADER = struct.Struct("<Q")
@@ -274,7 +275,10 @@ class Stream:
         with self.cv:
             self.stopping = True
             self.cv.notify_all()
-        self.thread.join()
+        # A Ctrl-C that lands after a `with self.cv` took the lock and before its block began
+        # leaves the lock held by this thread (CPython does not promise a `with` its exit then):
+        # the thread would wait for it for ever, and so would an unbounded join.
+        self.thread.join(CLOSE_SECONDS)
         self.run.close()  # a worker still busy holds a job nobody waits for any more
         pool = self.run.pool
         # The workers this stream's thread started die with it (PR_SET_PDEATHSIG is per thread):
