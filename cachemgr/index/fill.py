@@ -67,6 +67,8 @@ def first_scan(path: str, host: str, root: str, pool: Pool | None, create_folder
     is new), without SQLAlchemy. None where it is not a first fill (the index holds entries, is
     at another revision or is not cachemgr's, or anything fails): `scan.reconcile` then does the
     work, and says what is wrong where something is."""
+    check_root(root)  # (before the index is made: a missing root makes none)
+    prepare_unseen_reads(root)
     conn = schema.open_at_head(path, create_folder)
     if conn is None:
         return None
@@ -83,10 +85,9 @@ def first_scan(path: str, host: str, root: str, pool: Pool | None, create_folder
 def first_fill(conn, cache_id: int, root: str, pool: Pool | None) -> ScanResult | None:
     """Phase one into an index with no entries at all (of any cache) and no directory of this
     cache, over `conn`, a DB-API SQLite connection (see the module's doc). None, with nothing
-    written, where the index is not that empty (another scan may have come first)."""
+    written, where the index is not that empty (another scan may have come first). The caller
+    has checked the root and made its trash folder (`prepare_unseen_reads`) before any walk."""
     t0 = time.monotonic()
-    check_root(root)
-    prepare_unseen_reads(root)
     conn.execute("BEGIN IMMEDIATE")
     try:
         if (
