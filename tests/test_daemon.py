@@ -182,6 +182,58 @@ def test_sighup_reloads_config(tmp_path, start):
     assert d.stop() == 0
 
 
+SIGNAL_AT_EVERY_LINE = """
+import os, signal, sys
+from cachemgr.daemon.service import Daemon
+
+d = Daemon(load=lambda: None)
+signal.signal(signal.SIGHUP, d._on_hup)
+signal.signal(signal.SIGTERM, d._on_stop)
+handlers = {Daemon._on_hup.__code__, Daemon._on_stop.__code__}
+lines = sent = 0
+
+def trace(frame, event, arg):  # the n-th line the loop's wait runs, its own or a library's
+    global lines, sent
+    f = frame
+    while f is not None:  # not in the handlers themselves
+        if f.f_code in handlers:
+            return None
+        f = f.f_back
+    if event == "line":
+        lines += 1
+        if lines == n:
+            sent += 1
+            os.kill(os.getpid(), signal.SIGHUP if n % 2 else signal.SIGTERM)
+    return trace
+
+for n in range(1, 100):  # a signal at line 1 of the wait, then at line 2, ...
+    d.reload_asked = d.stopping = False
+    lines, before = 0, sent
+    sys.settrace(trace)
+    d.wake.wait(0.001)
+    sys.settrace(None)
+    d.wake.wait(0)
+    assert sent == before or (d.reload_asked if n % 2 else d.stopping), n
+assert sent >= 4, sent
+print("ok", sent)
+"""
+
+
+def test_a_signal_at_any_moment_of_the_loop_s_wait_is_handled():
+    """The handlers of SIGHUP and SIGTERM wake the main loop. A signal that landed while the loop
+    was inside its own wait used to hang the daemon for ever (the handler waited for a lock the
+    interrupted wait held): a CI run saw a SIGHUP never answered. Here a signal lands at each line
+    the wait runs in turn, one signal per wait."""
+    out = subprocess.run(
+        [sys.executable, "-c", SIGNAL_AT_EVERY_LINE],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
+
+
 # -- indexing what torch writes and reads ----------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ import functools
 import hashlib
 import logging
 import os
+import select
 import signal
 import stat
 import sys
@@ -277,12 +278,40 @@ class Jobs:
             return not self.cond.wait_for(lambda: self.running == 0, max(0.0, deadline - time.monotonic()))
 
 
+class Waker:
+    """Wakes the daemon's main loop, from its signal handlers and from other threads.
+
+    Not a `threading.Event`: a handler runs on the main thread between two bytecodes, and if those
+    are inside the loop's own `Event.wait` or `clear`, which hold the event's lock, the handler's
+    `set` waits for that lock for ever (a SIGHUP or SIGTERM hung the daemon). A pipe has no lock.
+    Its two descriptors live as long as the process: a late `set` from a thread never writes to a
+    descriptor that was closed and reused."""
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def set(self) -> None:
+        try:
+            os.write(self.w, b"!")
+        except BlockingIOError:  # the pipe is full: the loop has wake-ups enough
+            pass
+
+    def wait(self, timeout: float) -> None:
+        """Return after `timeout` seconds, or sooner once `set` was called (since the last wait)."""
+        select.select([self.r], [], [], timeout)
+        try:
+            while os.read(self.r, 4096):
+                pass
+        except BlockingIOError:  # drained
+            pass
+
+
 class Daemon:
     """`cachemgr daemon`. `load` re-reads the effective settings (at start and on SIGHUP)."""
 
     def __init__(self, load: Callable[[], Settings]) -> None:
         self.load = load
-        self.wake = threading.Event()
+        self.wake = Waker()
         self.stopping = self.reload_asked = False
         self.root_lost = threading.Event()
         self.settings: Settings  # set by run() before anything reads it
@@ -341,7 +370,6 @@ class Daemon:
         next_ping = 0.0
         while not self.stopping:
             self.wake.wait(tick)
-            self.wake.clear()
             if self.stopping:
                 break
             if self.reload_asked:
