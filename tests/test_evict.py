@@ -555,6 +555,70 @@ def test_kill_9_mid_eviction_is_repaired_by_scan(stage, looker, aged_gpu, cli_fo
     assert_index_matches_disk(cli, aged_gpu)
 
 
+INTERRUPT = """
+import os, signal, sys
+from cachemgr.evict import Limits, carry_out, execute, look, make_plan
+from cachemgr.index.db import Database
+root, url, looker, where, nth = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a test run in the background ignores it)
+execute.BATCH, execute.LOOK_CHUNK = 8, 2  # four chunks a batch
+if looker == "processes":
+    execute.PROCESSES_FROM, execute.LOOK_PROCESSES = 0, 2
+db = Database(url)
+cid = db.cache_id("testhost", root)
+plan, rows = make_plan(db, cid, root, Limits(max_size=0, grace=0))
+print("\\n".join(e.key for e in plan.entries), flush=True)
+calls = {"look": 0, "renamed": 0, "committed": 0}
+def ctrl_c(at):
+    calls[at] += 1
+    if at == where and calls[at] == nth:
+        os.kill(os.getpid(), signal.SIGINT)  # (raised by Python at its next check, right here)
+send = look.Lookers.look
+def looked(self, *a):  # a chunk of a batch handed to the lookers: the n-th, or the ones before it
+    ctrl_c("look")
+    return send(self, *a)
+look.Lookers.look = looked
+try:
+    carry_out(db, cid, root, plan, rows, 0, hook=ctrl_c)
+    print("finished", file=sys.stderr)
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("looker", ["thread", "processes"])
+@pytest.mark.parametrize("where", ["look-2", "look-7", "renamed-1", "committed-1", "committed-2"])
+def test_ctrl_c_mid_eviction_leaves_index_and_disk_agreeing(where, looker, aged_gpu, cli_for, db_url):
+    """Ctrl-C while a chunk is handed to the lookers, before a batch's commit, and after it: the
+    run stops at the next batch's edge, with what it committed gone (rows, files, events) and
+    everything else in place, index and disk agreeing without a scan. A KeyboardInterrupt right
+    after a COMMIT used to 'rescue' the batch: files back on disk whose rows were deleted."""
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    before, rows_before = disk(aged_gpu), {e["key"] for e in cli.json("ls")}
+    out = subprocess.run(
+        [sys.executable, "-c", INTERRUPT, str(aged_gpu), db_url, looker, *where.split("-")],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert out.returncode == 0 and "interrupted" in out.stderr, out.stderr[-3000:]
+    planned = set(out.stdout.split())
+    after = disk(aged_gpu)
+    assert set(after) < set(before) and all(after[p] == before[p] for p in after)
+    gone = {c.key for c in map(layout.classify, set(before) - set(after)) if c is not None}
+    assert gone <= planned and gone != planned
+    assert_index_matches_disk(cli, aged_gpu)  # no scan first
+    with sqlite3.connect(db_path(db_url)) as conn:
+        evicted = [k for (k,) in conn.execute("SELECT entry_key FROM events WHERE kind = 'evict'")]
+    assert sorted(evicted) == sorted(rows_before - {e["key"] for e in cli.json("ls")})  # once each
+    assert gone <= set(evicted)
+    assert not any((aged_gpu / layout.TRASH_DIR).iterdir())
+    scan = cli.json("scan")
+    assert scan["added"] == scan["changed"] == scan["removed"] == 0, scan
+
+
 @pytest.mark.slow  # real processes killed at many moments
 def test_kill_9_at_any_moment(aged_gpu, cli_for):
     """Kill a real `cachemgr evict` process after a varying delay: whatever it reached, scan repairs."""

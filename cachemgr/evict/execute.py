@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, wait
@@ -156,6 +158,7 @@ class Executor:
         processes = default_processes() if len(units) >= PROCESSES_FROM and not dry_run else 0
         lookers: Lookers | None = None
         batch = following = None
+        ctrl_c = _CtrlC()
         try:  # (from the first worker on: a failure closes what was opened, the trash included)
             lookers = Lookers(self.looker, processes)
             batch = self._look(lookers, units[:BATCH], dry_run) if units else None
@@ -186,6 +189,8 @@ class Executor:
                         nfiles += n
                 if not dry_run:
                     lookers.unlink([name for t in done for _, name in t.took.trashed])
+                if ctrl_c.seen and batch is not None:
+                    raise KeyboardInterrupt  # between batches: the one in flight is settled below
             if not dry_run:
                 self._drop_empty_dirs(rows)
                 with self.db.engine.begin() as conn:  # when eviction last ran, whatever it took
@@ -199,6 +204,7 @@ class Executor:
             if self.trash is not None:
                 os.close(self.trash)
                 self.trash = self.looker.trash = None
+            ctrl_c.release()
         return Outcome(removed, tuple(sorted(skipped.items())), freed, nfiles, again, self.in_place)
 
     def _look(self, lookers: Lookers, units: Sequence[Unit], dry_run: bool) -> _Batch:
@@ -356,6 +362,35 @@ class Executor:
                     os.rmdir(name, dir_fd=pfd)  # fails unless empty
             except OSError:
                 pass
+
+
+class _CtrlC:
+    """Ctrl-C held off while an eviction runs, and acted on between its batches.
+
+    A KeyboardInterrupt raised anywhere else could land after a batch's COMMIT returned and
+    before the run knew (its rescue then put back files whose rows and events were committed),
+    inside `_look` (a half-sent batch, never settled, that the workers went on to move), or
+    inside a future's lock (a reader thread, then the close, waiting for ever). The handler only
+    records: it takes no lock. A second Ctrl-C interrupts at once (a worker that hangs). Off the
+    main thread (the daemon's scheduler) nothing changes."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self.held = (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+        )
+        self.previous = signal.signal(signal.SIGINT, self._seen) if self.held else None
+
+    def _seen(self, _signum, _frame) -> None:
+        if self.seen:
+            raise KeyboardInterrupt
+        self.seen = True
+
+    def release(self) -> None:
+        if self.held:
+            signal.signal(signal.SIGINT, signal.SIG_DFL if self.previous is None else self.previous)
+            self.held = False
 
 
 def _collect(
