@@ -111,6 +111,11 @@ class Reader:
         os.write(self.stop_w, b"x")
         if self.thread.is_alive():
             self.thread.join(timeout)
+        if self.thread.is_alive():
+            # Still in `handle` (a slow step): it sees the stop when it returns, and its three
+            # descriptors are left open (rare; a few). Closed now, their numbers could go to the
+            # next Reader's, and this thread would read that one's events (or a closed one).
+            return
         for fd in (self.stop_r, self.stop_w):
             os.close(fd)
         self.ino.close()
