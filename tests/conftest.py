@@ -100,9 +100,28 @@ def redis_url(redis_db):
 
     url = f"redis://{REDIS_HOST}/{redis_db}"
     r = redis.Redis.from_url(url)
-    r.flushdb()
-    r.set(CLAIM, os.getpid(), ex=7200)
+    # In one transaction: between a flush and the claim, another worker would find the db empty
+    # and take it too (the two then flush each other's keys).
+    r.pipeline(transaction=True).flushdb().set(CLAIM, os.getpid(), ex=7200).execute()
     return url
+
+
+def run_dir(tmp_path_factory) -> Path:
+    """The test run's temp folder, which every pytest-xdist worker sees (above each one's own)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(autouse=True)
+def _inotify_limits_alone(request, tmp_path_factory):
+    """A test marked `inotify_limits` lowers a system-wide inotify limit (watches per user, the
+    queue of a new instance) for a while: it runs while no other test does, on any worker (the
+    other worker's daemons would find no watch left, or a queue of 16). Every other test holds
+    the lock shared: its daemons are stopped before it lets go (this fixture is set up first)."""
+    alone = request.node.get_closest_marker("inotify_limits") is not None
+    with open(run_dir(tmp_path_factory) / "inotify-limits.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield
 
 
 def shared_dir(tmp_path_factory, name: str, build) -> Path:
@@ -110,9 +129,7 @@ def shared_dir(tmp_path_factory, name: str, build) -> Path:
     the others wait for it (an flock) and reuse it (pytest-xdist's way to share session data).
     Built in place, at the path every worker then sees: what torch writes may name it. A build
     that failed (no .done beside it) is thrown away and made again by the next to ask."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # the run's temp folder, above each worker's own
+    base = run_dir(tmp_path_factory)
     path, done = base / name, base / f"{name}.done"
     with open(base / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -85,7 +85,7 @@ class Daemon:
             assert time.monotonic() < deadline and self.proc.poll() is None, f"no {text!r} in log:\n{self.logs()}"
             time.sleep(0.05)
 
-    def stop(self, timeout: float = 5) -> int:
+    def stop(self, timeout: float = 30) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
@@ -595,6 +595,7 @@ def kernel(cache: Path, device: str, name: str) -> str:
     return f"triton/{device}/{name}"
 
 
+@pytest.mark.inotify_limits
 def test_queue_overflow_during_a_burst_every_entry_indexed_new_dirs_watched(tmp_path, start, cli_for):
     """The daemon is stopped (SIGSTOP) while a burst larger than its kernel queue is written, new
     directories among it: the queue overflows for certain. Then it finds every entry, and watches
@@ -630,6 +631,7 @@ def test_queue_overflow_during_a_burst_every_entry_indexed_new_dirs_watched(tmp_
     assert "Traceback" not in d.logs()
 
 
+@pytest.mark.inotify_limits
 @pytest.mark.skipif(not os.access(WATCHES, os.W_OK), reason="lowers fs.inotify.max_user_watches (root)")
 def test_out_of_watches_one_log_line_and_the_rescan_still_indexes(tmp_path, start, cli_for):
     cache = tmp_path / "cache"

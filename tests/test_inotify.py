@@ -176,6 +176,7 @@ def test_the_root_removed_is_reported(tmp_path, tree):
     until(lambda: t.lost)
 
 
+@pytest.mark.inotify_limits
 @pytest.mark.skipif(not os.access(QUEUED, os.W_OK), reason="lowers fs.inotify.max_queued_events (root)")
 def test_a_queue_overflow_is_reported(tmp_path, tree):
     root = tmp_path / "c"
