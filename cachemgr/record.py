@@ -219,15 +219,26 @@ class Spool:
 
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, self.name)
+
+        def still_named(fd: int) -> bool:  # not renamed away by an ingester since our open
+            try:
+                return os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                return False
+
         for _ in range(10):
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
                 try:
-                    same = os.stat(path).st_ino == os.fstat(fd).st_ino
-                except FileNotFoundError:
-                    same = False
-                if same:  # not renamed away by an ingester between our open and our lock
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    # An ingester took the file and holds it for its whole ingest (index writes):
+                    # never wait for that in the model's forward pass, open the new one. Still
+                    # named, it is a forked child's line (the same name): a moment's wait.
+                    if not still_named(fd):
+                        continue
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                if still_named(fd):
                     os.write(fd, line)
                     return
             finally:

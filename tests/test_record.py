@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -110,6 +111,49 @@ def test_ingest_is_idempotent_and_collects_varied_dims(spool, tmp_path):
     assert [x["signature"] for x in rows] == ["(f32[2,4])", "(f32[3,4])", "(f32[5,4])"]
     assert [x["count"] for x in rows] == [2, 1, 1]
     assert rows[0]["varied"] == ["args[0].0"]
+
+
+def test_a_recorder_never_waits_for_an_ingest_of_its_file(spool, tmp_path, monkeypatch):
+    """An ingester takes (renames) a recorder's file between the recorder's open and its lock, and
+    holds the file for its whole ingest (index writes: seconds on a remote index). The recorder,
+    in the model's forward pass, writes its line into a new file at once, not after the ingest."""
+    from cachemgr.prewarm import spool as spooling
+
+    spool.append({"first": 1})
+    db = Database(f"sqlite:///{tmp_path / 'idx.db'}")
+    ingesting, finish = threading.Event(), threading.Event()
+    real_lines = spooling._ingest_lines
+
+    def slow_lines(*a):  # the ingest's index writes, held until the test lets them go
+        ingesting.set()
+        finish.wait(60)
+        return real_lines(*a)
+
+    monkeypatch.setattr(spooling, "_ingest_lines", slow_lines)
+    ingester = threading.Thread(target=ingest, args=(db, spool.directory))
+    real_open = os.open
+
+    def opened_then_taken(path, flags, mode=0o777, **kw):
+        fd = real_open(path, flags, mode, **kw)
+        if str(path).endswith(spool.name) and not ingester.is_alive() and not ingesting.is_set():
+            ingester.start()  # takes the file just opened, and locks it for the ingest
+            assert ingesting.wait(30)
+        return fd
+
+    monkeypatch.setattr(record.os, "open", opened_then_taken)
+    recorder = threading.Thread(target=spool.append, args=({"second": 2},))
+    recorder.start()
+    recorder.join(30)
+    try:
+        assert not recorder.is_alive(), "the recorder waited for the ingest"
+        assert ingester.is_alive()  # (still ingesting: the recorder did not wait for it)
+        with open(os.path.join(spool.directory, spool.name)) as f:
+            assert [json.loads(x) for x in f] == [{"second": 2}]  # in the new file, not lost
+    finally:
+        finish.set()
+        ingester.join(60)
+        recorder.join(60)
+    assert spool_lines(spool.directory) == [{"second": 2}]  # the first file was ingested and removed
 
 
 def test_ingest_recovers_a_crash_without_double_counting(spool, tmp_path):
