@@ -6,7 +6,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -104,6 +106,20 @@ def redis_url(redis_db):
     # and take it too (the two then flush each other's keys).
     r.pipeline(transaction=True).flushdb().set(CLAIM, os.getpid(), ex=7200).execute()
     return url
+
+
+def free_port() -> int:
+    """A loopback port free now, for a daemon to bind later. Below the kernel's ephemeral range:
+    a port from there (bind to 0) may meanwhile become another test's outgoing connection's."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.fail("no free loopback port below the ephemeral range")
 
 
 def run_dir(tmp_path_factory) -> Path:

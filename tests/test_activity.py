@@ -5,12 +5,11 @@ option change, an import), and agree with what torch itself counted."""
 from __future__ import annotations
 
 import os
-import socket
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import PROGRAMS, Cli
+from conftest import PROGRAMS, Cli, free_port
 from test_daemon import Daemon, wait_until
 from test_explain import compile_variant, explain_variants
 
@@ -40,9 +39,7 @@ def test_stats_explain_and_metrics_agree(tmp_path, db_url, cpp_builds):
 
     cache = tmp_path / "cache"
     cache.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     daemon = Daemon(cache, db_url, "--metrics", str(port))
     try:
         daemon.wait_message("READY=1")

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import PROGRAMS, subprocess_env
+from conftest import PROGRAMS, free_port, subprocess_env
 
 from cachemgr import layout
 
@@ -331,9 +331,7 @@ def test_kernel_directory_renamed_into_place_stays_watched(tmp_path, start, cli_
 def test_metrics_endpoint(tmp_path, start, cpu_cache_master):
     cache = tmp_path / "cache"
     shutil.copytree(cpu_cache_master, cache)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     d = start(cache, "--metrics", str(port))  # a bare port binds loopback
     d.wait_log(f"metrics on http://127.0.0.1:{port}/metrics")
     src = an_fxgraph(cache)
