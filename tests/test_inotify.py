@@ -210,3 +210,54 @@ def test_read_watcher_names_files_as_on_disk(tmp_path):
         assert got.get(timeout=10) == f"fxgraph/ab/{odd}/entry"
     finally:
         r.stop()
+
+
+def _inotify_instances() -> set[int]:
+    """This process's open inotify descriptors."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify":
+                out.add(int(fd))
+        except OSError:
+            pass
+    return out
+
+
+def test_a_reader_stopped_inside_a_slow_handle_closes_its_descriptors_when_it_returns(tmp_path):
+    """`stop` gives up on a thread still in `handle`: the descriptors stay open while that thread
+    may read them (closed, their numbers could go to the next Reader's), and the thread closes
+    them as it leaves (left open, the instance would keep every watch it holds)."""
+    import threading
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def slow(_events):
+        inside.set()
+        leave.wait(30)
+
+    before = _inotify_instances()
+    r = inotify.Reader("test-slow", slow)
+    r.ino.add_watch(str(tmp_path), inotify.IN_CREATE)
+    r.start()
+    (tmp_path / "x").write_text("")
+    assert inside.wait(10)
+    r.stop(timeout=0.1)
+    assert r.thread.is_alive()
+    assert r.ino.fd in _inotify_instances() - before  # still the thread's, not given away
+    leave.set()
+    r.thread.join(10)
+    assert not r.thread.is_alive()
+    assert _inotify_instances() - before == set()
+    for fd in (r.stop_r, r.stop_w):
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_a_reader_stopped_while_idle_closes_its_descriptors(tmp_path):
+    before = _inotify_instances()
+    r = inotify.Reader("test-idle", lambda _events: None)
+    r.start()
+    r.stop()
+    assert not r.thread.is_alive()
+    assert _inotify_instances() - before == set()

@@ -100,6 +100,8 @@ class Reader:
         self.handle, self.timeout = handle, timeout
         self.stop_r, self.stop_w = os.pipe2(os.O_CLOEXEC)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.closing = threading.Lock()  # `stop` or the thread closes the descriptors: one of them
+        self.exited = self.orphaned = False
 
     def start(self) -> None:
         self.thread.start()
@@ -111,24 +113,36 @@ class Reader:
         os.write(self.stop_w, b"x")
         if self.thread.is_alive():
             self.thread.join(timeout)
-        if self.thread.is_alive():
-            # Still in `handle` (a slow step): it sees the stop when it returns, and its three
-            # descriptors are left open (rare; a few). Closed now, their numbers could go to the
-            # next Reader's, and this thread would read that one's events (or a closed one).
-            return
+        with self.closing:
+            if self.thread.is_alive() and not self.exited:
+                # Still in `handle` (a slow step): it closes the descriptors itself when it sees
+                # the stop. Closed now, their numbers could go to the next Reader's, and this
+                # thread would read that one's events; left open, the inotify instance would
+                # keep every watch it holds.
+                self.orphaned = True
+                return
+        self._close()
+
+    def _close(self) -> None:
         for fd in (self.stop_r, self.stop_w):
             os.close(fd)
         self.ino.close()
 
     def _run(self) -> None:
-        while True:
-            ready, _, _ = select.select([self.ino.fd, self.stop_r], [], [], self.timeout())
-            if self.stop_r in ready:
-                return
-            try:
-                self.handle(self.ino.read())
-            except Exception as e:  # one bad event must not end the watching
-                log.exception("handling inotify events failed: %s: %s", type(e).__name__, e)
+        try:
+            while True:
+                ready, _, _ = select.select([self.ino.fd, self.stop_r], [], [], self.timeout())
+                if self.stop_r in ready:
+                    return
+                try:
+                    self.handle(self.ino.read())
+                except Exception as e:  # one bad event must not end the watching
+                    log.exception("handling inotify events failed: %s: %s", type(e).__name__, e)
+        finally:
+            with self.closing:
+                self.exited = True
+                if self.orphaned:  # `stop` gave up waiting for this thread: its descriptors are ours
+                    self._close()
 
 
 # -- the recursive tree of watches --------------------------------------------------------------
