@@ -559,9 +559,9 @@ INTERRUPT = """
 import os, signal, sys
 from cachemgr.evict import Limits, carry_out, execute, look, make_plan
 from cachemgr.index.db import Database
-root, url, looker, where, nth = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+root, url, looker, where, nth, batch = sys.argv[1:4] + [sys.argv[4], int(sys.argv[5]), int(sys.argv[6])]
 signal.signal(signal.SIGINT, signal.default_int_handler)  # (a test run in the background ignores it)
-execute.BATCH, execute.LOOK_CHUNK = 8, 2  # four chunks a batch
+execute.BATCH, execute.LOOK_CHUNK = batch, 2  # (at 8: four chunks a batch)
 if looker == "processes":
     execute.PROCESSES_FROM, execute.LOOK_PROCESSES = 0, 2
 db = Database(url)
@@ -583,6 +583,7 @@ try:
     print("finished", file=sys.stderr)
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
+assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was
 """
 
 
@@ -596,25 +597,48 @@ def test_ctrl_c_mid_eviction_leaves_index_and_disk_agreeing(where, looker, aged_
     cli = cli_for(aged_gpu)
     cli("scan")
     before, rows_before = disk(aged_gpu), {e["key"] for e in cli.json("ls")}
+    planned = _interrupted(aged_gpu, db_url, looker, *where.split("-"), "8")
+    after = disk(aged_gpu)
+    assert set(after) < set(before) and all(after[p] == before[p] for p in after)
+    gone = {c.key for c in map(layout.classify, set(before) - set(after)) if c is not None}
+    assert gone <= planned and gone != planned
+    _agree_after_the_interrupt(cli, aged_gpu, db_url, rows_before, gone)
+
+
+@pytest.mark.parametrize("looker", ["thread", "processes"])
+def test_ctrl_c_in_the_only_batch_is_not_swallowed(looker, aged_gpu, cli_for, db_url):
+    """A plan of one batch (most of them: 500 units) has no next batch to stop before: the run
+    finishes it, then the interrupt is raised (it used to be dropped, and a second Ctrl-C then
+    landed anywhere); Python's own SIGINT handler is back."""
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    before, rows_before = disk(aged_gpu), {e["key"] for e in cli.json("ls")}
+    planned = _interrupted(aged_gpu, db_url, looker, "look", "1", "100000")
+    gone = {c.key for c in map(layout.classify, set(before) - set(disk(aged_gpu))) if c is not None}
+    assert planned and gone == planned
+    _agree_after_the_interrupt(cli, aged_gpu, db_url, rows_before, gone)
+
+
+def _interrupted(root: Path, db_url: str, *how: str) -> set[str]:
+    """Run INTERRUPT (looker, where, nth, batch size); the keys it planned to evict."""
     out = subprocess.run(
-        [sys.executable, "-c", INTERRUPT, str(aged_gpu), db_url, looker, *where.split("-")],
+        [sys.executable, "-c", INTERRUPT, str(root), db_url, *how],
         capture_output=True,
         text=True,
         env=subprocess_env(),
         timeout=120,
     )
     assert out.returncode == 0 and "interrupted" in out.stderr, out.stderr[-3000:]
-    planned = set(out.stdout.split())
-    after = disk(aged_gpu)
-    assert set(after) < set(before) and all(after[p] == before[p] for p in after)
-    gone = {c.key for c in map(layout.classify, set(before) - set(after)) if c is not None}
-    assert gone <= planned and gone != planned
-    assert_index_matches_disk(cli, aged_gpu)  # no scan first
+    return set(out.stdout.split())
+
+
+def _agree_after_the_interrupt(cli, root: Path, db_url: str, rows_before: set[str], gone: set[str]) -> None:
+    assert_index_matches_disk(cli, root)  # no scan first
     with sqlite3.connect(db_path(db_url)) as conn:
         evicted = [k for (k,) in conn.execute("SELECT entry_key FROM events WHERE kind = 'evict'")]
     assert sorted(evicted) == sorted(rows_before - {e["key"] for e in cli.json("ls")})  # once each
     assert gone <= set(evicted)
-    assert not any((aged_gpu / layout.TRASH_DIR).iterdir())
+    assert not any((root / layout.TRASH_DIR).iterdir())
     scan = cli.json("scan")
     assert scan["added"] == scan["changed"] == scan["removed"] == 0, scan
 

@@ -196,15 +196,19 @@ class Executor:
                 with self.db.engine.begin() as conn:  # when eviction last ran, whatever it took
                     conn.execute(update(CACHES).where(CACHES.c.id == self.cache_id).values(last_eviction=time.time()))
         finally:
-            for b in (batch, following):  # looked at, not committed: what moved goes back
-                if b is not None:
-                    self._settle(b, skipped, dry_run)
-            if lookers is not None:
-                lookers.close()
-            if self.trash is not None:
-                os.close(self.trash)
-                self.trash = self.looker.trash = None
-            ctrl_c.release()
+            try:  # (a second Ctrl-C may interrupt this too: the handler is put back whatever happens)
+                for b in (batch, following):  # looked at, not committed: what moved goes back
+                    if b is not None:
+                        self._settle(b, skipped, dry_run)
+                if lookers is not None:
+                    lookers.close()
+                if self.trash is not None:
+                    os.close(self.trash)
+                    self.trash = self.looker.trash = None
+            finally:
+                ctrl_c.release()
+        if ctrl_c.seen:  # during the last batch: everything is settled; the caller stops here
+            raise KeyboardInterrupt
         return Outcome(removed, tuple(sorted(skipped.items())), freed, nfiles, again, self.in_place)
 
     def _look(self, lookers: Lookers, units: Sequence[Unit], dry_run: bool) -> _Batch:
@@ -389,7 +393,8 @@ class _CtrlC:
 
     def release(self) -> None:
         if self.held:
-            signal.signal(signal.SIGINT, signal.SIG_DFL if self.previous is None else self.previous)
+            # (None: a handler not set from Python; Python's own then, not one that kills the process)
+            signal.signal(signal.SIGINT, signal.default_int_handler if self.previous is None else self.previous)
             self.held = False
 
 
