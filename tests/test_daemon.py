@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import PROGRAMS, free_port, subprocess_env
+from conftest import PROGRAMS, REPO, free_port, subprocess_env
 
 from cachemgr import layout
 
@@ -232,6 +232,34 @@ def test_a_signal_at_any_moment_of_the_loop_s_wait_is_handled():
         timeout=30,
     )
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
+
+
+SLOW_START_SCAN = """
+import sys, time
+from cachemgr.index import scan
+def reconcile(*args, **kwargs):  # the start's full scan of a huge tree on a slow disk
+    print("the full scan began", file=sys.stderr, flush=True)
+    time.sleep(3600)
+scan.reconcile = reconcile
+"""
+
+
+def test_sigterm_during_the_start_s_full_scan_stops_the_daemon(tmp_path, start):
+    """A stop asked while the start's full scan runs (minutes at a million files on a slow disk)
+    used to wait for the whole scan, and systemd's stop timeout killed the daemon: it exits now
+    (the scan's transactions roll back; the next start scans again)."""
+    cache = tmp_path / "cache"
+    (cache / "fxgraph").mkdir(parents=True)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_START_SCAN)  # (run by every Python at start-up)
+    d = start(cache, wait_ready=False, env={"PYTHONPATH": f"{hook}{os.pathsep}{REPO}"})
+    d.wait_log("the full scan began")
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(30) == 0
+    assert "stop asked during the full scan at start; exiting anyway" in d.logs()
+    assert "STOPPING=1" in d.wait_message("STOPPING=1")[-1].split("\n")
+    assert not any("READY=1" in m.split("\n") for m in d.messages)
 
 
 # -- indexing what torch writes and reads ----------------------------------------------------------

@@ -32,9 +32,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from cachemgr import layout
 from cachemgr.config import Settings, state_dir
@@ -46,6 +47,7 @@ from cachemgr.index.scan import ParseResult, check_root
 
 if TYPE_CHECKING:
     from cachemgr.daemon.metrics import Metrics
+    from cachemgr.index.result import ScanResult
 
 log = logging.getLogger("cachemgr.daemon")
 SPOOL_INTERVAL = 30.0  # seconds between spool ingests: recorded shapes reach the index this fast
@@ -53,6 +55,14 @@ SPOOL_INTERVAL = 30.0  # seconds between spool ingests: recorded shapes reach th
 STOP_DEADLINE = 3.5  # seconds for jobs to finish after SIGTERM; systemd's stop timeout is longer
 TRIGGER_GAP = 5.0  # seconds between evictions started by crossing max_size / max_files
 RESTART_KEYS = ("cache_dir", "db", "host")  # a reload that changes these reopens everything
+
+
+def _exit_now(why: str) -> NoReturn:
+    """Exit at once, not waiting for work that cannot be interrupted (crash-safe, repaired by the
+    next start's full scan), rather than be killed by systemd's stop timeout."""
+    log.warning("%s; exiting anyway (the next start reconciles)", why)
+    logging.shutdown()
+    os._exit(0)
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -403,9 +413,7 @@ class Daemon:
         if busy:
             # An eviction cannot be interrupted; it is crash-safe (trash rename, index in the same
             # step) and the next start's full scan repairs the index. Do not hold up systemd.
-            log.warning("eviction still running at stop; exiting anyway (the next start reconciles)")
-            logging.shutdown()
-            os._exit(0)
+            _exit_now("eviction still running at stop")
         self.db.close()
         self.locks.release()
         log.info("stopped")
@@ -449,7 +457,7 @@ class Daemon:
             try:
                 # full: every file stat'ed, since anything may have happened while no daemon watched.
                 # Phase one only (READY after it); its pending entries are read on the consumer thread.
-                r = w.request_scan("", full=True).result()
+                r = self._scanned(w.request_scan("", full=True))
             except BaseException:
                 w.stop()
                 raise
@@ -473,6 +481,17 @@ class Daemon:
         self.last_problem = None
         self._check_limits()
         return True
+
+    def _scanned(self, scan: Future) -> ScanResult:
+        """The start's full scan's result, waited for while no stop is asked: at a million files
+        on a slow disk it takes minutes, and systemd would kill a daemon that did not stop."""
+        scan.add_done_callback(lambda _f: self.wake.set())
+        while not scan.done():
+            self.wake.wait(1.0)
+            if self.stopping:  # (a scan's transactions roll back when the process ends; the next start scans)
+                systemd.notify("STOPPING=1")
+                _exit_now("stop asked during the full scan at start")
+        return scan.result()
 
     def _stop_watching(self) -> None:
         if self.watcher is not None:
