@@ -17,7 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import PROGRAMS, REPO, free_port, subprocess_env
+from conftest import PROGRAMS, REPO, Cli, free_port, subprocess_env
+from test_fleet import pg_url  # noqa: F401 - fixture: a throwaway PostgreSQL database
 
 from cachemgr import layout
 
@@ -160,6 +161,19 @@ def test_ready_then_watchdog_then_sigterm(tmp_path, start):
     log = d.logs()
     assert "ready: watching" in log and "stopping" in log and "stopped" in log
     assert "Traceback" not in log
+
+
+def test_the_daemon_on_a_postgresql_index(cpu_cache, start, pg_url):  # noqa: F811 - pg_url: the fixture
+    """Start (a full scan of a cache the index has not seen), index a new file, evict, stop: on
+    the fleet's PostgreSQL index. Its start failed there on every cache (a TypeError in the full
+    scan), which no test saw: they ran the daemon on SQLite only."""
+    cli = Cli(cpu_cache, pg_url, host=HOST)
+    d = start(cpu_cache, db=pg_url)
+    assert index_keys(cli) == disk_keys(cpu_cache)
+    write_atomic(cpu_cache / "zz" / ("z" * 64 + ".best_config"), b'{"XBLOCK": 8}')
+    wait_until(lambda: index_keys(cli) == disk_keys(cpu_cache))
+    assert d.stop() == 0, d.logs()
+    assert "ERROR" not in d.logs() and "Traceback" not in d.logs(), d.logs()
 
 
 def test_sighup_reloads_config(tmp_path, start):

@@ -100,6 +100,30 @@ def test_every_command_on_postgres(cpu_cache, pg_url):
     assert rep["versions_in_use"] == [fx[0]["torch_version"]]
     for args in (["stats", "--fleet"], ["fleet", "report"], ["ls", "--host", "pg-host"]):
         assert cli(*args).stdout.strip()
+    # every command that reads or writes the index, not only those above (`scan --full`, evict,
+    # purge and the daemon's start once all failed on PostgreSQL alone, with a TypeError)
+    full = cli.json("scan", "--full")
+    assert full["added"] == full["changed"] == full["removed"] == 0 and full["unchanged"] == doc["entries"]
+    graphs = [e["key"] for e in fx]
+    cli("pin", graphs[0], "--reason", "kept")
+    assert [p["key"] for p in cli.json("pin")] == [graphs[0]]
+    assert cli.json("diff", graphs[0], graphs[-1])
+    cli.json("explain", "--since", "1d")
+    cli.json("check")
+    cli.json("shapes")
+    plan = cli.json("evict", "--max-size", "0", "--grace", "0", "--dry-run")
+    assert plan["entries"] and graphs[0] not in {e["key"] for e in plan["entries"]}
+    gone = cli.json("purge", "--graph", graphs[-1], "--grace", "0", "--yes")
+    assert gone["evicted"] > 0
+    done = cli.json("evict", "--max-size", "0", "--grace", "0")
+    assert done["evicted"] > 0
+    cli("unpin", graphs[0])
+    cli.json("evict", "--max-size", "0", "--grace", "0")
+    left = cli.json("ls")
+    assert {e["kind"] for e in left} == {"lock"}  # (Inductor's lock files are never evicted)
+    assert sum(e["bytes"] for e in left) == find_bytes(cpu_cache)
+    after = cli.json("scan", "--full")
+    assert after["added"] == after["changed"] == after["removed"] == 0
 
 
 CONCURRENT = """

@@ -326,7 +326,7 @@ class _StoredDirsTable(_StoredDirs):
         else:
             for chunk in _chunks(list(paths)):
                 q = select(SNAPSHOT.c.path, SNAPSHOT.c.mtime_ns).where(SNAPSHOT.c.path.in_(chunk))
-                out.update(conn.execute(q).tuples())
+                out.update(conn.execute(q).all())  # (rows: a Result has .keys(), and update took it for a mapping)
                 conn.execute(update(SNAPSHOT).where(SNAPSHOT.c.path.in_(chunk)).values(seen=True))
         conn.commit()
         return out
