@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ class Daemon:
     def __init__(
         self,
         cache_dir: Path,
-        db_url: str,
+        db_url: str | None,  # None: the config's (or the default)
         *flags: str,
         watchdog_usec: int | None = None,
         prefix: tuple[str, ...] = (),
@@ -49,7 +50,7 @@ class Daemon:
             extra["WATCHDOG_USEC"] = str(watchdog_usec)
         self.log_path = Path(self.sockdir) / "daemon.log"
         self.log = open(self.log_path, "w")
-        base = ["--cache-dir", str(cache_dir), "--db", db_url, "--host", HOST]
+        base = ["--cache-dir", str(cache_dir), *(["--db", db_url] if db_url else []), "--host", HOST]
         if config:
             base += ["--config", str(config)]
         self.proc = subprocess.Popen(
@@ -231,6 +232,48 @@ for n in range(1, 100):  # a signal at line 1 of the wait, then at line 2, ...
 assert sent >= 4, sent
 print("ok", sent)
 """
+
+
+def test_a_reload_whose_index_or_metrics_cannot_be_opened_keeps_the_running_config(tmp_path, start):
+    """A config whose new index cannot be opened (not a SQLite file) or whose metrics address
+    cannot be bound (a port in use) used to stop the daemon at reload (exit 5, exit 1): it logs
+    why and goes on with what it runs."""
+    cache = tmp_path / "cache"
+    (cache / "fxgraph").mkdir(parents=True)
+    index, not_sqlite = tmp_path / "index.db", tmp_path / "not-sqlite.db"
+    not_sqlite.write_bytes(b"this is not a database\n" * 100)
+    port = free_port()
+    cfg = tmp_path / "config.toml"
+    good = f'db = "sqlite:///{index}"\nmetrics = "127.0.0.1:{port}"\n'
+    cfg.write_text(good)
+    d = start(cache, db=None, config=cfg)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        for bad, why in (
+            (
+                f'db = "sqlite:///{not_sqlite}"\nmetrics = "127.0.0.1:{port}"\n',
+                "reload failed, keeping the running config",
+            ),
+            (
+                f'db = "sqlite:///{index}"\nmetrics = "127.0.0.1:{busy.getsockname()[1]}"\n',
+                f"metrics stay on 127.0.0.1:{port}",
+            ),
+        ):
+            cfg.write_text(bad)
+            n = len(d.messages)
+            d.proc.send_signal(signal.SIGHUP)
+            d.wait_message("READY=1", since=n)
+            assert why in d.logs() and d.proc.poll() is None, d.logs()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                assert b"cachemgr_" in r.read()  # still served where it was
+    finally:
+        busy.close()
+    write_atomic(cache / "zz" / ("z" * 64 + ".best_config"), b"{}")  # still indexing, into the same index
+    wait_until(lambda: sqlite3.connect(index).execute("SELECT count(*) FROM entries").fetchone()[0] == 1)
+    assert d.stop() == 0
+    assert "Traceback" not in d.logs()
 
 
 def test_a_signal_at_any_moment_of_the_loop_s_wait_is_handled():

@@ -18,6 +18,7 @@ the lock.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import faulthandler
 import fcntl
@@ -63,6 +64,16 @@ def _exit_now(why: str) -> NoReturn:
     log.warning("%s; exiting anyway (the next start reconciles)", why)
     logging.shutdown()
     os._exit(0)
+
+
+def _opened(s: Settings) -> tuple[Database, int]:
+    """The index of `s` (migrated; a named one is not made) and the id of its cache's row."""
+    db = Database(s.db, create_folder=s.defaulted("db"))
+    try:
+        return db, db.cache_id(s.host, s.cache_dir)
+    except BaseException:
+        db.close()
+        raise
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -421,8 +432,7 @@ class Daemon:
     # -- components ----------------------------------------------------------------------------------
 
     def _open(self, s: Settings) -> None:
-        self.db = Database(s.db, create_folder=s.defaulted("db"))  # migrates at start; a named one is not made
-        self.cache_id = self.db.cache_id(s.host, s.cache_dir)
+        self.db, self.cache_id = _opened(s)
 
     def _start_metrics(self, s: Settings) -> None:
         if s.metrics == "off":
@@ -710,28 +720,43 @@ class Daemon:
             systemd.notify("READY=1", f"STATUS={self._status()}")
             return
         changed = sorted(k for k, v in new.values().items() if old.values()[k] != v)
-        if "cache_dir" in changed or "db" in changed:
-            try:
+        restart = any(k in changed for k in RESTART_KEYS)
+        # What can fail is tried before anything is switched: a reload never stops the daemon.
+        opened = None
+        try:
+            if restart:
+                opened = _opened(new)  # an index that cannot be opened or migrated (not SQLite, no server)
+            if "cache_dir" in changed or "db" in changed:
                 self.locks.hold(new.cache_dir, new.db)
-            except AlreadyRunning as e:
-                log.error("reload failed, keeping the running config: %s", e)
-                systemd.notify("READY=1", f"STATUS={self._status()}")
-                return
+        except Exception as e:  # noqa: BLE001 - whatever it was, the running config goes on
+            if opened is not None:
+                opened[0].close()
+            log.error("reload failed, keeping the running config: %s", e)
+            systemd.notify("READY=1", f"STATUS={self._status()}")
+            return
         log.info("reloading config: %s", ", ".join(changed) or "nothing changed")
+        if "metrics" in changed:
+            if self.metrics is not None:
+                self.metrics.close()
+            try:
+                self._start_metrics(new)
+            except CachemgrError as e:  # a port in use, an address not of this host: the old one again
+                log.error("reload: %s; metrics stay on %s", e, old.metrics)
+                new = dataclasses.replace(new, metrics=old.metrics)
+                try:
+                    self._start_metrics(old)
+                except CachemgrError as e2:
+                    log.error("metrics off: %s", e2)
         self.settings = new
-        if any(k in changed for k in RESTART_KEYS):
+        if opened is not None:
             self._stop_watching()
             self.db.close()
-            self._open(new)
+            self.db, self.cache_id = opened
             if self.metrics is not None:
                 self.metrics.watch(self.db, self.cache_id)
             self._start_watching()
         elif self.watcher is not None:
             self.watcher.debounce, self.watcher.max_wait = new.debounce, new.max_wait
-        if "metrics" in changed:
-            if self.metrics is not None:
-                self.metrics.close()
-            self._start_metrics(new)
         if self.scheduler is not None:
             self.scheduler.reschedule_job("evict", trigger="interval", seconds=new.evict_interval)
             self.scheduler.reschedule_job("scan", trigger="interval", seconds=new.scan_interval)
