@@ -213,13 +213,23 @@ def test_db_never_makes_a_folder_or_joins_a_foreign_database(fixture_cache, cli_
     assert r.returncode == 5 and "holds tables that are not cachemgr's (users): refusing" in r.stderr, r.stderr
     with sqlite3.connect(foreign) as c:
         assert [t for (t,) in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["users"]
+    # one whose table has the name of one of cachemgr's (it used to get the others added beside it)
+    named_alike = tmp_path / "app2.db"
+    with sqlite3.connect(named_alike) as c:
+        c.execute("CREATE TABLE entries (id INTEGER PRIMARY KEY, title TEXT)")
+    for command in ("stats", "scan"):
+        r = cli_for(root, db=f"sqlite:///{named_alike}").proc(command)
+        assert r.returncode == 5 and "holds tables that are not cachemgr's (entries): refusing" in r.stderr, r.stderr
+    with sqlite3.connect(named_alike) as c:
+        assert [t for (t,) in c.execute("SELECT name FROM sqlite_master")] == ["entries"]
+        assert c.execute("PRAGMA journal_mode").fetchone() == ("delete",)
     # a '#' and a '?'-free odd name in a SQLite path is part of the name: no stray file beside it
     odd = tmp_path / "odd#dir"
     odd.mkdir()
     cli = cli_for(root, db=f"sqlite:///{odd / 'i#x.db'}")
     cli("scan")
     assert json.loads(cli.proc("stats", "--json").stdout)["entries"] > 0
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["app.db"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["app.db", "app2.db"]
     assert (odd / "i#x.db").is_file()
 
 

@@ -130,19 +130,20 @@ class Database:
             raise DatabaseError(f"cannot create the index {redact(self.url)}: {_first_line(e)}") from e
 
     def _refuse_foreign(self) -> None:
-        """A database cachemgr never migrated must be empty (or hold only cachemgr's tables): it
-        never adds its tables beside another application's."""
+        """A database cachemgr never stamped with a revision must be empty: it never adds its
+        tables beside another application's, even one whose tables have the names of its own (an
+        `entries` table of another program once got cachemgr's other tables added beside it)."""
         from sqlalchemy import inspect
 
-        from cachemgr.index.models import Base
-
-        ours = set(Base.metadata.tables) | {"alembic_version", "entry_components"}
         try:
             with self.engine.connect() as conn:
                 found = set(inspect(conn).get_table_names()) | set(inspect(conn).get_view_names())
         except SQLAlchemyError as e:
             raise DatabaseError(f"cannot open the index {redact(self.url)}: {_first_line(e)}") from e
-        foreign = sorted(found - ours)
+        found.discard("alembic_version")  # (empty: its revision was None)
+        if found and self.current_revision() is not None:
+            return  # another process made the index meanwhile (its first scan): ours after all
+        foreign = sorted(found)
         if foreign:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
             where = (
