@@ -563,11 +563,20 @@ def foreign_root(root: str) -> str | None:
     except OSError:
         return None  # missing or unreadable: check_root says so
     with r:
-        try:
-            names = sorted(n for n in os.listdir(r.fd) if n != TRASH_DIR)
-        except OSError:
-            return None
-        whys = [_not_inductors(r, n) for n in names]
+        return foreign_opened(root, r)
+
+
+def foreign_opened(root: str, r: safefs.Root) -> str | None:
+    """`foreign_root` of the directory `r` holds open (`root`: its name, for the message). What
+    deletes checks the very directory it deletes in: checked by its name, the root could be a
+    symlink swapped to another directory between the check and the open."""
+    try:
+        if r.id == safefs.identity(os.stat("/")):
+            return f"{root} is the file system root"
+        names = sorted(n for n in os.listdir(r.fd) if n != TRASH_DIR)
+    except OSError:
+        return None
+    whys = [_not_inductors(r, n) for n in names]
     odd = [why for why in whys if why and why is not _TOLERATED]
     if whys and all(why is _TOLERATED for why in whys):
         odd = [f"{key_of(names[0])} and the like, with no folder of Inductor's own beside them"]

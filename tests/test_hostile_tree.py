@@ -128,6 +128,71 @@ def test_symlinked_top_level_folder_refuses_the_root(cpu_cache, tmp_path, cli_fo
     assert snapshot(outside) == before
 
 
+def _victim(tmp_path: Path) -> Path:
+    """A folder of someone's files, no cache, aged past any grace period."""
+    victim = tmp_path / "victim"
+    (victim / "sub").mkdir(parents=True)
+    (victim / "notes.txt").write_text("important")
+    (victim / "sub" / "doc.txt").write_text("d")
+    age(victim)
+    return victim
+
+
+def test_a_root_symlink_swapped_after_its_check_deletes_nothing_out_there(cpu_cache, tmp_path, monkeypatch):
+    """The cache dir named through a symlink that is swapped to another folder at the worst
+    moment, as the evicting process opens it: the folder opened is the one checked (it was
+    checked by its name first, and an adversarial run emptied a folder of someone's files)."""
+    from cachemgr import safefs
+    from cachemgr.errors import UnsafePath
+    from cachemgr.evict.execute import exclusive
+
+    victim = _victim(tmp_path)
+    before = snapshot(victim)
+    link = tmp_path / "rootlink"
+    link.symlink_to(cpu_cache)
+    opened = safefs.Root.__init__
+
+    def swapped_then_opened(self, path: str) -> None:
+        if path == str(link):  # (the name, not the resolved path: what the evicting process opens)
+            tmp = tmp_path / "rootlink.new"
+            tmp.symlink_to(victim)
+            os.replace(tmp, link)
+        opened(self, path)
+
+    monkeypatch.setattr(safefs.Root, "__init__", swapped_then_opened)
+    with pytest.raises(UnsafePath, match="does not look like an Inductor cache directory"):
+        with exclusive(str(link)):
+            pass
+    assert snapshot(victim) == before
+
+
+def test_a_root_symlink_swapped_during_evict_s_scan_deletes_nothing(cpu_cache, tmp_path, cli_for, monkeypatch):
+    """Swapped while evict scans (by the name): the scan indexed another folder than the one
+    locked; evict stops (exit 4), nothing deleted on either side."""
+    from cachemgr.cli import inspect
+
+    victim = _victim(tmp_path)
+    link = tmp_path / "rootlink"
+    link.symlink_to(cpu_cache)
+    age(cpu_cache)
+    cli = cli_for(link)
+    cli("scan")
+    before, cache_before = snapshot(victim), snapshot(cpu_cache)
+    scanned = inspect.run_scan
+
+    def scan_then_swap(app, **kw):
+        out = scanned(app, **kw)
+        tmp = tmp_path / "rootlink.new"
+        tmp.symlink_to(victim)
+        os.replace(tmp, link)
+        return out
+
+    monkeypatch.setattr(inspect, "run_scan", scan_then_swap)
+    r = cli("evict", "--max-size", "0", "--grace", "0", code=4)
+    assert "was replaced during the scan: nothing deleted" in r.stderr
+    assert snapshot(victim) == before and snapshot(cpu_cache) == cache_before
+
+
 @pytest.mark.slow  # real cachemgr processes, several per case
 @pytest.mark.parametrize("shape", ["site-packages", "home", "stray-file"])
 def test_roots_that_are_no_cache_are_refused(tmp_path, cli_for, shape):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import click
 
-from cachemgr import fingerprint
+from cachemgr import fingerprint, safefs
 from cachemgr.cli.common import (
     DURATION,
     KEY,
@@ -30,7 +31,7 @@ from cachemgr.cli.common import (
     table,
     wide_option,
 )
-from cachemgr.errors import NotFound, UsageError
+from cachemgr.errors import CacheDirError, NotFound, UsageError
 from cachemgr.layout import KINDS
 from cachemgr.vocab import Fate, Held, Kind, Policy
 
@@ -57,6 +58,12 @@ def _locked_and_scanned(app):
 
     with exclusive(app.settings.cache_dir, waiting) as root:
         run_scan(app, quiet_progress=True, full=True)
+        try:  # the scan went by the name: it must still name the directory locked (and checked)
+            same = safefs.identity(os.stat(app.settings.cache_dir)) == root.id
+        except OSError:
+            same = False
+        if not same:
+            raise CacheDirError(f"{app.settings.cache_dir} was replaced during the scan: nothing deleted")
         yield root
 
 

@@ -77,7 +77,6 @@ def refuse_foreign_root(root: str, refusing: str = "delete anything under it") -
 def exclusive(root: str, waiting: Callable[[], None] | None = None) -> Iterator[safefs.Root]:
     """The cache root, checked to be an Inductor cache, opened and locked for eviction until the
     block ends. Another eviction or purge of the same cache waits (`waiting` is called first)."""
-    refuse_foreign_root(root)
     try:
         r = safefs.Root(root)
     except OSError as e:
@@ -85,6 +84,9 @@ def exclusive(root: str, waiting: Callable[[], None] | None = None) -> Iterator[
 
         raise CacheDirError(f"cannot open cache directory {root}: {e.strerror}") from e
     with r:
+        reason = layout.foreign_opened(root, r)  # the directory opened, not the name (a symlink swapped meanwhile)
+        if reason:
+            raise UnsafePath(f"{reason}: refusing to delete anything under it")
         try:
             fcntl.flock(r.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
