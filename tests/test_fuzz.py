@@ -171,3 +171,31 @@ def test_a_spool_file_of_mutated_lines_ingests(tmp_path):
     r = spool.ingest(db, str(spool_dir))
     assert r.lines >= 30 and r.bad_lines
     assert not any(spool_dir.iterdir()), "the file is consumed, not left .ingesting"
+
+
+def test_hash_component_lines_cost_what_is_kept_of_them(monkeypatch):
+    """A hostile entry's debug lines (one megabyte string referenced thousands of times, with no
+    `] ` or `:` where a header has one, or named `gm`) are read at the cost of the few hundred
+    characters kept of each: a 1 MB pickle of them took 18-30 s of a worker's CPU, every search
+    and copy running over the whole string. Counted in characters handed to `clean`, not seconds."""
+    from cachemgr.parse import components
+
+    handed = [0]
+    cleaned = components.clean
+
+    def counting(s: str, *args) -> str:
+        handed[0] += len(s)
+        return cleaned(s, *args)
+
+    monkeypatch.setattr(components, "clean", counting)
+    big = "x" * (1 << 20)
+    lines = [
+        *[big] * 5000,  # no header at all
+        *["[" + "h" * 64 + "] " + big] * 5000,  # no colon after the name
+        *["[" + "h" * 64 + "] inductor_config[x]: " + big] * 5000,  # a value far over what is kept
+        *["[" + "h" * 64 + "] gm: " + big] * 5000,  # the graph code, kept whole: once, not 5,000 times
+    ]
+    got = {c.name: c for c in components.components_of(lines)}
+    assert set(got) == {"inductor_config[x]", "gm"}
+    assert got["inductor_config[x]"].value == "x" * components.VALUE_CHARS and len(got["gm"].value) == len(big)
+    assert handed[0] < 4 * len(big)  # (it was 5,000 copies' worth of each)

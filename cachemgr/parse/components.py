@@ -41,13 +41,22 @@ _LINE_CACHE: dict[str, Component | None] = {}
 
 
 def _component(line: str) -> Component | None:
-    end = line.find("] ", 1)
-    colon = line.find(":", end + 2)
-    if not line.startswith("[") or end < 0 or colon < 0 or end > 130 or colon - end > MAX_NAME:
+    # Every search is bounded and only the graph code is copied whole: a hostile entry's
+    # megabyte lines cost no more than their first few hundred characters.
+    if not line.startswith("["):
         return None
-    h, name, value = clean(line[1:end]), clean(line[end + 2 : colon]), line[colon + 1 :].lstrip(" ")
-    if name != "gm":
-        value = value[: 4 * VALUE_CHARS if name.startswith("example_inputs[") else VALUE_CHARS]
+    end = line.find("] ", 1, 132)
+    if end < 0:
+        return None
+    colon = line.find(":", end + 2, end + 1 + MAX_NAME)
+    if colon < 0:
+        return None
+    h, name = clean(line[1:end]), clean(line[end + 2 : colon])
+    if name == "gm":
+        value = line[colon + 1 :].lstrip(" ")
+    else:
+        keep = 4 * VALUE_CHARS if name.startswith("example_inputs[") else VALUE_CHARS
+        value = line[colon + 1 : colon + 65 + keep].lstrip(" ")[:keep]
         if name == "torch_version" or not value.isprintable():
             value = ""  # torch hashes its version as raw bytes: the hash says all there is
     return Component(name, h, clean(value), component_part(name))
@@ -60,14 +69,17 @@ def components_of(debug_lines: Any) -> list[Component]:
     if len(_LINE_CACHE) > 200_000:
         _LINE_CACHE.clear()
     out: dict[str, Component] = {}
+    long: dict[int, Component | None] = {}  # long lines of this entry by identity (a pickle may repeat one)
     for line in debug_lines[:MAX_LINES]:
         if not isinstance(line, str):
             continue
-        c: Component | None | Literal[False] = _LINE_CACHE.get(line, False)
-        if c is False:
-            c = _component(line)
-            if len(line) < 4096:  # the graph code is one long line per graph: not worth keeping
-                _LINE_CACHE[line] = c
+        c: Component | None | Literal[False]
+        if len(line) >= 4096:  # the graph code is one long line per graph: not worth keeping
+            c = long[id(line)] if id(line) in long else long.setdefault(id(line), _component(line))
+        else:
+            c = _LINE_CACHE.get(line, False)
+            if c is False:
+                c = _LINE_CACHE[line] = _component(line)
         if c is not None:
             out[c.name] = c
     return list(out.values())
