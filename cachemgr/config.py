@@ -10,6 +10,7 @@ import math
 import os
 import stat
 import tomllib
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -174,6 +175,13 @@ def _nonempty(v: Any) -> str:
     return v
 
 
+def _db_url(v: Any) -> str:
+    v = _nonempty(v)
+    if "\x00" in urllib.parse.unquote(v):  # (a %00 becomes one in the file name or the password)
+        raise ValueError("must not contain a NUL byte (%00)")
+    return v
+
+
 def _host(v: Any) -> str:
     v = _nonempty(v)
     if len(v) > 255 or not v.isprintable():
@@ -234,7 +242,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "db",
-        _nonempty,
+        _db_url,
         lambda env: f"sqlite:///{state_dir(env) / 'index.db'}",
         "index database URL (SQLite or PostgreSQL)",
         read_from=("STATE_DIRECTORY", "XDG_STATE_HOME"),

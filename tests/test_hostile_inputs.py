@@ -547,6 +547,7 @@ def test_toml_values_go_through_the_same_checks_as_variables(line, tmp_path):
         ("MAX_FILES", "1.5", "whole number"),
         ("MAX_SIZE", "-5", "invalid size"),
         ("KEEP_TORCH", "a,,b", "empty version"),
+        ("DB", "sqlite:////tmp/%00x.db", "must not contain a NUL byte (%00)"),  # (it was exit 70)
     ],
 )
 def test_variables_and_flags_meet_the_same_checks(name, value, says, tmp_path):
