@@ -75,6 +75,25 @@ def test_ls(gpu, monkeypatch, width):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
+def test_a_key_longer_than_the_terminal_takes_a_line_of_its_own(fixture_cache, cli_for, monkeypatch, width):
+    """A hostile 250-character name (an entry with no short form) is shown whole on a line of
+    its own, its values on the next, as df does with a long device name: every other row keeps
+    the table's width (one such key had widened every row of `ls` to 280 columns)."""
+    root = fixture_cache("h200-2.11")
+    key = "ab/" + "q" * 240 + ".odd"
+    (root / "ab").mkdir(exist_ok=True)
+    (root / key).write_text("{}")
+    cli = cli_for(root)
+    cli("scan")
+    monkeypatch.setenv("COLUMNS", str(width))
+    lines = cli("ls").stdout.splitlines()
+    at = lines.index(key)
+    assert cells(lines[at + 1])[:2] == ["other", "2 B"] and lines[at + 1].startswith(" ")
+    fits("\n".join(lines[:at] + lines[at + 1 :]), width)
+    assert len(lines) == len(cli.json("ls")) + 3  # a header, the long key's extra line, the total
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 def test_stats(gpu, monkeypatch, width):
     monkeypatch.setenv("COLUMNS", str(width))
     doc = gpu.json("stats")

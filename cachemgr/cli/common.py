@@ -198,7 +198,14 @@ def render_table(columns: Sequence[Col | str], rows: Sequence[Sequence[Any]], wi
     natural = [max([cell_len(c.header)] + [cell_len(r[i]) for r in cells]) for i, c in enumerate(cols)]
     widths = list(natural)
     if width is not None:
-        over = sum(widths) + len(GAP) * (len(cols) - 1) - width
+        gaps = len(GAP) * (len(cols) - 1)
+        # A whole column is as wide as its cells that fit beside the rest (the widest column gives
+        # way first): a longer one (a hostile 250-character key) leaves the table's width alone.
+        for i in sorted((i for i, c in enumerate(cols) if not c.cut), key=lambda i: -natural[i]):
+            others = sum(min(cols[j].min, widths[j]) if cols[j].cut else widths[j] for j in range(len(cols)) if j != i)
+            room = width - others - gaps
+            widths[i] = max([cell_len(cols[i].header)] + [n for r in cells if (n := cell_len(r[i])) <= room])
+        over = sum(widths) + gaps - width
         cut = [i for i, c in enumerate(cols) if c.cut]
         while over > 0:  # a character at a time from the widest cut column, down to its minimum
             shrinkable = [i for i in cut if widths[i] > min(cols[i].min, natural[i])]
@@ -208,13 +215,17 @@ def render_table(columns: Sequence[Col | str], rows: Sequence[Sequence[Any]], wi
             over -= 1
 
     def fit(text: str, i: int) -> str:
-        if cell_len(text) > widths[i]:
+        if cell_len(text) > widths[i] and cols[i].cut:
             text = set_cell_size(text, widths[i] - 1) + "…"
         pad = " " * (widths[i] - cell_len(text))
         return pad + text if cols[i].right else text + pad
 
     lines = [GAP.join(fit(c.header, i) for i, c in enumerate(cols))]
-    lines += [GAP.join(fit(r[i], i) for i in range(len(cols))) for r in cells]
+    for r in cells:
+        if cols and not cols[0].cut and cell_len(r[0]) > widths[0]:  # as df does: the long key on a
+            lines.append(r[0])  # line of its own, its row's values under their headers on the next
+            r = ["", *r[1:]]
+        lines.append(GAP.join(fit(r[i], i) for i in range(len(cols))))
     return [line.rstrip() for line in lines]
 
 
