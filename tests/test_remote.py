@@ -241,6 +241,57 @@ def test_remote_evict_keeps_a_key_read_meanwhile(cpu_cache, cli_for, redis_url, 
     assert result.skipped_in_use == [read] and torch_keys(rconn) == [read]
 
 
+# The command in-process, then its own peak RSS on stderr: VmHWM, this program's since its exec
+# (ru_maxrss can hold the forking test process's, which has imported torch; nor its parse workers').
+OWN_PEAK_RSS_PROGRAM = """
+import sys
+from cachemgr.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+with open("/proc/self/status") as f:
+    kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+print("peak-rss-mib", kib // 1024, file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def test_remote_evict_parses_values_in_bounded_workers(cpu_cache, cli_for, redis_url, rconn):
+    """An AOT value whose pickle takes about 800 MB to unpickle (14M one-item tuples: a 56 MB
+    value) is parsed in a parse worker, under its memory bound: a skipped item with its reason,
+    while a real AOT value beside it is read (its graphs learned). The command's own peak RSS
+    stays far below what unpickling takes (1.1 GB when the command unpickled values itself)."""
+    import base64
+
+    from cachemgr.fleet.remote import AOT_CACHE_ID, encode_value, redis_key
+
+    cli = cli_for(cpu_cache)
+    aot = cli.json("ls", "--kind", "aotautograd")[0]
+    needs = sorted(r["ref"] for r in cli.json("show", aot["key"])["references"] if r["kind"] == "fxgraph")
+    real = redis_key(AOT_CACHE_ID, aot["key"].split("/")[1])
+    rconn.set(real, encode_value((cpu_cache / aot["key"]).read_bytes(), 5))
+    bomb = "pt2:autograd-experimental::bomb:c1"
+    pickled = b"\x80\x02](" + b"K\x01\x85" * 14_000_000 + b"e."  # [(1,), (1,), ...]: 3 bytes each
+    rconn.set(bomb, json.dumps({"data": base64.b64encode(pickled).decode(), "time_taken_ms": 5}))
+    del pickled
+    out = subprocess.run(
+        [sys.executable, "-c", OWN_PEAK_RSS_PROGRAM, *cli.base()]
+        + ["remote", "--redis", redis_url, "evict", "--max-size", "0", "--dry-run", "--json"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    why = {x["key"]: x["reason"] for x in json.loads(out.stdout)["skipped"]}
+    assert list(why) == [bomb] and why[bomb].startswith("cannot read it: ") and "memory" in why[bomb], why
+    meta = {k.decode(): json.loads(v) for k, v in rconn.hgetall("cachemgr:meta").items()}
+    assert sorted(meta[real]["refs"]) == needs and needs and meta[bomb]["unreadable"] in why[bomb], meta
+    rss = int(out.stderr.split("peak-rss-mib ")[-1].split()[0])
+    assert rss < 400, f"the command itself peaked at {rss} MiB; {why}"
+
+
 def test_remote_evict_keeps_young_keys(cpu_cache, cli_for, redis_url, rconn):
     a = cli_for(cpu_cache)
     a("remote", "--redis", redis_url, "push")

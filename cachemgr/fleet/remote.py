@@ -42,10 +42,11 @@ from urllib.parse import urlsplit, urlunsplit
 from cachemgr import layout, safefs
 from cachemgr.errors import NotFound, RemoteError, UsageError
 from cachemgr.index.describe import read_unseen
-from cachemgr.index.store import Store
 
 if TYPE_CHECKING:  # redis is imported where it is used: an optional dependency
     from redis.typing import EncodableT, FieldT
+
+    from cachemgr.index.store import Store
 
 KEY_VERSION = 1  # the `:c1` suffix: remote_cache.RedisRemoteCache's `version`
 FX_CACHE_ID = "fx-graph-v1"
@@ -64,6 +65,7 @@ MAX_KEY = 1024  # bytes in a key; torch's are under 100
 MAX_VALUE = 64 * 1024 * 1024  # bytes of a value cachemgr reads (an AOT entry, to learn its graphs)
 MAX_PUSH = 256 * 1024 * 1024  # bytes of a local entry file pushed (base64 must stay under Redis's 512 MB)
 MAX_META = 64 * 1024  # bytes of one META_KEY field
+READERS = 4  # parse workers reading AOT values at once (each may take WORKER_MEMORY)
 
 
 # -- keys and values ------------------------------------------------------------------------
@@ -99,6 +101,19 @@ def decode_value(raw: bytes) -> bytes:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError("not a remote-cache value: 'data' is not base64") from None
+
+
+def aot_value_refs(raw: bytes) -> list[str]:
+    """The fxgraph keys an AOT entry's remote value needs. Run in a parse worker (a BYTES job,
+    under its memory and time bounds), never in the command's own process: a value is hostile,
+    and its pickle can be built to make the unpickler allocate without bound. ValueError says
+    why a value is not one."""
+    from cachemgr import parse
+
+    parsed = parse.parse_aotautograd(decode_value(raw))
+    if parsed.corrupt:
+        raise ValueError(parsed.corrupt)
+    return [ref for kind, ref in parsed.refs if kind == "fxgraph"]
 
 
 def small_json(raw: bytes, limit: int, what: str, max_brackets: int = 16) -> Any:
@@ -398,15 +413,15 @@ class Remote:
         errs on the side of keeping it. A value that cannot be read (too large, not a value, a
         pickle that does not parse or attacks the reader) needs nothing as far as we can tell:
         it goes to `skipped` with the reason (remembered, so it is read once only), and stays
-        subject to the age and size caps.
+        subject to the age and size caps. Values are parsed in parse workers, under their bounds
+        (see `read_aot`), never in this process.
         """
-        from cachemgr import parse
-
         skipped = [] if skipped is None else skipped
         aot = [k for k in keys if k.kind == "aotautograd"]
         meta = self.meta([k.rkey for k in aot], skipped)
         out: dict[str, list[str]] = {}
         learn: dict[str, str] = {}
+        todo: list[RemoteKey] = []
         for k in aot:
             m = meta.get(k.rkey)
             if m is not None and isinstance(m.get("unreadable"), str):  # read once already: not again
@@ -424,27 +439,59 @@ class Remote:
             if k.bytes > MAX_VALUE:
                 skipped.append(Skipped(k.rkey, f"value of about {k.bytes} bytes, over the {MAX_VALUE} cachemgr reads"))
                 continue
-            raw = self.call(partial(_get_string, self.r, k.rkey))
-            if raw is None:
-                continue  # gone, or no longer a string
-            try:
-                parsed = parse.parse_aotautograd(decode_value(raw))
-                if getattr(parsed, "corrupt", None):
-                    raise ValueError(parsed.corrupt)
-                refs = [ref for kind, ref in parsed.refs if kind == "fxgraph"]
-            except Exception as e:  # noqa: BLE001 - any failure to read one value is that value's
-                why = str(e).strip().splitlines()
-                reason = why[0][:200] if why else type(e).__name__
-                skipped.append(Skipped(k.rkey, f"cannot read it: {reason}"))
-                out[k.rkey] = []
+            todo.append(k)
+        for rkey, (refs, reason) in self.read_aot(todo).items():
+            if reason is not None:
+                skipped.append(Skipped(rkey, f"cannot read it: {reason}"))
+                out[rkey] = []
                 # remembered, so the next run does not read it again: our GET reset its idle time,
                 # and one read per run would keep it from ever aging out
-                learn[k.rkey] = json.dumps({"seen": time.time(), "refs": [], "unreadable": reason})
+                learn[rkey] = json.dumps({"seen": time.time(), "refs": [], "unreadable": reason})
                 continue
-            out[k.rkey] = refs
-            learn[k.rkey] = json.dumps({**(m or {}), "seen": time.time(), "refs": refs})
+            out[rkey] = refs
+            learn[rkey] = json.dumps({**(meta.get(rkey) or {}), "seen": time.time(), "refs": refs})
         if learn:
             self.call(lambda: self._remember(learn))
+        return out
+
+    def read_aot(self, keys: list[RemoteKey]) -> dict[str, tuple[list[str], str | None]]:
+        """rkey -> (the fxgraph keys it needs, None), or ([], why it cannot be read), for each of
+        these AOT values still there. Each value is parsed in a parse worker (a BYTES job of
+        cachemgr.index.workers: its address space limited, killed after PARSE_SECONDS, replaced),
+        exactly as a local entry is: a pickle built to exhaust memory or time costs that worker,
+        and the value gets the reason. This process holds about MAX_VALUE bytes of values at once."""
+        from cachemgr.index.workers import BYTES, WORKER_MEMORY, Job, Pool, default_workers
+
+        out: dict[str, tuple[list[str], str | None]] = {}
+        if not keys:
+            return out
+        reader = f"{__name__}:{aot_value_refs.__name__}"
+        with Pool(min(default_workers(), READERS)) as pool:
+            i = 0
+            while i < len(keys):
+                jobs: list[Job] = []
+                held = 0
+                while i < len(keys) and len(jobs) < pool.size and (not jobs or held + keys[i].bytes <= MAX_VALUE):
+                    k, i = keys[i], i + 1
+                    raw = self.call(partial(_get_string, self.r, k.rkey))
+                    if raw is None:
+                        continue  # gone, or no longer a string
+                    if len(raw) > MAX_VALUE:  # grown since it was sized
+                        out[k.rkey] = ([], f"value grown to over the {MAX_VALUE} bytes cachemgr reads")
+                        continue
+                    held += len(raw)
+                    jobs.append(Job(len(jobs), 0, "", BYTES, reader, k.rkey, (raw,)))
+                    raw = None
+                done = [(cast(str, job.ref), result) for job, result in pool.run(jobs, lambda job, why: (False, why))]
+                jobs.clear()  # (the values: not held while the next batch is read)
+                for rkey, result in done:
+                    ok, value = cast("tuple[bool, Any]", result)
+                    if ok:
+                        out[rkey] = (value, None)
+                    elif value == "MemoryError":
+                        out[rkey] = ([], f"out of memory (a parse worker may take {WORKER_MEMORY >> 20} MiB)")
+                    else:
+                        out[rkey] = ([], str(value)[:200])
         return out
 
     def execute(self, plan: EvictPlan) -> EvictResult:
@@ -471,15 +518,15 @@ def _types(r, rkeys: list[str]) -> dict[str, str]:
 
 
 def _get_string(r, rkey: str) -> bytes | None:
-    """GET, or None when the key is gone or holds another type than a string now."""
-    import redis
-
-    try:
-        return r.get(rkey)
-    except redis.exceptions.ResponseError as e:
-        if str(e).startswith("WRONGTYPE"):
-            return None
-        raise
+    """The value (at most MAX_VALUE + 1 bytes of it: more says it is too large, never read whole),
+    or None when the key is gone or holds another type than a string now. Touches the key, as GET."""
+    p = r.pipeline(transaction=True)
+    p.type(rkey)
+    p.getrange(rkey, 0, MAX_VALUE)  # (the end is inclusive)
+    typ, raw = p.execute(raise_on_error=False)
+    if (typ.decode(errors="replace") if isinstance(typ, bytes) else typ) != "string" or not isinstance(raw, bytes):
+        return None
+    return raw
 
 
 def _local_problem(path: str) -> str | None:

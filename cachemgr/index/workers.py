@@ -13,9 +13,10 @@ caller's `__main__`), which:
 A worker that dies (killed, out of memory) costs the entry it held a `corrupt` reason, nothing more.
 
 Besides one entry to describe, a job can be a batch of small entries that are not pickles
-(autotune results, C++ sources: read and hashed, never unpickled) or a list of directories to
-walk (scan phase one: `layout.walk_units`). `Stream` keeps the workers busy from a background
-thread while the caller writes earlier results to the index.
+(autotune results, C++ sources: read and hashed, never unpickled), a list of directories to
+walk (scan phase one: `layout.walk_units`), or bytes read from no file (a Redis value) handed to
+a function under the same bounds (BYTES: see `run_bytes`). `Stream` keeps the workers busy from
+a background thread while the caller writes earlier results to the index.
 
 Protocol on the worker's stdin/stdout: 8-byte little-endian length, then a pickle (made and
 read only by cachemgr's own code on both ends): jobs in, (job id, result) out.
@@ -47,6 +48,7 @@ HEADER = struct.Struct("<Q")
 WALK = "walk"  # Job.kind: walk the directories in `items`
 WALK_READ = "walk-read"  # Job.kind: WALK, and read the plain-data entries found (describe.READ_WITH_WALK)
 BATCH = "batch"  # Job.kind: describe the (kind, key, ref) entries in `items`, none of them a pickle
+BYTES = "bytes"  # Job.kind: call `key` ("module:function") on the bytes in `items[0]`, read from no file
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +358,20 @@ def receive(f: IO[bytes]) -> object:
     return pickle.loads(data)  # noqa: S301 - cachemgr's own process on the other end
 
 
+def run_bytes(job: Job) -> tuple[bool, object]:
+    """A BYTES job's answer: (True, what `key`'s function returned for the bytes), or (False, the
+    first line of what it raised: a MemoryError is the worker's bound). The pool's `failed` reason
+    is the caller's for a worker killed or out of time."""
+    import importlib
+
+    module, _, name = job.key.partition(":")
+    try:
+        return True, getattr(importlib.import_module(module), name)(job.items[0])
+    except Exception as e:  # noqa: BLE001 - the bytes' problem is that job's, never the worker's
+        lines = str(e).strip().splitlines()
+        return False, lines[0][:300] if lines else type(e).__name__
+
+
 def main() -> None:
     import gc
 
@@ -373,7 +389,7 @@ def main() -> None:
             job = cast(Job, receive(stdin))  # (as `-m`, this module is __main__: Job is the package's)
         except EOFError:
             return
-        send(stdout, (job.id, describer.run_job(job)))
+        send(stdout, (job.id, run_bytes(job) if job.kind == BYTES else describer.run_job(job)))
         gc.collect(0)
 
 
