@@ -312,7 +312,6 @@ def test_remote_evict_keeps_young_keys(cpu_cache, cli_for, redis_url, rconn):
             "Redis at redis://nobody:***@127.0.0.1:6379/0 refused our credentials: "
             "invalid username-password pair or user is disabled.",
         ),
-        ("http://127.0.0.1:6379", "bad Redis URL http://127.0.0.1:6379: "),
     ],
 )
 @pytest.mark.parametrize("args", [["stats"], ["push"], ["evict", "--max-age", "1d"]])
@@ -321,6 +320,41 @@ def test_remote_failures_are_one_line(cpu_cache, cli_for, url, message, args):
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 6 and len(lines) == 1, r.stderr
     assert lines[0].startswith(f"cachemgr: error: {message}") and "hunter2" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "url,why",
+    [
+        ("redis://{server}/abc", "'abc' is not a database number"),  # redis-py: db 0
+        ("redis://{server}/1/3", "'1/3' is not a database number"),  # redis-py: db 13
+        ("redis://{server}/-1", "'-1' is not a database number"),
+        ("redis://{server}/0?db=x", "'x' is not a database number"),
+        ("redis://{server}/1?db=2", "it names two databases"),
+        ("redis://nobody:hunter2@{server}/x", "'x' is not a database number"),
+        ("http://{server}", "give redis://HOST:PORT/DB"),
+        ("redis://127.0.0.1:port/0", "Port could not be cast to integer value"),
+    ],
+)
+def test_a_bad_redis_url_is_a_usage_error(tmp_path, db_url, redis_url, url, why):
+    """A Redis URL redis-py would read as another database than it says (or not at all) is a
+    one-line usage error before anything connects: `/abc` was db 0 (so `remote evict` with that
+    typo deleted there). Only `stats` meets the real server here; `evict` an unreachable port."""
+    from conftest import REDIS_HOST
+
+    cli = Cli(tmp_path / "cache", db_url)
+    for args, server in ((["stats"], REDIS_HOST), (["evict", "--max-age", "1d"], "127.0.0.1:1")):
+        bad = url.format(server=server)
+        for r in (
+            cli.proc("remote", "--redis", bad, *args),
+            cli.proc("remote", *args, env={"TORCHINDUCTOR_REDIS_URL": bad}),
+        ):
+            lines = [x for x in r.stderr.splitlines() if x.strip()]
+            assert r.returncode == 2 and len(lines) == 1 and not r.stdout, (bad, r.stdout, r.stderr)
+            assert lines[0].startswith(f"cachemgr: error: bad Redis URL {bad.replace('hunter2', '***')}: "), lines
+            assert why in lines[0] and "hunter2" not in r.stderr, lines
+    # a db named twice, the same both times, is one database
+    db = redis_url.rsplit("/", 1)[1]
+    assert remote_json(cli, f"{redis_url}?db={db}", "stats")["url"] == f"{redis_url}?db={db}"
 
 
 def test_redis_url_from_inductors_env(cpu_cache, cli_for, redis_url):

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlparse, urlsplit, urlunsplit
 
 from cachemgr import layout, safefs
 from cachemgr.errors import NotFound, RemoteError, UsageError
@@ -157,11 +157,12 @@ def check_key(raw: bytes) -> tuple[str | None, str | None]:
 def configured_url(url: str | None, environ: Mapping[str, str] = os.environ, what: str = "remote") -> str:
     """The Redis Inductor would use: the given URL (--redis, or redis_url from the config,
     CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL), else TORCHINDUCTOR_REDIS_HOST/_PORT when
-    either is set (db 0, as Inductor reads them). None of these: a UsageError, never a guess."""
+    either is set (db 0, as Inductor reads them). None of these, or a URL that is not one
+    (`check_url`): a UsageError, never a guess."""
     if url:
-        return url
+        return check_url(url)
     if environ.get("TORCHINDUCTOR_REDIS_URL"):
-        return environ["TORCHINDUCTOR_REDIS_URL"]
+        return check_url(environ["TORCHINDUCTOR_REDIS_URL"])
     host, port = environ.get("TORCHINDUCTOR_REDIS_HOST"), environ.get("TORCHINDUCTOR_REDIS_PORT")
     if host or port:
         return f"redis://{host or 'localhost'}:{port or '6379'}/0"
@@ -169,6 +170,31 @@ def configured_url(url: str | None, environ: Mapping[str, str] = os.environ, wha
         f"{what}: no Redis is configured: give --redis URL, or set redis_url in the config, "
         "CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL"
     )
+
+
+def check_url(url: str) -> str:
+    """The URL, if it names one Redis database as redis-py reads it; else a UsageError. redis-py
+    takes a scheme it knows and a port that is a number, but a db path that is not a number for db
+    0 (`/abc`), and drops the slashes of others (`/1/3` is db 13): a typo would then read, and
+    `remote evict` delete, in another database."""
+    shown = redact_url(url)
+    bad = f"bad Redis URL {shown}: "
+    try:
+        parts = urlparse(url)
+        parts.port  # noqa: B018 - raises ValueError when the port is not a number
+    except ValueError as e:
+        raise UsageError(bad + _line(e)) from None
+    if not url.lower().startswith(("redis://", "rediss://", "unix://")):
+        raise UsageError(bad + "give redis://HOST:PORT/DB, rediss://... or unix:///PATH?db=DB")
+    dbs = [v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k == "db"]
+    if parts.scheme != "unix" and parts.path not in ("", "/"):
+        dbs.append(unquote(parts.path)[1:])
+    for db in dbs:
+        if not re.fullmatch(r"[0-9]{1,9}", db):
+            raise UsageError(bad + f"{shown_key(db)!r} is not a database number (0, 1, 2...: redis://HOST:PORT/DB)")
+    if len({int(db) for db in dbs}) > 1:
+        raise UsageError(bad + "it names two databases (its path and ?db=)")
+    return url
 
 
 def redact_url(url: str) -> str:
@@ -189,21 +215,22 @@ T = TypeVar("T")
 
 
 class Remote:
-    """One Redis remote cache. Every redis-py error leaves as a one-line RemoteError."""
+    """One Redis remote cache. Every redis-py error leaves as a one-line RemoteError; a URL that
+    is not one (`check_url`) is a UsageError, before any connection."""
 
     def __init__(self, url: str, connect_timeout: float = 3.0, timeout: float = 30.0) -> None:
         try:
             import redis
         except ImportError as e:
             raise RemoteError("the Redis tier needs redis-py: pip install 'cachemgr[fleet]'") from e
-        self.url = url
+        self.url = check_url(url)
         self.shown = redact_url(url)
         try:
             self.r = redis.Redis.from_url(
                 url, socket_connect_timeout=connect_timeout, socket_timeout=timeout, retry_on_timeout=False
             )
-        except ValueError as e:
-            raise RemoteError(f"bad Redis URL {self.shown}: {e}") from e
+        except ValueError as e:  # a bad value of another option (?socket_timeout=x): the URL's, as above
+            raise UsageError(f"bad Redis URL {self.shown}: {_line(e)}") from e
 
     def call(self, fn: Callable[[], T]) -> T:
         import redis
