@@ -339,6 +339,20 @@ def test_held_lock_keeps_its_entry(aged_cpu, cli_for):
     assert not lock.exists()
 
 
+def test_an_entry_whose_lock_name_would_be_too_long_is_evicted(aged_cpu, cli_for):
+    """A kernel folder of 254 characters has no possible `<name>.lock` (255 at most): it was kept
+    as 'lock held' for ever (ENAMETOOLONG read as 'cannot tell')."""
+    kernel = aged_cpu / "triton" / "0" / ("A" * 254)
+    kernel.mkdir(parents=True)
+    (kernel / "k.json").write_text("{}")
+    old = time.time() - 7200
+    os.utime(kernel / "k.json", (old, old))
+    cli = cli_for(aged_cpu)
+    cli("scan")
+    r = cli.json("evict", "--max-size", "0", "--grace", "0")
+    assert not kernel.exists() and not any(s["reason"] == "lock held" for s in r["skipped"]), r["skipped"]
+
+
 def test_symlinks_pointing_outside_survive_with_their_targets(aged_cpu, cli_for, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()

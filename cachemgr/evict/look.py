@@ -76,8 +76,8 @@ def lock_is_held(root: safefs.Root, key: str) -> bool:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root.dir_fd(parent))
     except FileNotFoundError:
         return False
-    except OSError:
-        return True  # cannot tell: treat it as held
+    except OSError as e:  # a name too long to exist (a 250-character entry's .lock) is no lock; else
+        return e.errno != errno.ENAMETOOLONG  # cannot tell: treat it as held
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return True
