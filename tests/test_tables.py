@@ -275,3 +275,13 @@ def test_shapes_fleet_report_and_a_prewarm_run(gpu, cli_for, monkeypatch, capsys
     assert (
         row[1] == "3" and row[3:8] == ["cpu", "cold", "12.50", "2/1", "0/1"] and row[8].startswith("RuntimeErr")
     )  # a reason may be cut
+
+
+def test_an_age_no_clock_gives_is_unknown():
+    """last_access 0 (a kernel folder with no file to date it by) read '20792d' idle."""
+    import time
+
+    from cachemgr.cli.common import age
+
+    assert [age(v) for v in (None, 0, -5, float("inf"), float("nan"), "x", True, 1e300)] == ["-"] * 8
+    assert age(time.time() - 90) == "1.5m" and age(time.time() + 30) == "0s"

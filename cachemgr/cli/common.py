@@ -298,7 +298,11 @@ def human_size(n: int | None) -> str:
 
 
 def age(ts: float | None) -> str:
-    return "-" if ts is None else format_duration(round(time.time() - ts))  # ages in whole seconds
+    """How long ago `ts` was, in whole seconds; '-' when unknown (None, 0: a kernel folder with no
+    file to date it by; a value no clock gives, from an index edited by hand)."""
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 < ts < 1e12:
+        return "-"
+    return format_duration(max(0, round(time.time() - ts)))
 
 
 def seconds(s: float | None) -> str:
