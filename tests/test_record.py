@@ -205,6 +205,41 @@ def test_lines_a_recorder_never_writes_are_skipped_and_the_rest_ingested(spool, 
     assert cli(*flag, "scan").stderr == ""  # nothing left over to fail on again
 
 
+def test_a_line_the_ingest_cannot_store_is_skipped_not_a_jammed_spool(tmp_path, cli_for):
+    """A spec without `kwargs` (or `args`), a tensor whose device is no text, an argument whose
+    type tag is a list: each passed the checks and then raised in the ingest (`internal error`,
+    exit 70, the file left `.ingesting` and every later scan failing on it). Now each is a skipped
+    line with its reason, the good line of the same file lands, and the next scan is clean."""
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    tensor = {"t": "tensor", "shape": [2], "dtype": "float32"}
+    lines = [
+        {"model": "m", "signature_hash": "h1", "spec": {"args": []}},
+        {"model": "m", "signature_hash": "h2", "spec": {"kwargs": {}}},
+        *(
+            {"model": "m", "signature_hash": f"d{i}", "spec": {"args": [{**tensor, "device": d}], "kwargs": {}}}
+            for i, d in enumerate([0, False, {}, []])
+        ),
+        {"model": "m", "signature_hash": "h3", "spec": {"args": [{"t": []}], "kwargs": {}}},
+        {"model": "m", "signature_hash": "ok", "spec": {"args": [{**tensor, "device": "cuda:0"}], "kwargs": {}}},
+    ]
+    (spool_dir / "x.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "cache").mkdir()
+    cli = cli_for(tmp_path / "cache")
+    flag = ["--config", str(_config(tmp_path, str(spool_dir)))]
+    r = cli(*flag, "scan")
+    reported = [line for line in r.stderr.splitlines() if line.startswith("cachemgr: spool: skipped")]
+    assert len(reported) == len(lines) - 1, r.stderr
+    assert [x.split(".ingesting:", 1)[1] for x in reported[:2]] == [
+        "1: spec is not {args: [...], kwargs: {...}}",
+        "2: spec is not {args: [...], kwargs: {...}}",
+    ]
+    assert all("a tensor without" in x for x in reported[2:6]) and "unknown argument" in reported[6]
+    assert os.listdir(spool_dir) == []
+    assert [(d["signature_hash"], d["signature"]) for d in cli.json(*flag, "shapes")] == [("ok", "(f32[2]@cuda:0)")]
+    assert cli(*flag, "scan").stderr == ""
+
+
 def test_shapes_cli_ingests_and_lists(spool, tmp_path, cli_for):
     m = record.compile(torch.nn.Linear(4, 2), name="ranker", spool=spool, backend="eager")
     m(torch.randn(2, 4))
