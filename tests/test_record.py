@@ -240,6 +240,84 @@ def test_a_line_the_ingest_cannot_store_is_skipped_not_a_jammed_spool(tmp_path, 
     assert cli(*flag, "scan").stderr == ""
 
 
+# `cachemgr ARGS...` that writes its peak RSS (KiB) to $PEAK_FILE as it exits. VmHWM, not
+# ru_maxrss: a child started from this (torch-sized) test process inherits its high-water mark there.
+_PEAK = """
+import atexit, os, runpy, sys
+def peak():
+    with open("/proc/self/status") as f, open(os.environ["PEAK_FILE"], "w") as out:
+        out.write(next(x for x in f if x.startswith("VmHWM:")).split()[1])
+atexit.register(peak)
+sys.argv[0] = "cachemgr"
+runpy.run_module("cachemgr", run_name="__main__")
+"""
+
+
+def _peak_kib(tmp_path, *args: str) -> int:
+    peak = tmp_path / "peak"
+    r = subprocess.run(
+        [sys.executable, "-c", _PEAK, *args],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(PEAK_FILE=str(peak)),
+        cwd=REPO,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    return int(peak.read_text())
+
+
+def test_ingest_memory_stays_flat_however_large_the_parsed_lines(tmp_path, cli_for):
+    """100 lines of 48 KiB, each parsing into 16,000 small lists (over 1 MB of objects): the ingest
+    held a whole batch of parsed lines (1,000 such lines: 1.6 GB). Now a batch holds only the texts
+    it stores, and `scan` peaks a few MB above a scan that ingests one small line."""
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    (tmp_path / "cache").mkdir()
+    cli = cli_for(tmp_path / "cache")
+    args = [*cli.base(), "--config", str(_config(tmp_path, str(spool_dir))), "scan"]
+    spec = {"args": [], "kwargs": {}}
+    (spool_dir / "one.jsonl").write_text(json.dumps({"model": "m", "signature_hash": "one", "spec": spec}) + "\n")
+    one = _peak_kib(tmp_path, *args)  # the same scan ingesting one small line: the same modules loaded
+    with open(spool_dir / "w.jsonl", "w") as f:
+        for i in range(100):
+            f.write(json.dumps({"model": "m", "signature_hash": f"h{i}", "spec": spec, "options": {"a": [[]] * 16000}}))
+            f.write("\n")
+    full = _peak_kib(tmp_path, *args)
+    assert os.listdir(spool_dir) == []
+    assert full - one < 50 * 1024, (one, full)  # was 128 MiB more; now about 13
+    assert len(list_shapes(Database(cli.db_url), "m")) == 101
+
+
+def test_a_row_shapes_would_leave_out_is_refused_at_ingest_saying_why(tmp_path, cli_for):
+    """Options that take over 64 KiB once stored (non-ASCII text is escaped), over 16,384 values,
+    or a signature text over 4,096 characters (a spec of 600 arguments, the line having none of its
+    own): each was ingested, then silently left out of `shapes`. Now the ingest refuses each, with
+    its reason, and every line it takes is listed."""
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    (tmp_path / "cache").mkdir()
+    empty = {"args": [], "kwargs": {}}
+    wide = {f"b{i}": "\u00e9" * 4000 for i in range(3)}  # 24 KB in the line, 72 KB stored (escaped)
+    lines = [
+        {"model": "m", "signature_hash": "wide", "spec": empty, "options": wide},
+        {"model": "m", "signature_hash": "many", "spec": empty, "options": {"c": [0] * 17000}},
+        {"model": "m", "signature_hash": "long", "spec": {"args": [{"t": "int", "v": 1234567}] * 600, "kwargs": {}}},
+        {"model": "m", "signature_hash": "ok", "spec": empty, "options": {"mode": "max-autotune"}},
+    ]
+    with open(spool_dir / "v.jsonl", "w") as f:
+        f.writelines(json.dumps(x, ensure_ascii=False) + "\n" for x in lines)
+    cli = cli_for(tmp_path / "cache")
+    flag = ["--config", str(_config(tmp_path, str(spool_dir)))]
+    err = cli(*flag, "scan").stderr
+    assert [x.removeprefix("cachemgr: spool: skipped v.jsonl.ingesting:") for x in err.splitlines()] == [
+        "1: options takes 72030 characters stored, over the 64 KiB a row may hold",
+        "2: more than 16384 JSON values",
+        "3: signature longer than 4096 characters",
+    ], err
+    assert [d["signature_hash"] for d in cli.json(*flag, "shapes")] == ["ok"]
+
+
 def test_shapes_cli_ingests_and_lists(spool, tmp_path, cli_for):
     m = record.compile(torch.nn.Linear(4, 2), name="ranker", spool=spool, backend="eager")
     m(torch.randn(2, 4))

@@ -13,14 +13,17 @@ crash would count twice, so a left-over file only adds to `count` for lines newe
 `last_seen`: the rows are exact, counts never double.
 
 Every input is hostile (the spool directory is writable by every workload): a line that is not
-UTF-8, not JSON, longer than MAX_LINE, nested deeper than MAX_DEPTH, or whose fields are not what
-the recorder writes (wrong types, a time that is no time, text with NUL, control characters or
-lone surrogates, which neither a terminal nor PostgreSQL takes) is skipped and reported with its
-reason, never fatal. Only regular files are opened (no symlink is followed, a FIFO never blocks);
-a file that cannot be read, or is over MAX_FILE, is set aside as `.bad-*` with its reason. Files
-are read line by line, so memory stays bounded whatever their size. A taken file always ends
-unlinked or set aside: nothing stays `.ingesting` for ever. Only the database failing as a whole
-(DatabaseError) stops an ingest, and leaves the file for the next run.
+UTF-8, not JSON, longer than MAX_LINE, nested deeper than MAX_DEPTH, holding more than MAX_VALUES
+JSON values, or whose fields are not what the recorder writes (wrong types, a time that is no time,
+text with NUL, control characters or lone surrogates, which neither a terminal nor PostgreSQL
+takes, a spec prewarm could not replay), or whose row `list_shapes` would not read back (one check,
+`_decoded`, on both sides), is skipped and reported with its reason, never fatal. Only regular
+files are opened (no symlink is followed, a FIFO never blocks); a file that cannot be read, or is
+over MAX_FILE, is set aside as `.bad-*` with its reason. Files are read line by line, and a batch
+holds only the texts it stores (at most BATCH lines and BATCH_BYTES), never the parsed lines, so
+memory stays bounded whatever their size. A taken file always ends unlinked or set aside: nothing
+stays `.ingesting` for ever. Only the database failing as a whole (DatabaseError) stops an ingest,
+and leaves the file for the next run.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import os
 import re
 import stat
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # SQLAlchemy is imported where rows are written: a scan with an empty spool needs none of it
@@ -46,9 +49,11 @@ REQUIRED = ("model", "signature_hash", "spec")
 
 MAX_LINE = 64 * 1024  # bytes in one line; the recorder writes a few hundred (cachemgr.record checks too)
 MAX_DEPTH = 32  # JSON nesting of one line; a recorded spec is a few levels deep
+MAX_VALUES = 16384  # JSON values (containers, items, keys' values) in one line: a real one has ~1 per 8 bytes
 MAX_FILE = 256 * 1024 * 1024  # a bigger spool file is set aside unread
 MAX_REPORTED = 20  # bad lines named per file; the rest are counted in one more line
 BATCH = 1000  # lines per transaction
+BATCH_BYTES = 4 * 1024 * 1024  # and at most this much text to store per transaction
 MAX_NAME = 255  # model and host: String(255) in the index
 MAX_HASH = 16  # signature_hash: String(16)
 MAX_TEXT = 4096  # any other string in a line
@@ -206,8 +211,8 @@ def _ingest_file(db: Database, path: str, recovering: bool, bad: list[str]) -> t
 
 def _ingest_lines(db: Database, fd: int, name: str, recovering: bool, bad: list[str]) -> tuple[int, int, int]:
     name = shown(name)
-    lines = new = updated = skipped = 0
-    batch: list[tuple[int, dict]] = []
+    lines = new = updated = skipped = size = 0
+    batch: list[tuple[int, _Row]] = []
 
     def report(lineno: int, reason: str) -> None:
         nonlocal skipped
@@ -216,13 +221,14 @@ def _ingest_lines(db: Database, fd: int, name: str, recovering: bool, bad: list[
             bad.append(f"{name}:{lineno}: {reason}")
 
     def flush() -> None:
-        nonlocal new, updated, lines
+        nonlocal new, updated, lines, size
         if batch:
             n, u, refused = _upsert(db, batch, recovering)
             new, updated, lines = new + n, updated + u, lines + len(batch) - len(refused)
             for lineno, reason in refused:
                 report(lineno, reason)
             batch.clear()
+            size = 0
 
     with os.fdopen(os.dup(fd), "rb") as f:
         lineno = 0
@@ -239,14 +245,16 @@ def _ingest_lines(db: Database, fd: int, name: str, recovering: bool, bad: list[
             if not raw.strip():
                 continue
             try:
-                batch.append((lineno, parse_line(raw)))
+                row = read_line(raw)
             except LineError as e:
                 report(lineno, str(e))
                 continue
             except Exception as e:  # noqa: BLE001 - a check this module lacks is one line skipped, never a jammed spool
                 report(lineno, f"not a line the recorder writes ({type(e).__name__})")
                 continue
-            if len(batch) >= BATCH:
+            batch.append((lineno, row))
+            size += row.size
+            if len(batch) >= BATCH or size >= BATCH_BYTES:
                 flush()
     flush()
     if skipped > MAX_REPORTED:
@@ -257,8 +265,60 @@ def _ingest_lines(db: Database, fd: int, name: str, recovering: bool, bad: list[
 # -- one line -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class _Row:
+    """One line as the index stores it: the texts of a `shapes` row, not the parsed line (a
+    64 KiB line may parse into a megabyte of small objects; its texts are about its size)."""
+
+    model: str
+    signature_hash: str
+    signature: str
+    spec: str
+    options: str
+    host: str | None
+    ts: float
+
+    @property
+    def size(self) -> int:
+        return len(self.signature) + len(self.spec) + len(self.options)
+
+    def columns(self) -> dict[str, Any]:
+        """The `shapes` columns of a new row, but its count and times."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "ts"}
+
+
 def parse_line(raw: bytes) -> dict:
-    """One spool line as the recorder wrote it, checked; LineError says what is wrong."""
+    """One spool line as the recorder wrote it, checked (its row too: what the index would store
+    of it is what `shapes` reads back); LineError says what is wrong."""
+    doc = _parse(raw)
+    _row(doc)
+    return doc
+
+
+def read_line(raw: bytes) -> _Row:
+    """One spool line, checked, as the row the index stores; LineError says what is wrong."""
+    return _row(_parse(raw))
+
+
+def _row(doc: dict) -> _Row:
+    from cachemgr.record import signature_text
+
+    # the signature shown is made from the spec, not taken from the line: what is printed is
+    # what will be replayed
+    row = _Row(
+        model=doc["model"],
+        signature_hash=doc["signature_hash"],
+        signature=signature_text(doc["spec"]),
+        spec=json.dumps(doc["spec"], sort_keys=True),
+        options=json.dumps(doc.get("options") or {}, sort_keys=True),
+        host=doc.get("host"),
+        ts=float(doc.get("ts") or time.time()),
+    )
+    _decoded(row.model, row.signature, row.host, row.spec, row.options)
+    return row
+
+
+def _parse(raw: bytes) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -300,8 +360,10 @@ def _too_deep(text: str) -> bool:
 
 def check_values(doc: Any) -> None:
     """Every string in `doc` fit for a terminal and for PostgreSQL text, every number finite,
-    nesting at most MAX_DEPTH. Iterative: no recursion however deep `doc` is."""
+    nesting at most MAX_DEPTH, at most MAX_VALUES values. Iterative: no recursion however deep
+    `doc` is."""
     stack: list[tuple[Any, int]] = [(doc, 0)]
+    values = 1
     while stack:
         v, depth = stack.pop()
         if depth > MAX_DEPTH:
@@ -314,12 +376,16 @@ def check_values(doc: Any) -> None:
         elif isinstance(v, int) and not isinstance(v, bool):
             if abs(v) >= 1 << 63:
                 raise LineError("an integer out of range")
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                _check_text(k, "a key")
-                stack.append((x, depth + 1))
-        elif isinstance(v, list):
-            stack.extend((x, depth + 1) for x in v)
+        elif isinstance(v, (dict, list)):
+            values += len(v)
+            if values > MAX_VALUES:
+                raise LineError(f"more than {MAX_VALUES} JSON values")
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    _check_text(k, "a key")
+                    stack.append((x, depth + 1))
+            else:
+                stack.extend((x, depth + 1) for x in v)
 
 
 def _check_text(s: str, what: str) -> None:
@@ -416,7 +482,7 @@ def _arg_problem(a: object) -> str | None:
 # -- into the index -------------------------------------------------------------------------------
 
 
-def _upsert(db: Database, lines: list[tuple[int, dict]], recovering: bool) -> tuple[int, int, list[tuple[int, str]]]:
+def _upsert(db: Database, lines: list[tuple[int, _Row]], recovering: bool) -> tuple[int, int, list[tuple[int, str]]]:
     """(new rows, updated rows, lines the index refused with why). One transaction; if the index
     refuses it for a reason other than the database failing, line by line."""
     from sqlalchemy.exc import SQLAlchemyError
@@ -444,43 +510,29 @@ def _upsert(db: Database, lines: list[tuple[int, dict]], recovering: bool) -> tu
     return new, updated, refused
 
 
-def _upsert_batch(db: Database, lines: list[dict], recovering: bool) -> tuple[int, int]:
-    from sqlalchemy import select
+def _upsert_batch(db: Database, lines: list[_Row], recovering: bool) -> tuple[int, int]:
+    from sqlalchemy import select, tuple_
+    from sqlalchemy.orm import load_only
 
     from cachemgr.index.models import Shape
-    from cachemgr.record import signature_text
 
     if not lines:
         return 0, 0
     new = updated = 0
     with db.session() as s:
-        keys = {(d["model"], d["signature_hash"]) for d in lines}
-        rows = {
-            (r.model, r.signature_hash): r
-            for r in s.scalars(
-                select(Shape).where(
-                    Shape.model.in_({m for m, _ in keys}), Shape.signature_hash.in_({h for _, h in keys})
-                )
-            )
-        }
+        keys = {(d.model, d.signature_hash) for d in lines}
+        # exactly the batch's rows (not every model x hash pair), without their texts
+        query = (
+            select(Shape)
+            .where(tuple_(Shape.model, Shape.signature_hash).in_(sorted(keys)))
+            .options(load_only(Shape.model, Shape.signature_hash, Shape.count, Shape.first_seen, Shape.last_seen))
+        )
+        rows = {(r.model, r.signature_hash): r for r in s.scalars(query)}
         for d in lines:
-            k = (d["model"], d["signature_hash"])
-            ts = float(d.get("ts") or time.time())
+            k, ts = (d.model, d.signature_hash), d.ts
             row = rows.get(k)
             if row is None:
-                # the signature shown is made from the spec, not taken from the line: what is
-                # printed is what will be replayed
-                row = Shape(
-                    model=d["model"],
-                    signature_hash=d["signature_hash"],
-                    signature=signature_text(d["spec"]),
-                    spec=json.dumps(d["spec"], sort_keys=True),
-                    options=json.dumps(d.get("options") or {}, sort_keys=True),
-                    host=d.get("host"),
-                    count=1,
-                    first_seen=ts,
-                    last_seen=ts,
-                )
+                row = Shape(**d.columns(), count=1, first_seen=ts, last_seen=ts)
                 s.add(row)
                 rows[k] = row
                 new += 1
@@ -506,14 +558,11 @@ def list_shapes(db: Database, model: str | None = None) -> list[dict]:
         if model is not None:
             q = q.where(Shape.model == model)
         rows = list(s.scalars(q))
-    out = []
+    out: list[dict[str, Any]] = []
     for r in rows:
         try:
-            spec, options = _stored(r.spec), _stored(r.options)
-            check_values([r.model, r.signature, r.host or "", spec, options])
+            spec, options = _decoded(r.model, r.signature, r.host, r.spec, r.options)
         except LineError:
-            continue
-        if spec_problem(spec) is not None or not isinstance(options, dict):
             continue
         out.append(
             {
@@ -534,13 +583,35 @@ def list_shapes(db: Database, model: str | None = None) -> list[dict]:
     return out
 
 
-def _stored(text: Any) -> Any:
-    if not isinstance(text, str) or len(text) > MAX_LINE or _too_deep(text):
-        raise LineError("not a stored JSON value")
+def _decoded(model: Any, signature: Any, host: Any, spec_text: Any, options_text: Any) -> tuple[dict, dict]:
+    """A `shapes` row's spec and options as prewarm replays them; LineError says why the row cannot
+    be. The ingest runs it on each line's row, so a row it stores is never dropped here."""
+    for what, text in (("model", model), ("signature", signature), ("host", host or "")):
+        if not isinstance(text, str):
+            raise LineError(f"{what} is not text")
+        _check_text(text, what)
+    spec, options = _stored(spec_text, "spec"), _stored(options_text, "options")
+    check_values(spec)
+    check_values(options)
+    problem = spec_problem(spec)
+    if problem is not None:
+        raise LineError(problem)
+    if not isinstance(options, dict):
+        raise LineError("options is not {...}")
+    return spec, options
+
+
+def _stored(text: Any, what: str) -> Any:
+    if not isinstance(text, str):
+        raise LineError(f"{what} is not a stored JSON value")
+    if len(text) > MAX_LINE:
+        raise LineError(f"{what} takes {len(text)} characters stored, over the {MAX_LINE // 1024} KiB a row may hold")
+    if _too_deep(text):
+        raise LineError(f"{what} nested deeper than {MAX_DEPTH} levels")
     try:
         return json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError):
-        raise LineError("not a stored JSON value") from None
+        raise LineError(f"{what} is not a stored JSON value") from None
 
 
 def varied_dims(shapes: list[dict]) -> dict[str, list[str]]:
