@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -260,6 +261,46 @@ def test_manifest_errors_name_model_and_field(tmp_path):
         mf.load(str(tmp_path / "bad.toml"))
     with pytest.raises(mf.ManifestError, match="no \\[\\[model\\]\\] tables"):
         mf.parse({}, "empty.toml")
+
+
+def test_recorded_inputs_over_max_input_bytes_fail_by_name_and_are_never_allocated(tmp_path, db_url):
+    """A spool line is anyone's: one `f32[67108864,8]` made a worker allocate 2 GiB (4.5 GB at its
+    peak). A replayed call's inputs are now measured first, storage as shape and stride span it
+    (a stride alone can ask for GiBs), against the model's `max_input_bytes` (1 GiB unless the
+    manifest says): a shape over it fails by name, exit 8, and the model's other shapes still run."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    t0 = time.time() - 100
+
+    def line(model: str, i: int, shape: list[int], stride: list[int]) -> str:
+        arg = {"t": "tensor", "shape": shape, "dtype": "float32", "device": "cpu", "stride": stride}
+        spec = {"args": [arg], "kwargs": {}, "grad": False}
+        return json.dumps({"model": model, "signature_hash": f"{model[:4]}{i}", "spec": spec, "ts": t0 + i}) + "\n"
+
+    (spool / "w.jsonl").write_text(
+        line("capped", 0, [2, 16], [16, 1])
+        + line("capped", 1, [512, 1024], [1024, 1])  # 2 MiB, over its manifest's 1 MiB
+        + line("strided", 2, [2, 16], [16, 1])
+        + line("strided", 3, [2, 16], [1 << 29, 1])  # 32 numbers spread over 2 GiB: over the default
+    )
+    (tmp_path / "m.toml").write_text(
+        '[[model]]\nname = "capped"\nfactory = "prewarm_models:mlp"\ncompile = { backend = "eager" }\n'
+        'max_input_bytes = "1MiB"\n\n'
+        '[[model]]\nname = "strided"\nfactory = "prewarm_models:mlp"\ncompile = { backend = "eager" }\n'
+    )
+    (tmp_path / "config.toml").write_text(f'spool_dir = "{spool}"\n')
+    cli = ConfCli(tmp_path / "cache", db_url, tmp_path / "config.toml")
+    doc, _ = proc_json(cli, "prewarm", "--manifest", str(tmp_path / "m.toml"), code=8)
+    ok = {(r["model"], r["index"]): r["ok"] for r in doc["shapes"]}
+    assert ok == {("capped", 0): True, ("capped", 1): False, ("strided", 0): True, ("strided", 1): False}
+    assert sorted(doc["failures"]) == [
+        "model 'capped' shape #1 (f32[512,1024]) no_grad on cpu: InputsTooLarge: the inputs would take "
+        "2.0 MiB, over the model's max_input_bytes (1.0 MiB) for one replayed call: not built",
+        "model 'strided' shape #1 (f32[2,16]) no_grad on cpu: InputsTooLarge: the inputs would take "
+        "2.0 GiB, over the model's max_input_bytes (1.0 GiB) for one replayed call: not built",
+    ]
+    bad = mf.parse({"model": [{"name": "a", "factory": "p:f", "max_input_bytes": "lots"}]}, "x.toml")
+    assert "model 'a': field 'max_input_bytes': invalid size 'lots'" in bad.errors[0][1]
 
 
 def test_shapes_are_shared_in_order_and_automatic_dynamic_slices_lead_in_with_the_first():

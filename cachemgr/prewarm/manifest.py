@@ -8,6 +8,7 @@
     device = "cuda"                          # default "cpu"; `prewarm --devices` overrides
     autocast = "bfloat16"                    # optional
     train = false                            # true: forward and backward
+    max_input_bytes = "1GiB"                 # default; one replayed call's inputs may take no more
     shapes = "recorded"                      # or explicit inputs, one list of arguments per call:
     # shapes = [["f32[8,512]"], ["f32[16,512]", 3], [{shape = [4, 512], dtype = "bfloat16"}]]
 
@@ -22,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachemgr.errors import ConfigError, NotFound
+from cachemgr.errors import ConfigError, NotFound, UsageError
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 AUTOCAST = ("float16", "bfloat16")
@@ -43,7 +44,20 @@ FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 SHAPE_RE = re.compile(
     r"^(?P<dtype>[a-z0-9]+)\[(?P<dims>(?:\d{1,18}(?:,\d{1,18})*)?)\](?P<grad>\*?)$"
 )  # spaces removed first
-MODEL_KEYS = {"name", "factory", "factory_kwargs", "compile", "device", "autocast", "train", "shapes"}
+MODEL_KEYS = {
+    "name",
+    "factory",
+    "factory_kwargs",
+    "compile",
+    "device",
+    "autocast",
+    "train",
+    "shapes",
+    "max_input_bytes",
+}
+# What the inputs of one replayed call may take, their tensors' storage counted before any is
+# allocated: recorded shapes come from the spool, which every workload can write.
+MAX_INPUT_BYTES = 1 << 30
 COMPILE_KEYS = {"mode", "dynamic", "fullgraph", "options", "backend"}
 
 
@@ -61,6 +75,7 @@ class ModelSpec:
     autocast: str | None = None
     train: bool = False
     shapes: str | list = "recorded"  # "recorded" or a list of input specs (record.input_spec form)
+    max_input_bytes: int = MAX_INPUT_BYTES
 
     def as_dict(self) -> dict:
         return {
@@ -72,6 +87,7 @@ class ModelSpec:
             "autocast": self.autocast,
             "train": self.train,
             "shapes": self.shapes,
+            "max_input_bytes": self.max_input_bytes,
         }
 
 
@@ -162,7 +178,20 @@ def _model(t: Any) -> ModelSpec:
         autocast=autocast,
         train=train,
         shapes=_shapes(t.get("shapes", "recorded"), train),
+        max_input_bytes=_size(t.get("max_input_bytes", MAX_INPUT_BYTES), "max_input_bytes"),
     )
+
+
+def _size(v: Any, field_name: str) -> int:
+    from cachemgr.units import parse_size
+
+    try:
+        n = parse_size(v) if isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)) else 0
+    except UsageError as e:
+        raise _FieldError(field_name, str(e)) from None
+    if n <= 0:
+        raise _FieldError(field_name, f'must be a size such as "4GiB" or a number of bytes, got {v!r}')
+    return n
 
 
 def _compile(c: Any) -> dict | None:

@@ -6,6 +6,8 @@ device; a job is the models' shapes in their recorded order (automatic dynamic s
 that order: the first shape compiles a static graph, the next a dynamic one, as in the workload).
 The child reports JSON lines on a pipe of its own (the model may print on stdout); the parent
 enforces the per-shape timeout, and a worker that dies or hangs is replaced for the shapes left.
+A call's inputs are measured before any is built (recorded shapes are anyone's): over the model's
+`max_input_bytes` that shape fails, naming its size, and nothing is allocated.
 
 Workers live in process groups of their own (cachemgr.procs): a terminal's Ctrl-C reaches only the
 CLI, which kills every worker group and waits for it before it exits 130; a worker (and the compile
@@ -27,7 +29,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cachemgr import procs
-from cachemgr.prewarm.manifest import Manifest, ModelSpec
+from cachemgr.prewarm.manifest import MAX_INPUT_BYTES, Manifest, ModelSpec
+from cachemgr.units import format_size
 
 COUNTERS = (
     ("inductor", "fxgraph_cache_hit"),
@@ -883,7 +886,18 @@ def _replay_model(m: dict, device: str, phase: str, out: _Out, torch, counters) 
             )
 
 
+class InputsTooLarge(ValueError):
+    """A shape whose inputs would take more than the model's max_input_bytes: never allocated."""
+
+
 def _call(torch, compiled, spec: dict, device: str, model: dict) -> None:
+    cap = model.get("max_input_bytes") or MAX_INPUT_BYTES
+    need = input_bytes(torch, spec)
+    if need > cap:
+        raise InputsTooLarge(
+            f"the inputs would take {format_size(need)}, over the model's max_input_bytes "
+            f"({format_size(cap)}) for one replayed call: not built"
+        )
     args = [_build(torch, a, device) for a in spec["args"]]
     kwargs = {k: _build(torch, v, device) for k, v in spec["kwargs"].items()}
     grad = bool(spec.get("grad", True)) or model["train"]
@@ -918,12 +932,40 @@ def _tensors(torch, obj):
             yield from _tensors(torch, o)
 
 
+def input_bytes(torch, spec: dict) -> int:
+    """Bytes the inputs of one call take once built, before any is: each tensor's storage as its
+    shape and stride span it (a stride alone can make a small shape need a huge storage)."""
+    total = 0
+    stack = [*spec["args"], *spec["kwargs"].values()]
+    while stack:
+        s = stack.pop()
+        t = s["t"]
+        if t == "tensor":
+            shape = s["shape"]
+            stride = s.get("stride") or _contig(shape)
+            if len(stride) != len(shape):
+                raise ValueError(f"stride {stride} does not match shape {shape}")
+            if 0 not in shape:
+                span = 1 + sum((d - 1) * abs(st) for d, st in zip(shape, stride, strict=True))
+                total += span * _dtype(torch, s["dtype"]).itemsize
+        elif t in ("tuple", "list"):
+            stack.extend(s["items"])
+        elif t == "dict":
+            stack.extend(s["items"].values())
+    return total
+
+
+def _dtype(torch, name: str):
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):  # a name from the index: only a dtype is taken from torch
+        raise TypeError(f"unknown dtype {name!r}")
+    return dtype
+
+
 def _build(torch, s: dict, device: str):
     t = s["t"]
     if t == "tensor":
-        dtype = getattr(torch, s["dtype"], None)
-        if not isinstance(dtype, torch.dtype):  # a name from the index: only a dtype is taken from torch
-            raise TypeError(f"unknown dtype {s['dtype']!r}")
+        dtype = _dtype(torch, s["dtype"])
         x = torch.empty_strided(s["shape"], s.get("stride") or _contig(s["shape"]), dtype=dtype, device=device)
         if dtype.is_floating_point or dtype.is_complex:
             x.normal_()
