@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import termios
+import time
 
 import pytest
 from conftest import subprocess_env
@@ -44,8 +45,8 @@ def gpu(fixture_cache, cli_for, db_url):
     with sqlite3.connect(db_url.split(":///", 1)[1]) as c:  # a recorded model, as cachemgr.record leaves it
         c.execute(
             "INSERT INTO shapes (model, signature_hash, signature, spec, options, count, first_seen, last_seen) "
-            "VALUES ('a-model-with-a-rather-long-name-for-its-column', 'x', ?, '{\"args\": []}', '{}', 2, 0, 0)",
-            (sig.split(";")[0].split("(")[0],),
+            "VALUES ('a-model-with-a-rather-long-name-for-its-column', 'x', ?, ?, '{}', 2, ?, ?)",
+            (sig.split(";")[0].split("(")[0], '{"args": [], "kwargs": {}}', time.time() - 60, time.time() - 30),
         )
     return cli
 
