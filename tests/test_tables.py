@@ -286,3 +286,17 @@ def test_an_age_no_clock_gives_is_unknown():
 
     assert [age(v) for v in (None, 0, -5, float("inf"), float("nan"), "x", True, 1e300)] == ["-"] * 8
     assert age(time.time() - 90) == "1.5m" and age(time.time() + 30) == "0s"
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_scan_s_corrupt_lines_wrap_to_the_terminal(fixture_cache, cli_for, monkeypatch, width):
+    """A corrupt entry's line is wrapped (its key, one word, whole): a real fxgraph key with its
+    reason ran to 200 columns."""
+    root = fixture_cache("h200-2.11")
+    entry = next((root / "fxgraph").rglob("*/*/*"))
+    entry.write_bytes(b"not a pickle at all, " * 20)
+    monkeypatch.setenv("COLUMNS", str(width))
+    err = cli_for(root)("scan").stderr
+    assert "corrupt:" in err
+    for line in err.splitlines():
+        assert len(line) <= width or " " not in line.strip(), line

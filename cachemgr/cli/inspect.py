@@ -122,11 +122,9 @@ def scan(app, full: bool, as_json: bool) -> None:
         f"{r.unchanged} unchanged ({r.seconds:.2f} s)"
     )
     for key, reason in r.corrupt:
-        click.echo(f"corrupt: {key}: {clean(reason)}", err=True)
+        say(f"corrupt: {key}: {clean(reason)}", err=True)  # (wrapped to the terminal; the key whole)
     for d in r.unreadable:
-        click.echo(
-            f"cachemgr: warning: cannot read {d or '.'}/ under {r.root}: its entries are kept as last indexed", err=True
-        )
+        say(f"cachemgr: warning: cannot read {d or '.'}/ under {r.root}: its entries are kept as last indexed", True)
 
 
 # -- stats ------------------------------------------------------------------------------------------
