@@ -1,7 +1,8 @@
 """Benchmark: scan a large cache against `find` over the same tree, in one run.
 
 Prints, as ratios to `find ROOT -type f -printf '%s\\n'` measured in the same run (best of 3 after
-a warming run):
+a warming run; every measure below is the best of as many runs, a first scan's each into a new
+index):
 
   first scan, index usable   `cachemgr scan` until phase one is committed: every file counted,
                              `stats`/`ls` answer (seen from outside: the cache row's last_scan
@@ -137,11 +138,20 @@ def main() -> None:
     fig: dict[str, dict] = {}
 
     def first_scan(label: str) -> dict:
-        fresh(db)
-        t, rss, out, usable = timed([*cm, "scan", "--json"], env, watch=db)
-        doc = json.loads(out)
-        assert doc["pending"] == 0, doc
-        return {"usable": usable, "parsed": t, "rss": rss, "added": doc["added"], "read": doc["parsed"]}
+        """The best of `k` first scans (each into a new index), as `find` is the best of `k`."""
+        runs = []
+        for _ in range(k):
+            fresh(db)
+            t, rss, out, usable = timed([*cm, "scan", "--json"], env, watch=db)
+            doc = json.loads(out)
+            assert doc["pending"] == 0, doc
+            runs.append({"usable": usable, "parsed": t, "rss": rss, "added": doc["added"], "read": doc["parsed"]})
+        return {
+            **runs[0],
+            "usable": min((r["usable"] for r in runs if r["usable"] is not None), default=None),
+            "parsed": min(r["parsed"] for r in runs),
+            "rss": max(r["rss"] for r in runs),
+        }
 
     fig["first"] = first_scan("shared")
     t, rss, out, _ = best_of(k, [*cm, "scan", "--json"], env)
