@@ -426,5 +426,8 @@ def read_toml(path: str, what: str, error: type[UsageError]) -> dict[str, Any]:
 def _read_toml(path: str) -> dict[str, Any]:
     doc = read_toml(path, "config file", ConfigError)
     flat = dict(doc.pop("cachemgr", {})) if isinstance(doc.get("cachemgr"), dict) else {}
+    both = sorted(set(flat) & set(doc))
+    if both:  # which one was meant? (the top level won, silently)
+        raise ConfigError(f"config file {path}: {', '.join(both)} set both at the top level and under [cachemgr]")
     flat.update(doc)
     return flat

@@ -555,6 +555,15 @@ def test_variables_and_flags_meet_the_same_checks(name, value, says, tmp_path):
     one_error_line(r, 2, f"{name.lower()} from env CACHEMGR_{name}", says)
 
 
+def test_a_key_set_at_the_top_level_and_under_cachemgr_is_refused(tmp_path):
+    """Both places set: which was meant? (the top level used to win, with no word)"""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('grace = "1m"\nmax_size = "1GiB"\n[cachemgr]\ngrace = "2m"\n')
+    one_error_line(run("--config", str(cfg), "config", "show"), 2, f"config file {cfg}: grace set both")
+    cfg.write_text('max_size = "1GiB"\n[cachemgr]\ngrace = "2m"\n')  # each once: both kept
+    assert "2m" in run("--config", str(cfg), "config", "show").stdout
+
+
 def test_a_daemon_refuses_a_bad_config_at_start(tmp_path, db_url):
     cfg = tmp_path / "config.toml"
     cfg.write_text("grace = -100\n")
