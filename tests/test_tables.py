@@ -300,3 +300,15 @@ def test_scan_s_corrupt_lines_wrap_to_the_terminal(fixture_cache, cli_for, monke
     assert "corrupt:" in err
     for line in err.splitlines():
         assert len(line) <= width or " " not in line.strip(), line
+
+
+def test_a_narrow_terminal_keeps_columns_after_the_key_aligned(gpu, monkeypatch):
+    """Only the key column gives way to a narrow terminal (each key then on a line of its own):
+    a kind or size column is never narrowed below its cells, so the columns after it stay aligned."""
+    monkeypatch.setenv("COLUMNS", "40")
+    lines = gpu("ls").stdout.splitlines()
+    header, values = lines[0], [line for line in lines[1:-1] if line.startswith(" ")]
+    assert values
+    bytes_end = header.index("bytes") + len("bytes")
+    for line in values:  # values under their headers: the bytes right-aligned under 'bytes'
+        assert line[bytes_end - 1] != " " and line[bytes_end] == " ", (header, line)

@@ -199,12 +199,13 @@ def render_table(columns: Sequence[Col | str], rows: Sequence[Sequence[Any]], wi
     widths = list(natural)
     if width is not None:
         gaps = len(GAP) * (len(cols) - 1)
-        # A whole column is as wide as its cells that fit beside the rest (the widest column gives
-        # way first): a longer one (a hostile 250-character key) leaves the table's width alone.
-        for i in sorted((i for i, c in enumerate(cols) if not c.cut), key=lambda i: -natural[i]):
-            others = sum(min(cols[j].min, widths[j]) if cols[j].cut else widths[j] for j in range(len(cols)) if j != i)
+        # A whole first column (the key) is as wide as its cells that fit beside the rest: a longer
+        # one (a hostile 250-character key) goes on a line of its own, below, and leaves the
+        # table's width alone. Other whole columns (sizes, counts, kinds) keep their width.
+        if cols and not cols[0].cut:
+            others = sum(min(c.min, natural[j]) if c.cut else natural[j] for j, c in enumerate(cols) if j)
             room = width - others - gaps
-            widths[i] = max([cell_len(cols[i].header)] + [n for r in cells if (n := cell_len(r[i])) <= room])
+            widths[0] = max([cell_len(cols[0].header)] + [n for r in cells if (n := cell_len(r[0])) <= room])
         over = sum(widths) + gaps - width
         cut = [i for i, c in enumerate(cols) if c.cut]
         while over > 0:  # a character at a time from the widest cut column, down to its minimum
