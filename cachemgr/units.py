@@ -41,10 +41,10 @@ def parse_size(text: str | int) -> int:
     unit = match and match.group(2).lower()
     if not match or unit not in _SIZE_UNITS:
         raise UsageError(f"invalid size {text!r}: use a number with B, KB, MB, GB, KiB, MiB, GiB, TiB")
-    n = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if n > MAX_SIZE:  # a database integer holds 8 bytes
+    n = float(match.group(1)) * _SIZE_UNITS[unit]
+    if not n <= MAX_SIZE:  # a database integer holds 8 bytes (inf: hundreds of digits)
         raise UsageError(f"invalid size {text!r}: larger than 8 EiB")
-    return n
+    return int(n)
 
 
 def parse_duration(text: str | int | float) -> float:

@@ -14,6 +14,7 @@ import pytest
     [
         (["ls", "--larger-than", "12XB"], 2, "invalid size '12XB'"),
         (["ls", "--larger-than", "99999999999999999999999TiB"], 2, "larger than 8 EiB"),
+        (["evict", "--max-size", "9" * 400 + "GiB", "--dry-run"], 2, "larger than 8 EiB"),  # (a float inf: exit 70)
         (["daemon", "--metrics", "99999"], 2, "(port 1-65535)"),
         (["daemon", "--scan-interval", "0"], 2, "must be at least 1s"),
         (["--host", "", "stats"], 2, "must not be empty"),
