@@ -528,7 +528,7 @@ if sys.argv[4] == "processes":  # looked at and moved by worker processes, which
     execute.PROCESSES_FROM, execute.LOOK_PROCESSES = 0, 2
 db = Database(url)
 cid = db.cache_id("testhost", root)
-plan, rows = make_plan(db, cid, root, Limits(max_size=0, grace=0))
+plan, rows = make_plan(db, cid, root, Limits(max_size=0, grace=0), policy)
 print("\\n".join(e.key for e in plan.entries), flush=True)
 def hook(at):
     if at == stage:
@@ -574,13 +574,14 @@ import os, signal, sys
 from cachemgr.evict import Limits, carry_out, execute, look, make_plan
 from cachemgr.index.db import Database
 root, url, looker, where, nth, batch = sys.argv[1:4] + [sys.argv[4], int(sys.argv[5]), int(sys.argv[6])]
+policy = sys.argv[7] if len(sys.argv) > 7 else "lru"
 signal.signal(signal.SIGINT, signal.default_int_handler)  # (a test run in the background ignores it)
 execute.BATCH, execute.LOOK_CHUNK = batch, 2  # (at 8: four chunks a batch)
 if looker == "processes":
     execute.PROCESSES_FROM, execute.LOOK_PROCESSES = 0, 2
 db = Database(url)
 cid = db.cache_id("testhost", root)
-plan, rows = make_plan(db, cid, root, Limits(max_size=0, grace=0))
+plan, rows = make_plan(db, cid, root, Limits(max_size=0, grace=0), policy)
 print("\\n".join(e.key for e in plan.entries), flush=True)
 calls = {"look": 0, "renamed": 0, "committed": 0}
 def ctrl_c(at):
@@ -627,10 +628,12 @@ def test_ctrl_c_in_the_only_batch_is_not_swallowed(looker, aged_gpu, cli_for, db
     cli = cli_for(aged_gpu)
     cli("scan")
     before, rows_before = disk(aged_gpu), {e["key"] for e in cli.json("ls")}
-    planned = _interrupted(aged_gpu, db_url, looker, "look", "1", "100000")
+    planned = _interrupted(aged_gpu, db_url, looker, "look", "1", "100000", "cost")
     gone = {c.key for c in map(layout.classify, set(before) - set(disk(aged_gpu))) if c is not None}
     assert planned and gone == planned
     _agree_after_the_interrupt(cli, aged_gpu, db_url, rows_before, gone)
+    with sqlite3.connect(db_path(db_url)) as conn:  # the whole plan went: the cost policy's clock is kept
+        assert conn.execute("SELECT gds_clock FROM caches").fetchone()[0] > 0
 
 
 def _interrupted(root: Path, db_url: str, *how: str) -> set[str]:

@@ -212,7 +212,12 @@ def carry_out(
         with exclusive(root) as opened:
             return carry_out(db, cache_id, opened, p, rows, grace, dry_run, now, hook)
     ex = Executor(db, cache_id, root, grace, now, hook)
-    out = ex.run(p, table_of(rows), dry_run=dry_run)
+    try:
+        out = ex.run(p, table_of(rows), dry_run=dry_run)
+    except KeyboardInterrupt:
+        if ex.completed and p.clock is not None and not dry_run:  # Ctrl-C in the last batch: all went
+            keep_clock(db, cache_id, p.clock)
+        raise
     if p.clock is not None and not dry_run and out.removed:
         keep_clock(db, cache_id, p.clock)
     skipped = dict(p.skipped)

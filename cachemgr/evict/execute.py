@@ -139,6 +139,7 @@ class Executor:
         self.trash: int | None = None
         self.looker = Looker(root, None, {}, self.now - grace)
         self.in_place = False
+        self.completed = False  # every batch of the plan went through (an interrupt may follow)
         self.rows = Table()  # the entries the plan `run` carries out was made from
 
     # -- carrying out -----------------------------------------------------------------------------
@@ -197,6 +198,7 @@ class Executor:
                 self._drop_empty_dirs(rows)
                 with self.db.engine.begin() as conn:  # when eviction last ran, whatever it took
                     conn.execute(update(CACHES).where(CACHES.c.id == self.cache_id).values(last_eviction=time.time()))
+            self.completed = True  # (an interrupt seen during the last batch is raised below)
         finally:
             try:  # (a second Ctrl-C may interrupt this too: the handler is put back whatever happens)
                 for b in (batch, following):  # looked at, not committed: what moved goes back
