@@ -281,3 +281,15 @@ def test_shell_completion(fixture_cache, cli_for):
     env["COMP_CWORD"] = "1"
     r = subprocess.run([sys.executable, "-m", "cachemgr"], env=env, capture_output=True, text=True, timeout=60)
     assert {"plain,stats", "plain,show"} <= set(r.stdout.splitlines()) or "plain,stats" in r.stdout, r.stdout
+
+
+def test_a_library_warning_is_one_line(fixture_cache, cli_for, tmp_path):
+    """SQLAlchemy's warning about a URL argument it ignores printed two lines, one of them
+    cachemgr's own source; it is one `cachemgr: warning:` line."""
+    root = fixture_cache()
+    db = tmp_path / "i.db"
+    cli_for(root, db=f"sqlite:///{db}")("scan")
+    r = cli_for(root, db=f"sqlite:///{db}?mode=ro").proc("stats")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 0 and len(lines) == 1 and lines[0].startswith("cachemgr: warning: "), r.stderr
+    assert "'mode' are not accepted" in lines[0] and "Background" not in lines[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 
 import click
 
@@ -126,12 +127,19 @@ def _say_ambiguous(e: AmbiguousKey) -> None:
         click.echo("  ...", err=True)
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A library's warning (SQLAlchemy ignoring a URL's ?mode=ro) as one line, not a source excerpt."""
+    text = " ".join(str(message).split()).split(" (Background on this warning", 1)[0]
+    return f"cachemgr: warning: {text}\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the group, funnel every error into one line and an exit code."""
     if os.environ.get(COMPLETE_VAR):
         from click.shell_completion import shell_complete
 
         sys.exit(shell_complete(cli, {}, "cachemgr", COMPLETE_VAR, os.environ[COMPLETE_VAR]))
+    warnings.formatwarning = _one_line_warning
     app: App | None = None
     try:
         with cli.make_context("cachemgr", list(sys.argv[1:] if argv is None else argv)) as ctx:
