@@ -832,6 +832,23 @@ def test_cost_policy_keeps_its_clock_across_cli_runs(aged_gpu, cli_for):
     assert clock >= 1e9
 
 
+@pytest.mark.parametrize(
+    "clock,history", [("x", "not json"), ("1e999", "[[1, 2, 3]]"), (5.0, '{"a": 1}'), (5.0, '[[1, "x"], [2, 3]]')]
+)
+def test_a_damaged_cost_clock_does_not_stop_eviction(aged_gpu, cli_for, clock, history):
+    """The cost policy's clock as the index keeps it, edited or damaged: eviction goes on (with
+    the clock started again where it cannot be read); it failed with exit 70 on every run, and
+    the daemon's evictions with it."""
+    import sqlite3
+
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    with sqlite3.connect(cli.db_url.split(":///", 1)[1]) as c:
+        c.execute("UPDATE caches SET gds_clock = ?, gds_history = ?", (clock, history))
+    r = cli.json("evict", "--policy", "cost", "--max-size", "1MiB", "--grace", "0")
+    assert r["evicted"] > 0
+
+
 @pytest.mark.parametrize("batch", [500, 8])
 def test_a_failure_while_the_looker_moves_units_puts_every_unit_back(aged_gpu, db_url, monkeypatch, batch):
     """Units are looked at and moved off the main thread, the next batch while this one commits.

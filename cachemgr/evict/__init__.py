@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -168,16 +170,31 @@ def make_plan(
 
 def load_clock(db: Database, cache_id: int) -> Clock:
     """The cost policy's clock as the last eviction left it."""
+    from sqlalchemy import Text
+    from sqlalchemy import cast as sql_cast
     from sqlalchemy import select as sql_select
 
     from cachemgr.index.models import Cache
 
-    with db.engine.connect() as conn:
-        row = conn.execute(sql_select(Cache.gds_clock, Cache.gds_history).where(Cache.id == cache_id)).first()
+    with db.engine.connect() as conn:  # (as text: a value that is not JSON must not stop eviction)
+        row = conn.execute(
+            sql_select(Cache.gds_clock, sql_cast(Cache.gds_history, Text)).where(Cache.id == cache_id)
+        ).first()
     if row is None:
         return Clock()
-    history = [(float(t), float(v)) for t, v in (row.gds_history or []) if isinstance(t, (int, float))]
-    return Clock(float(row.gds_clock or 0.0), history)
+    try:
+        value = float(row[0] or 0.0)
+        history = json.loads(row[1] or "[]")
+    except (TypeError, ValueError):  # edited or damaged: the clock starts again, eviction goes on
+        return Clock()
+    if not math.isfinite(value) or not isinstance(history, list):
+        return Clock()
+    pairs = [p for p in history if isinstance(p, list) and len(p) == 2 and all(_finite(x) for x in p)]
+    return Clock(value, [(float(t), float(v)) for t, v in pairs])
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def keep_clock(db: Database, cache_id: int, clock: Clock) -> None:
