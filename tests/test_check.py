@@ -442,6 +442,45 @@ def test_import_checks_first(fixture_cache, tmp_path, db_url):
     assert doc["loaded"] and doc["check"]["graphs"] == 7 and len(doc["check"]["missing"]) == 1
 
 
+def test_a_bundle_is_never_let_write_outside_the_cache(fixture_cache, tmp_path, db_url):
+    """torch's loader joins each artifact's key onto the cache directory and checks nothing: a
+    bundle (another host's) with a key of '../x' or '/x' wrote there, one without graphs even
+    skipped the hit check, and a cache whose fxgraph/ is a symlink took the entries through it.
+    Each is refused before torch is handed anything (exit 9, exit 7); a FIFO is not waited on."""
+    ours = tmp_path / "ours.bundle"
+    _export(fixture_cache("torch-2.13.0-cpu"), ours, db_url)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = Cli(tmp_path / "target", db_url)
+
+    def traversal(arts):
+        content = arts["autotune"][0][1] if arts.get("autotune") else b'{"XBLOCK": 8}'
+        arts.setdefault("autotune", []).append(("../../outside/x.best_config", content))
+        arts["inductor"].append((str(outside / "abs"), arts["inductor"][0][1]))
+
+    def graphless(arts):
+        arts.clear()
+        arts["autotune"] = [(str(outside / "pwn.pth"), b"import os\n")]
+
+    for edit in (traversal, graphless):
+        bad = tmp_path / f"{edit.__name__}.bundle"
+        _rewrite(ours, bad, edit)
+        r = target.proc("import", str(bad), timeout=900, env=ENV)
+        assert r.returncode == 9 and "refusing to import it:" in r.stderr, r.stderr
+        assert "is not a name inside the cache" in r.stderr, r.stderr
+        assert list(outside.iterdir()) == []
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "fxgraph").symlink_to(outside)
+    r = Cli(linked, db_url).proc("import", str(ours), timeout=900, env=ENV)
+    assert r.returncode == 7 and "refusing to import a bundle into it" in r.stderr, r.stderr
+    assert list(outside.iterdir()) == []
+    fifo = tmp_path / "fifo.bundle"
+    os.mkfifo(fifo)
+    r = target.proc("check", "--bundle", str(fifo), timeout=120, env=ENV)
+    assert r.returncode == 9 and "is not a regular file" in r.stderr, r.stderr
+
+
 # -- the adapters -------------------------------------------------------------------------------------
 
 

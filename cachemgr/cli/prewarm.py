@@ -34,7 +34,9 @@ IMPORT_EXIT_CODES = """
     Exit codes:
         0  the bundle was loaded (--check-only:    3  no such bundle file
            it would be)                            9  not a bundle; none of its graphs would hit
-        2  bad command line                           here; or partial (without --allow-partial)
+        2  bad command line                           here; partial (without --allow-partial);
+        4  the cache dir cannot be made               or a key not a name inside the cache
+        7  the cache dir is not an Inductor cache
     """
 
 
@@ -359,7 +361,7 @@ def prewarm(
     errors += unrunnable
     if errors and not plans and not bundle_path:  # nothing to run: a bad manifest (2), said before torch starts
         raise UsageError("; ".join(e for _, e in errors))
-    os.makedirs(app.settings.cache_dir, exist_ok=True)
+    _cache_to_write(app.settings.cache_dir, bundle_path is not None)
 
     def jobs_for() -> worker.Jobs:
         if devs:
@@ -500,6 +502,22 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
         raise PrewarmError("; ".join(failures))
 
 
+def _cache_to_write(cache_dir: str, bundle: bool) -> None:
+    """The cache directory torch will write into, made if missing (exit 4 where it cannot be).
+    One a bundle goes into must hold Inductor's own layout (exit 7 otherwise): torch writes a
+    bundle's entries by path, through a symlinked `fxgraph/` to wherever it points."""
+    from cachemgr.errors import CacheDirError
+
+    if bundle:
+        from cachemgr.evict.execute import refuse_foreign_root
+
+        refuse_foreign_root(cache_dir, "import a bundle into it")
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as e:
+        raise CacheDirError(f"cannot create cache directory {cache_dir}: {e.strerror}") from None
+
+
 @click.command("import")
 @click.argument("bundle_path", metavar="FILE", type=click.Path(dir_okay=False))
 @click.option("--check-only", is_flag=True, help="Only say which of its graphs would hit here; write nothing.")
@@ -549,7 +567,7 @@ def import_(
     spec = check_spec(app, manifest, devs, check_only=check_only, allow_partial=allow_partial)
     existed = os.path.isdir(app.settings.cache_dir)
     if not check_only:
-        os.makedirs(app.settings.cache_dir, exist_ok=True)
+        _cache_to_write(app.settings.cache_dir, True)
     with _progress(sys.stderr.isatty(), "import") as on:
         result = worker.run(
             [(worker_device(devs), [])],

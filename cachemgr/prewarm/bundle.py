@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 
 from cachemgr.errors import CachemgrError, NotFound
@@ -47,24 +48,70 @@ def write(path: str, header: dict, payload: bytes) -> dict:
     return header
 
 
+MAX_HEADER = 1 << 20  # bytes of the header line (a few hundred real ones)
+
+
 def read(path: str, payload: bool = True) -> Bundle:
+    """The bundle at `path`: only a regular file is opened (a FIFO would block, /dev/zero never
+    ends), its header line read up to MAX_HEADER bytes, and its payload only if the file holds
+    exactly the header's `bytes` of it (checked against its size before anything is read)."""
     try:
-        with open(path, "rb") as f:
-            if f.readline() != MAGIC:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise BundleError(f"bundle {path} is not a regular file")
+            if f.readline(len(MAGIC)) != MAGIC:
                 raise BundleError(f"{path} is not a cachemgr bundle (made by `cachemgr export`)")
+            line = f.readline(MAX_HEADER + 1)
             try:
-                header = json.loads(f.readline())
-            except ValueError:
+                header = json.loads(line) if len(line) <= MAX_HEADER else None
+            except (ValueError, RecursionError):
                 raise BundleError(f"bundle {path}: header is not JSON (truncated file?)") from None
+            if not isinstance(header, dict) or not isinstance(header.get("bytes"), int):
+                raise BundleError(f"bundle {path}: its header is not one cachemgr writes")
+            if payload and size - f.tell() != header["bytes"]:
+                raise BundleError(f"bundle {path}: payload does not match its header (truncated or corrupt)")
             data = f.read() if payload else b""
     except FileNotFoundError:
         raise NotFound(f"bundle {path} does not exist") from None
+    except IsADirectoryError:
+        raise BundleError(f"bundle {path} is not a regular file") from None
     except OSError as e:
         raise BundleError(f"cannot read bundle {path}: {e.strerror}") from None
     if payload:
         if len(data) != header.get("bytes") or hashlib.sha256(data).hexdigest() != header.get("sha256"):
             raise BundleError(f"bundle {path}: payload does not match its header (truncated or corrupt)")
     return Bundle(header, data)
+
+
+# The keys torch's loader joins onto the cache directory, per artifact type: a bundle is another
+# host's, and a key of '../x' or '/etc/x' would be written there (torch checks nothing).
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:+=-]{0,254}")
+KEY_FORMS = {
+    "inductor": _NAME,
+    "aot_autograd": _NAME,
+    "precompile": _NAME,
+    "autotune": re.compile(r"[A-Za-z0-9_]{2}/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}"),  # <2ch>/<hash>.best_config
+    "pgo": re.compile(r"[^\x00/\\]{1,1024}"),  # (torch makes it code_state_<key>.pkl, '/' and more replaced)
+}
+
+
+def unsafe_keys(arts: Artifacts) -> list[str]:
+    """Why torch's loader must not be handed these artifacts: a type cachemgr does not know, or a
+    key that is not a name inside the cache directory."""
+    out = []
+    for kind, items in arts.items():
+        form = KEY_FORMS.get(kind)
+        if form is None:
+            out.append(f"{len(items)} artifact(s) of a type cachemgr does not know ({kind[:40]!r})")
+            continue
+        out.extend(
+            f"{kind} artifact key {key[:80]!r} is not a name inside the cache"
+            for key, _ in items
+            if not form.fullmatch(key) or ".." in key
+        )
+    return out
 
 
 # -- torch's mega-cache payload, read and written without torch -----------------------------------

@@ -1019,6 +1019,10 @@ def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: di
         b = bundle.read(path)
         doc = check_bundle(path, b, torch, adapter, fingerprint, spec)
         base = {"header": b.header, "check": doc}
+        unsafe = bundle.unsafe_keys(bundle.artifacts(b.payload, path))
+        if unsafe:  # torch joins each key onto the cache directory: '../x' or '/x' would be written there
+            more = f" (and {len(unsafe) - 1} more)" if len(unsafe) > 1 else ""
+            return {**base, "ok": False, "error": f"bundle {path}: refusing to import it: {unsafe[0]}{more}"}
         if doc["graphs"] and not doc["hit"]:
             causes = "; ".join(s["text"] for s in doc["summary"])
             return {
