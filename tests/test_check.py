@@ -481,6 +481,37 @@ def test_a_bundle_is_never_let_write_outside_the_cache(fixture_cache, tmp_path, 
     assert r.returncode == 9 and "is not a regular file" in r.stderr, r.stderr
 
 
+EXPECTED_AUTOTUNE = """
+import sys
+from cachemgr.prewarm import bundle
+bundle.kernels_of = lambda content: ([], {}, ["K"])  # (a graph naming kernel K: the cache is looked at)
+print(bundle.expected_autotune(sys.argv[1], {"inductor": [("k", b"")]}))
+"""
+
+
+def test_export_neither_waits_on_a_fifo_nor_writes_through_a_planted_symlink(tmp_path):
+    """export's look at the cache's autotune results opened a FIFO there and waited for ever;
+    its temporary file had a guessable name, and a symlink planted there took the bundle."""
+    cache = tmp_path / "cache" / "ab"
+    cache.mkdir(parents=True)
+    os.mkfifo(cache / ("ab" + "c" * 62 + ".best_config"))
+    r = subprocess.run(
+        [sys.executable, "-c", EXPECTED_AUTOTUNE, str(cache.parent)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=subprocess_env(),
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
+    victim = tmp_path / "victim"
+    victim.write_text("mine")
+    out = tmp_path / "out.bundle"
+    (tmp_path / f"out.bundle.{os.getpid()}.tmp").symlink_to(victim)
+    bundle.write(str(out), {"torch": "x"}, b"payload")
+    assert victim.read_text() == "mine" and bundle.read(str(out)).payload == b"payload"
+    assert not out.is_symlink() and oct(out.stat().st_mode & 0o777) != oct(0o600)
+
+
 # -- the adapters -------------------------------------------------------------------------------------
 
 

@@ -15,13 +15,16 @@ header's `torch` names the writer only of entries that record nothing themselves
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import stat
+import tempfile
 from dataclasses import dataclass
 
+from cachemgr import safefs
 from cachemgr.errors import CachemgrError, NotFound
 
 MAGIC = b"CACHEMGR-BUNDLE 1\n"
@@ -39,12 +42,22 @@ class Bundle:
 
 def write(path: str, header: dict, payload: bytes) -> dict:
     header = {**header, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(MAGIC)
-        f.write(json.dumps(header, sort_keys=True).encode() + b"\n")
-        f.write(payload)
-    os.replace(tmp, path)
+    folder, name = os.path.split(os.path.abspath(path))
+    # a new file of an unpredictable name (O_EXCL): a symlink planted at a guessable one took the write
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC)
+            f.write(json.dumps(header, sort_keys=True).encode() + b"\n")
+            f.write(payload)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open() would make it (mkstemp's is 0600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return header
 
 
@@ -273,25 +286,32 @@ def expected_autotune(cache_dir: str, arts: Artifacts) -> list[str]:
         return []
     out = []
     try:
-        tops = sorted(os.listdir(cache_dir))
+        root = safefs.Root(cache_dir)  # (regular files only, no symlink followed: a FIFO hung export)
     except OSError:
         return []
-    for top in tops:
-        folder = os.path.join(cache_dir, top)
-        if len(top) != 2 or os.path.islink(folder) or not os.path.isdir(folder):
-            continue
-        for name in sorted(os.listdir(folder)):
-            key = f"{top}/{name}"
-            c = classify(key)
-            if c is None or c.kind != Kind.AUTOTUNE:
+    with root:
+        try:
+            tops = sorted(os.listdir(root.fd))
+        except OSError:
+            return []
+        for top in tops:
+            if len(top) != 2:
                 continue
             try:
-                with open(os.path.join(folder, name), "rb") as f:
-                    refs = autotune_refs(f.read(1 << 20))
-            except OSError:
+                names = sorted(root.listdir(top))
+            except OSError:  # not a folder, a symlink, gone
                 continue
-            if any(ref in kernels for _, ref in refs):
-                out.append(key)
+            for name in names:
+                key = f"{top}/{name}"
+                c = classify(key)
+                if c is None or c.kind != Kind.AUTOTUNE:
+                    continue
+                try:
+                    refs = autotune_refs(root.read(key, 1 << 20))
+                except (OSError, safefs.Refused):
+                    continue
+                if any(ref in kernels for _, ref in refs):
+                    out.append(key)
     return out
 
 
