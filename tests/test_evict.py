@@ -528,7 +528,7 @@ if sys.argv[4] == "processes":  # looked at and moved by worker processes, which
     execute.PROCESSES_FROM, execute.LOOK_PROCESSES = 0, 2
 db = Database(url)
 cid = db.cache_id("testhost", root)
-plan, rows = make_plan(db, cid, root, Limits(max_size=0, grace=0), policy)
+plan, rows = make_plan(db, cid, root, Limits(max_size=0, grace=0))
 print("\\n".join(e.key for e in plan.entries), flush=True)
 def hook(at):
     if at == stage:
