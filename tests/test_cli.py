@@ -4,6 +4,7 @@ makes no folder and adds no table to a database that is not cachemgr's."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 
 import pytest
@@ -293,3 +294,25 @@ def test_a_library_warning_is_one_line(fixture_cache, cli_for, tmp_path):
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 0 and len(lines) == 1 and lines[0].startswith("cachemgr: warning: "), r.stderr
     assert "'mode' are not accepted" in lines[0] and "Background" not in lines[0]
+
+
+def test_a_key_given_with_bytes_that_are_not_utf8_is_looked_up_as_the_index_keys_it(fixture_cache, cli_for):
+    """A name with a byte that is not UTF-8, typed or pasted raw (the shell hands it on as a
+    surrogate), is the %XX key the index holds; an unknown one is 'not found' (both were exit 70)."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    root = fixture_cache()
+    (root / "ab").mkdir(exist_ok=True)
+    (root / "ab").joinpath(os.fsdecode(b"odd-\xff.bin")).write_bytes(b"x")
+    cli = cli_for(root)
+    cli("scan")
+    assert "ab/odd-%FF.bin" in {e["key"] for e in cli.json("ls")}
+    base = [sys.executable, "-m", "cachemgr", *cli.base()]
+    r = subprocess.run([*base, "show", b"ab/odd-\xff.bin", "--json"], capture_output=True, env=subprocess_env())
+    assert r.returncode == 0 and json.loads(r.stdout)["key"] == "ab/odd-%FF.bin", r.stderr
+    for command in ("show", "pin", "unpin"):
+        r = subprocess.run([*base, command, b"\xfe\xff"], capture_output=True, env=subprocess_env())
+        assert r.returncode == 3 and b"internal error" not in r.stderr, (command, r.stderr)

@@ -108,6 +108,15 @@ class KeyType(click.ParamType):
 
     name = "KEY"
 
+    def convert(self, value, param, ctx):
+        """A name typed or pasted with bytes that are not UTF-8 (the shell hands them on as
+        surrogates, which no database takes: exit 70) is looked up as the index keys it."""
+        if isinstance(value, str) and any("\udc80" <= c <= "\udcff" for c in value):
+            from cachemgr import layout
+
+            return layout.key_of(value)
+        return value
+
     def shell_complete(self, ctx: click.Context, param: click.Parameter, incomplete: str) -> list:
         from click.shell_completion import CompletionItem
 
