@@ -598,3 +598,11 @@ def test_explain_summary_names_what_splits_the_fleet(workload_cache, tmp_path, c
     finally:
         with _admin() as c:
             c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_a_bundle_s_names_reach_the_screen_escaped():
+    """Names out of a bundle (another host's) in what check and import say: a newline or a
+    terminal escape is %XX, as an index key shows it (they were printed raw)."""
+    arts = {"autotune": [("ab/x.best_config", b"{}")], "inductor": []}
+    problems = bundle.completeness(arts, {"autotune": ["ab/evil\x1b]0;pwned\x07\nsecond.best_config"]})
+    assert problems == ["autotune result ab/evil%1B]0;pwned%07%0Asecond.best_config is not in the bundle"]

@@ -233,6 +233,14 @@ def kernels_of(content: bytes) -> tuple[list[str], dict[str, set[str]], list[str
     return names, files, hashes
 
 
+def _shown(name: str) -> str:
+    """A name out of a bundle (another host's) as a message shows it: escaped as an index key is
+    (%XX for a control character: no terminal escape reaches the screen), at most 200 characters."""
+    from cachemgr.layout import key_of
+
+    return key_of(name)[:200]
+
+
 def completeness(arts: Artifacts, expects: dict | None = None) -> list[str]:
     """What bundled entries name that the bundle lacks, one line each (empty: complete):
     - an AOTAutograd entry's forward/backward graphs (its modules): inductor artifacts;
@@ -250,22 +258,23 @@ def completeness(arts: Artifacts, expects: dict | None = None) -> list[str]:
     for key, content in arts.get("aot_autograd", []):
         for kind, ref in parse_aotautograd(content).refs:
             if kind == Kind.FXGRAPH and ref not in graphs:
-                out.append(f"aotautograd entry {key}: its graph {ref} is not in the bundle")
+                out.append(f"aotautograd entry {_shown(key)}: its graph {_shown(ref)} is not in the bundle")
     for key, content in arts.get("inductor", []):
         try:
             names, files, _ = kernels_of(content)
         except Exception as e:  # noqa: BLE001 - a hostile entry is a problem of the bundle, named
-            out.append(f"graph {key}: its entry does not read ({type(e).__name__})")
+            out.append(f"graph {_shown(key)}: its entry does not read ({type(e).__name__})")
             continue
         for name in names:
+            kernel = f"graph {_shown(key)}: Triton kernel {_shown(name)}"
             if name not in files:
-                out.append(f"graph {key}: Triton kernel {name} is not in the bundle")
+                out.append(f"{kernel} is not in the bundle")
             elif not files[name] & set(BINARIES):
-                out.append(f"graph {key}: Triton kernel {name} has no binary ({', '.join(BINARIES)}) in the bundle")
+                out.append(f"{kernel} has no binary ({', '.join(BINARIES)}) in the bundle")
     have = {key for key, _ in arts.get("autotune", [])}
     for key in (expects or {}).get("autotune", []):
         if key not in have:
-            out.append(f"autotune result {key} is not in the bundle")
+            out.append(f"autotune result {_shown(key)} is not in the bundle")
     return out
 
 
