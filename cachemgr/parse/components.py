@@ -69,17 +69,16 @@ def components_of(debug_lines: Any) -> list[Component]:
     if len(_LINE_CACHE) > 200_000:
         _LINE_CACHE.clear()
     out: dict[str, Component] = {}
-    long: dict[int, Component | None] = {}  # long lines of this entry by identity (a pickle may repeat one)
+    long: dict[Any, Component | None] = {}  # long lines of this entry by identity (a pickle may repeat one)
     for line in debug_lines[:MAX_LINES]:
         if not isinstance(line, str):
             continue
-        c: Component | None | Literal[False]
-        if len(line) >= 4096:  # the graph code is one long line per graph: not worth keeping
-            c = long[id(line)] if id(line) in long else long.setdefault(id(line), _component(line))
-        else:
-            c = _LINE_CACHE.get(line, False)
-            if c is False:
-                c = _LINE_CACHE[line] = _component(line)
+        # the graph code is one long line per graph: kept for this entry only, by identity
+        cache: dict[Any, Component | None] = long if len(line) >= 4096 else _LINE_CACHE
+        key = id(line) if cache is long else line
+        c: Component | None | Literal[False] = cache.get(key, False)
+        if c is False:
+            c = cache[key] = _component(line)
         if c is not None:
             out[c.name] = c
     return list(out.values())
