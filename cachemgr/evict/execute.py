@@ -66,9 +66,12 @@ LOOK_CHUNK = 16  # units per look task (a future per unit costs more than lookin
 Hook = Callable[[str], None]  # crash-test hook: called with 'renamed' / 'committed' per batch
 
 
-def refuse_foreign_root(root: str, refusing: str = "delete anything under it") -> None:
-    """Raise UnsafePath unless `root` looks like an Inductor cache directory (layout.foreign_root)."""
-    reason = layout.foreign_root(root)
+def refuse_foreign_root(
+    root: str, refusing: str = "delete anything under it", opened: safefs.Root | None = None
+) -> None:
+    """Raise UnsafePath unless `root` looks like an Inductor cache directory (layout.foreign_root);
+    with `opened`, the directory of that name already open, which is then the one checked."""
+    reason = layout.foreign_root(root) if opened is None else layout.foreign_opened(root, opened)
     if reason:
         raise UnsafePath(f"{reason}: refusing to {refusing}")
 
@@ -84,9 +87,7 @@ def exclusive(root: str, waiting: Callable[[], None] | None = None) -> Iterator[
 
         raise CacheDirError(f"cannot open cache directory {root}: {e.strerror}") from e
     with r:
-        reason = layout.foreign_opened(root, r)  # the directory opened, not the name (a symlink swapped meanwhile)
-        if reason:
-            raise UnsafePath(f"{reason}: refusing to delete anything under it")
+        refuse_foreign_root(root, opened=r)  # the directory opened, not the name (a symlink swapped meanwhile)
         try:
             fcntl.flock(r.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
