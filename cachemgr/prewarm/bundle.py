@@ -71,8 +71,8 @@ def read(path: str, payload: bool = True) -> Bundle:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
-            size = os.fstat(fd).st_size
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise BundleError(f"bundle {path} is not a regular file")
             if f.readline(len(MAGIC)) != MAGIC:
                 raise BundleError(f"{path} is not a cachemgr bundle (made by `cachemgr export`)")
@@ -83,7 +83,7 @@ def read(path: str, payload: bool = True) -> Bundle:
                 raise BundleError(f"bundle {path}: header is not JSON (truncated file?)") from None
             if not isinstance(header, dict) or not isinstance(header.get("bytes"), int):
                 raise BundleError(f"bundle {path}: its header is not one cachemgr writes")
-            if payload and size - f.tell() != header["bytes"]:
+            if payload and st.st_size - f.tell() != header["bytes"]:
                 raise BundleError(f"bundle {path}: payload does not match its header (truncated or corrupt)")
             data = f.read() if payload else b""
     except FileNotFoundError:

@@ -998,13 +998,12 @@ def _contig(shape: list[int]) -> list[int]:
     return list(reversed(stride))
 
 
-def check_bundle(path: str, b, torch, adapter, fingerprint: dict | None, spec: dict) -> dict:
-    """The cache check of a bundle on this host (cachemgr.check): which of its graphs will hit,
-    and whether it holds all that its entries name."""
+def check_bundle(path: str, b, arts, torch, adapter, fingerprint: dict | None, spec: dict) -> dict:
+    """The cache check of a bundle on this host (cachemgr.check): which of its graphs (`arts`: its
+    payload's artifacts) will hit, and whether it holds all that its entries name."""
     from cachemgr import check
     from cachemgr.prewarm import bundle
 
-    arts = bundle.artifacts(b.payload, path)
     host = check.Host.of(host_side(torch, adapter, fingerprint, spec), spec.get("devices"), bool(spec.get("complete")))
     report = check.check(bundle.graphs(arts, b.header), host, path)
     return {**report.as_dict(), "missing": bundle.completeness(arts, b.header.get("expects"))}
@@ -1017,9 +1016,10 @@ def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: di
 
     try:
         b = bundle.read(path)
-        doc = check_bundle(path, b, torch, adapter, fingerprint, spec)
+        arts = bundle.artifacts(b.payload, path)  # (read once: each artifact is a copy of its bytes)
+        doc = check_bundle(path, b, arts, torch, adapter, fingerprint, spec)
         base = {"header": b.header, "check": doc}
-        unsafe = bundle.unsafe_keys(bundle.artifacts(b.payload, path))
+        unsafe = bundle.unsafe_keys(arts)
         if unsafe:  # torch joins each key onto the cache directory: '../x' or '/x' would be written there
             more = f" (and {len(unsafe) - 1} more)" if len(unsafe) > 1 else ""
             return {**base, "ok": False, "error": f"bundle {path}: refusing to import it: {unsafe[0]}{more}"}
