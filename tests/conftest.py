@@ -37,6 +37,22 @@ print("ok")
 """
 
 
+# The command in-process, then its own peak RSS on stderr: VmHWM, this program's since its exec
+# (ru_maxrss can hold the forking test process's, which has imported torch; nor its parse workers').
+OWN_PEAK_RSS_PROGRAM = """
+import sys
+from cachemgr.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+with open("/proc/self/status") as f:
+    kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+print("peak-rss-mib", kib // 1024, file=sys.stderr)
+sys.exit(code)
+"""
+
+
 def subprocess_env(cache_dir: Path | str | None = None, **extra: str) -> dict[str, str]:
     # COLUMNS: pytest-xdist workers inherit one; output to a pipe is then cut as on a terminal
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEMGR_", "TORCHINDUCTOR_", "COLUMNS", "LINES"))}

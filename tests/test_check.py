@@ -24,7 +24,7 @@ import pytest
 from cachemgr import check
 from cachemgr.fingerprint import component_hash
 from cachemgr.prewarm import adapters, bundle
-from tests.conftest import FIXTURES, PROGRAMS, Builds, Cli, subprocess_env
+from tests.conftest import FIXTURES, OWN_PEAK_RSS_PROGRAM, PROGRAMS, Builds, Cli, subprocess_env
 
 pytestmark = pytest.mark.slow
 MAKE_CACHE = FIXTURES / "make_cache.py"
@@ -346,6 +346,11 @@ def _rewrite(src: Path, dst: Path, edit) -> None:  # edit(arts) changes the arti
     bundle.write(str(dst), b.header, bundle.payload_of(arts))
 
 
+def _missing(path: Path, expects: dict) -> list[str]:
+    b = bundle.read(str(path))
+    return bundle.completeness(bundle.read_contents(b.header, bundle.artifacts(b.payload)), expects)
+
+
 def test_a_bundle_missing_a_kernel_a_graph_or_an_autotune_result_is_caught(tmp_path, db_url):
     root = tmp_path / "gpu"
     with __import__("tarfile").open(FIXTURES / "gpu" / "torch-2.11-h200-triton.tar.gz") as t:
@@ -353,8 +358,7 @@ def test_a_bundle_missing_a_kernel_a_graph_or_an_autotune_result_is_caught(tmp_p
     whole = tmp_path / "whole.bundle"
     header = _export(root, whole, db_url)
     assert header["complete"] and header["missing"] == [] and len(header["expects"]["autotune"]) == 9
-    arts = bundle.artifacts(bundle.read(str(whole)).payload)
-    assert bundle.completeness(arts, header["expects"]) == []
+    assert _missing(whole, header["expects"]) == []
 
     # one kernel removed: every file of one kernel the first graph launches gets another (same-length) name
     def drop_kernel(arts):
@@ -370,7 +374,7 @@ def test_a_bundle_missing_a_kernel_a_graph_or_an_autotune_result_is_caught(tmp_p
     partial = tmp_path / "partial.bundle"
     _rewrite(whole, partial, drop_kernel)
     key, name = drop_kernel.name
-    problems = bundle.completeness(bundle.artifacts(bundle.read(str(partial)).payload), header["expects"])
+    problems = _missing(partial, header["expects"])
     assert problems == [f"graph {key}: Triton kernel {name} is not in the bundle"]
 
     # one kernel's binary dropped (torch#172542): the kernel is there, its .cubin is not
@@ -382,7 +386,7 @@ def test_a_bundle_missing_a_kernel_a_graph_or_an_autotune_result_is_caught(tmp_p
 
     _rewrite(whole, partial, drop_cubin)
     k, name = drop_cubin.name
-    problems = bundle.completeness(bundle.artifacts(bundle.read(str(partial)).payload), header["expects"])
+    problems = _missing(partial, header["expects"])
     assert f"graph {k}: Triton kernel {name} has no binary (.cubin, .hsaco, .zebin, .spv) in the bundle" in problems
 
     # a graph an AOTAutograd entry names, and an autotune result
@@ -396,7 +400,7 @@ def test_a_bundle_missing_a_kernel_a_graph_or_an_autotune_result_is_caught(tmp_p
 
     _rewrite(whole, partial, drop_graph_and_tuning)
     aot, ref, tuning = drop_graph_and_tuning.gone
-    problems = bundle.completeness(bundle.artifacts(bundle.read(str(partial)).payload), header["expects"])
+    problems = _missing(partial, header["expects"])
     assert f"aotautograd entry {aot}: its graph {ref} is not in the bundle" in problems
     assert f"autotune result {tuning} is not in the bundle" in problems
     r = Cli(root, db_url).proc("check", "--bundle", str(partial), timeout=900, env=ENV)
@@ -484,8 +488,7 @@ def test_a_bundle_is_never_let_write_outside_the_cache(fixture_cache, tmp_path, 
 EXPECTED_AUTOTUNE = """
 import sys
 from cachemgr.prewarm import bundle
-bundle.kernels_of = lambda content: ([], {}, ["K"])  # (a graph naming kernel K: the cache is looked at)
-print(bundle.expected_autotune(sys.argv[1], {"inductor": [("k", b"")]}))
+print(bundle.expected_autotune(sys.argv[1], {"K"}))  # (a graph naming kernel K: the cache is looked at)
 """
 
 
@@ -603,6 +606,41 @@ def test_explain_summary_names_what_splits_the_fleet(workload_cache, tmp_path, c
 def test_a_bundle_s_names_reach_the_screen_escaped():
     """Names out of a bundle (another host's) in what check and import say: a newline or a
     terminal escape is %XX, as an index key shows it (they were printed raw)."""
-    arts = {"autotune": [("ab/x.best_config", b"{}")], "inductor": []}
-    problems = bundle.completeness(arts, {"autotune": ["ab/evil\x1b]0;pwned\x07\nsecond.best_config"]})
+    contents = bundle.read_contents({}, {"autotune": [("ab/x.best_config", b"{}")], "inductor": []})
+    problems = bundle.completeness(contents, {"autotune": ["ab/evil\x1b]0;pwned\x07\nsecond.best_config"]})
     assert problems == ["autotune result ab/evil%1B]0;pwned%07%0Asecond.best_config is not in the bundle"]
+
+
+def test_a_bundle_s_entries_are_read_in_bounded_workers(fixture_cache, tmp_path, db_url):
+    """A bundle is a file from anywhere: an fxgraph entry whose pickle takes about 800 MB to
+    unpickle (14M one-item tuples, 42 MB) and an AOT entry that is no pickle are each read in a
+    parse worker, under its memory bound, and named as entries that do not read, while a real
+    graph beside them is checked. The command's own peak RSS stays far below what unpickling
+    takes (check unpickled every entry itself, 1 GB and more)."""
+    cache = fixture_cache("torch-2.13.0-cpu")
+    real = next(p for p in sorted((cache / "fxgraph").rglob("*")) if p.is_file())
+    arts = {
+        "inductor": [
+            (real.parent.name, real.read_bytes()),
+            ("bomb", b"\x80\x02](" + b"K\x01\x85" * 14_000_000 + b"e."),  # [(1,), (1,), ...]
+        ],
+        "aot_autograd": [("notapickle", b"\x00" * 64)],
+    }
+    path = tmp_path / "hostile.bundle"
+    bundle.write(str(path), {"torch": "2.13.0"}, bundle.payload_of(arts))
+    del arts
+    out = subprocess.run(
+        [sys.executable, "-c", OWN_PEAK_RSS_PROGRAM, *Cli(cache, db_url).base(), "check", "--bundle", str(path)]
+        + ["--json"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    assert doc["graphs"] == 2 and not doc["complete"], doc
+    assert "graph bomb: its entry does not read (MemoryError)" in doc["missing"], doc["missing"]
+    assert any(m.startswith("aotautograd entry notapickle: its entry does not read (") for m in doc["missing"])
+    peak = int(out.stderr.split("peak-rss-mib")[1].split()[0])
+    assert peak < 450, f"check's own peak RSS {peak} MiB"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import Cli, run_program, subprocess_env
+from conftest import OWN_PEAK_RSS_PROGRAM, Cli, run_program, subprocess_env
 from test_daemon import start, wait_until  # noqa: F401 - start: a fixture (daemon processes)
 from test_fleet import pg_url  # noqa: F401 - fixture: a throwaway PostgreSQL database
 from test_index import INSPECT_WITHOUT_TORCH
@@ -239,22 +239,6 @@ def test_remote_evict_keeps_a_key_read_meanwhile(cpu_cache, cli_for, redis_url, 
     rconn.get(read)  # an Inductor lookup between plan and delete
     result = rem.execute(plan)
     assert result.skipped_in_use == [read] and torch_keys(rconn) == [read]
-
-
-# The command in-process, then its own peak RSS on stderr: VmHWM, this program's since its exec
-# (ru_maxrss can hold the forking test process's, which has imported torch; nor its parse workers').
-OWN_PEAK_RSS_PROGRAM = """
-import sys
-from cachemgr.cli import main
-try:
-    main(sys.argv[1:])
-except SystemExit as e:
-    code = e.code
-with open("/proc/self/status") as f:
-    kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-print("peak-rss-mib", kib // 1024, file=sys.stderr)
-sys.exit(code)
-"""
 
 
 def test_remote_evict_parses_values_in_bounded_workers(cpu_cache, cli_for, redis_url, rconn):

@@ -206,11 +206,13 @@ def check_cmd(
             from cachemgr.prewarm import bundle
 
             b = bundle.read(bundle_path)
-            arts = bundle.artifacts(b.payload, bundle_path)
-            graphs = bundle.graphs(arts, b.header)
+            contents = bundle.read_contents(b.header, bundle.artifacts(b.payload, bundle_path))
             names = _torch_names(target)
-            graphs = [replace(g, torch_version=names.get(g.torch_version_hash or "", g.torch_version)) for g in graphs]
-            missing = bundle.completeness(arts, b.header.get("expects"))
+            graphs = [
+                replace(g, torch_version=names.get(g.torch_version_hash or "", g.torch_version))
+                for g in bundle.graphs(contents)
+            ]
+            missing = bundle.completeness(contents, b.header.get("expects"))
             source = bundle_path
         else:
             from cachemgr.cli.inspect import scanned_store

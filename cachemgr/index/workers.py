@@ -48,7 +48,7 @@ HEADER = struct.Struct("<Q")
 WALK = "walk"  # Job.kind: walk the directories in `items`
 WALK_READ = "walk-read"  # Job.kind: WALK, and read the plain-data entries found (describe.READ_WITH_WALK)
 BATCH = "batch"  # Job.kind: describe the (kind, key, ref) entries in `items`, none of them a pickle
-BYTES = "bytes"  # Job.kind: call `key` ("module:function") on the bytes in `items[0]`, read from no file
+BYTES = "bytes"  # Job.kind: call `key` ("module:function") with `items` (bytes read from no file first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,7 +366,7 @@ def run_bytes(job: Job) -> tuple[bool, object]:
 
     module, _, name = job.key.partition(":")
     try:
-        return True, getattr(importlib.import_module(module), name)(job.items[0])
+        return True, getattr(importlib.import_module(module), name)(*job.items)
     except Exception as e:  # noqa: BLE001 - the bytes' problem is that job's, never the worker's
         lines = str(e).strip().splitlines()
         return False, lines[0][:300] if lines else type(e).__name__

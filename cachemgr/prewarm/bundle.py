@@ -23,6 +23,7 @@ import re
 import stat
 import tempfile
 from dataclasses import dataclass
+from typing import Any, cast
 
 from cachemgr import safefs
 from cachemgr.errors import CachemgrError, NotFound
@@ -204,6 +205,86 @@ def payload_of(arts: Artifacts) -> bytes:
     return zlib.crc32(body).to_bytes(4, "big") + bytes(body)
 
 
+# -- reading the entries: in parse workers ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What cachemgr reads of a bundle's pickled entries (`read_contents`): for each fxgraph entry
+    its parse result and its kernels (`kernels_of`, or why they do not read), for each AOT entry
+    the graphs it needs (or why it does not read)."""
+
+    header: dict
+    arts: Artifacts
+    graphs: list[tuple[str, Any, tuple | str]]  # (key, cachemgr.parse.Parsed, kernels_of(...) or why not)
+    aot: list[tuple[str, list[tuple[str, str]] | str]]  # (key, its (kind, ref) references or why not)
+
+    def kernel_hashes(self) -> set[str]:
+        return {h for _, _, k in self.graphs if not isinstance(k, str) for h in k[2]}
+
+
+def read_contents(header: dict, arts: Artifacts, workers: int | None = None) -> Contents:
+    """Every fxgraph and AOT entry of `arts` read, each in a parse worker (a BYTES job of
+    cachemgr.index.workers: its address space limited, killed after PARSE_SECONDS, replaced),
+    never in this process: a bundle is a file from anywhere, and a pickle can be built to make
+    the unpickler allocate without bound or spin. An entry that costs its worker gets the reason."""
+    from cachemgr.index.workers import BYTES, WORKER_MEMORY, Job, Pool
+
+    def why(value: object) -> str:
+        if value == "MemoryError":
+            return f"out of memory (a parse worker may take {WORKER_MEMORY >> 20} MiB)"
+        return str(value)[:200]
+
+    fx, aot = arts.get("inductor", []), arts.get("aot_autograd", [])
+    fx_reader, aot_reader = f"{__name__}:{graph_facts.__name__}", f"{__name__}:{aot_facts.__name__}"
+    jobs = [Job(i, 0, "", BYTES, fx_reader, key, (c, key)) for i, (key, c) in enumerate(fx)]
+    jobs += [Job(len(fx) + i, 0, "", BYTES, aot_reader, key, (c,)) for i, (key, c) in enumerate(aot)]
+    results: dict[int, tuple[bool, Any]] = {}
+    if jobs:
+        with Pool(min(workers or len(jobs), len(jobs))) as pool:
+            for job, result in pool.run(jobs, lambda job, reason: (False, reason)):
+                results[job.id] = cast("tuple[bool, Any]", result)
+    graphs: list[tuple[str, Any, tuple | str]] = []
+    for i, (key, _) in enumerate(fx):
+        ok, value = results[i]
+        if ok:
+            graphs.append((key, value[0], value[1]))
+        else:
+            from cachemgr.parse import Parsed
+            from cachemgr.vocab import Kind
+
+            reason = why(value)
+            graphs.append((key, Parsed(Kind.FXGRAPH, graph_key=key, corrupt=reason), reason))
+    aots: list[tuple[str, list[tuple[str, str]] | str]] = []
+    for i, (key, _) in enumerate(aot):
+        ok, value = results[len(fx) + i]
+        aots.append((key, value if ok else why(value)))
+    return Contents(header, arts, graphs, aots)
+
+
+def graph_facts(content: bytes, key: str) -> tuple[Any, tuple | str]:
+    """An fxgraph entry's parse result and its kernels (`kernels_of`; the exception's name if they
+    do not read). Run in a parse worker (`read_contents`)."""
+    from cachemgr.parse import parse_fxgraph
+
+    parsed = parse_fxgraph(content, key)
+    try:
+        kernels: tuple | str = kernels_of(content)
+    except Exception as e:  # noqa: BLE001 - a hostile entry is a problem of the bundle, named
+        kernels = type(e).__name__
+    return parsed, kernels
+
+
+def aot_facts(content: bytes) -> list[tuple[str, str]]:
+    """An AOT entry's references; ValueError says why it does not read. Run in a parse worker."""
+    from cachemgr.parse import parse_aotautograd
+
+    parsed = parse_aotautograd(content)
+    if parsed.corrupt:
+        raise ValueError(parsed.corrupt)
+    return parsed.refs
+
+
 # -- completeness: what an entry names is in the bundle -----------------------------------------
 
 _KERNEL = re.compile(r"async_compile\.triton\(\s*['\"]([A-Za-z_][\w]*)['\"]")
@@ -211,7 +292,8 @@ _KERNEL = re.compile(r"async_compile\.triton\(\s*['\"]([A-Za-z_][\w]*)['\"]")
 
 def kernels_of(content: bytes) -> tuple[list[str], dict[str, set[str]], list[str]]:
     """An fxgraph entry's Triton kernels: the names its wrapper module launches, the files its
-    bundled kernel artifacts hold per kernel name (suffixes), and the bundled kernels' hashes."""
+    bundled kernel artifacts hold per kernel name (suffixes), and the bundled kernels' hashes.
+    Unpickles `content`: run it in a parse worker (`read_contents`)."""
     from cachemgr.parse.unpickle import items, safe_load, state_of, text
 
     st = state_of(safe_load(content))
@@ -241,7 +323,7 @@ def _shown(name: str) -> str:
     return key_of(name)[:200]
 
 
-def completeness(arts: Artifacts, expects: dict | None = None) -> list[str]:
+def completeness(contents: Contents, expects: dict | None = None) -> list[str]:
     """What bundled entries name that the bundle lacks, one line each (empty: complete):
     - an AOTAutograd entry's forward/backward graphs (its modules): inductor artifacts;
     - each Triton kernel a graph's wrapper module launches: a bundled kernel artifact with its
@@ -249,48 +331,44 @@ def completeness(arts: Artifacts, expects: dict | None = None) -> list[str]:
       was dropped, recompiles on the importing host);
     - each autotune result the exporting cache held for a bundled kernel (`expects`, written into
       the header by `cachemgr export`).
-    The C++ builds of CPU graphs are never in torch's bundles: they are rebuilt on first use."""
-    from cachemgr.parse import parse_aotautograd
+    An entry that does not read is named too. The C++ builds of CPU graphs are never in torch's
+    bundles: they are rebuilt on first use."""
     from cachemgr.vocab import Kind
 
     out: list[str] = []
-    graphs = {key for key, _ in arts.get("inductor", [])}
-    for key, content in arts.get("aot_autograd", []):
-        for kind, ref in parse_aotautograd(content).refs:
+    graphs = {key for key, _, _ in contents.graphs}
+    for key, refs in contents.aot:
+        if isinstance(refs, str):
+            out.append(f"aotautograd entry {_shown(key)}: its entry does not read ({refs})")
+            continue
+        for kind, ref in refs:
             if kind == Kind.FXGRAPH and ref not in graphs:
                 out.append(f"aotautograd entry {_shown(key)}: its graph {_shown(ref)} is not in the bundle")
-    for key, content in arts.get("inductor", []):
-        try:
-            names, files, _ = kernels_of(content)
-        except Exception as e:  # noqa: BLE001 - a hostile entry is a problem of the bundle, named
-            out.append(f"graph {_shown(key)}: its entry does not read ({type(e).__name__})")
+    for key, _, kernels in contents.graphs:
+        if isinstance(kernels, str):
+            out.append(f"graph {_shown(key)}: its entry does not read ({kernels})")
             continue
+        names, files, _ = kernels
         for name in names:
             kernel = f"graph {_shown(key)}: Triton kernel {_shown(name)}"
             if name not in files:
                 out.append(f"{kernel} is not in the bundle")
             elif not files[name] & set(BINARIES):
                 out.append(f"{kernel} has no binary ({', '.join(BINARIES)}) in the bundle")
-    have = {key for key, _ in arts.get("autotune", [])}
+    have = {key for key, _ in contents.arts.get("autotune", [])}
     for key in (expects or {}).get("autotune", []):
         if key not in have:
             out.append(f"autotune result {_shown(key)} is not in the bundle")
     return out
 
 
-def expected_autotune(cache_dir: str, arts: Artifacts) -> list[str]:
+def expected_autotune(cache_dir: str, kernels: set[str]) -> list[str]:
     """The autotune results (`<2ch>/<hash>.best_config`, keyed as the bundle keys them) that the
-    cache holds for the Triton kernels of the bundled graphs."""
+    cache holds for these Triton kernels (the bundled graphs': `Contents.kernel_hashes`)."""
     from cachemgr.layout import classify
     from cachemgr.parse import autotune_refs
     from cachemgr.vocab import Kind
 
-    kernels: set[str] = set()
-    for _, content in arts.get("inductor", []):
-        try:
-            kernels.update(kernels_of(content)[2])
-        except Exception:  # noqa: BLE001 - named by completeness()
-            continue
     if not kernels:
         return []
     out = []
@@ -324,21 +402,19 @@ def expected_autotune(cache_dir: str, arts: Artifacts) -> list[str]:
     return out
 
 
-def graphs(arts: Artifacts, header: dict | None = None) -> list:
+def graphs(contents: Contents) -> list:
     """The bundle's fxgraph entries as the cache check reads them (cachemgr.check.Graph). Where an
     entry records no components, a bundle that replayed models names the torch that wrote them
     (its header's `torch`)."""
     from dataclasses import replace
 
     from cachemgr.check import graph_of
-    from cachemgr.parse import parse_fxgraph
 
-    header = header or {}
+    header = contents.header
     claimed = header.get("torch") if header.get("models") else None
     out = []
-    for i, (key, content) in enumerate(arts.get("inductor", [])):
-        p = parse_fxgraph(content, key)
-        g = graph_of(f"{key}#{i}", p)
+    for i, (key, parsed, _) in enumerate(contents.graphs):
+        g = graph_of(f"{key}#{i}", parsed)
         if not g.recorded and claimed:
             g = replace(g, torch_version=str(claimed))
         out.append(g)

@@ -1004,9 +1004,10 @@ def check_bundle(path: str, b, arts, torch, adapter, fingerprint: dict | None, s
     from cachemgr import check
     from cachemgr.prewarm import bundle
 
+    contents = bundle.read_contents(b.header, arts)
     host = check.Host.of(host_side(torch, adapter, fingerprint, spec), spec.get("devices"), bool(spec.get("complete")))
-    report = check.check(bundle.graphs(arts, b.header), host, path)
-    return {**report.as_dict(), "missing": bundle.completeness(arts, b.header.get("expects"))}
+    report = check.check(bundle.graphs(contents), host, path)
+    return {**report.as_dict(), "missing": bundle.completeness(contents, b.header.get("expects"))}
 
 
 def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: dict) -> dict:
@@ -1068,9 +1069,9 @@ def _export(export: dict, models: list[str], device: str, adapter, fingerprint: 
         if saved is None:
             return {"ok": False, "error": "nothing to export: no cache artifacts were produced or found"}
         payload, info = saved
-        arts = bundle.artifacts(payload)
-        expects = {"autotune": bundle.expected_autotune(export["cache_dir"], arts)}
-        missing = bundle.completeness(arts, expects)
+        contents = bundle.read_contents({}, bundle.artifacts(payload))
+        expects = {"autotune": bundle.expected_autotune(export["cache_dir"], contents.kernel_hashes())}
+        missing = bundle.completeness(contents, expects)
         host = host_info()
         cpu_only = bool(models) and not device.startswith("cuda")  # replayed on CPU: no GPU entries
         header = {
