@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROGRAMS, REPO, Cli, subprocess_env
+from conftest import OWN_PEAK_RSS_PROGRAM, PROGRAMS, REPO, Cli, subprocess_env
 from test_daemon import start, wait_until  # noqa: F401 - start: a fixture (daemon processes)
 from test_fleet import pg_url  # noqa: F401 - fixture: a throwaway PostgreSQL database
 
@@ -996,3 +996,64 @@ def test_prewarm_target_redis_without_a_redis_is_a_usage_error(tmp_path, db_url)
         env=PREWARM_ENV,
     )
     one_error_line(r, 2, "prewarm --target redis: no Redis is configured")
+
+
+def test_many_large_shape_rows_are_listed_in_bounded_memory(tmp_path, db_url):
+    """1,000 rows of about 60 KiB of spec and 32 KiB of options each (the spool's writers choose
+    how many there are): `shapes --json` writes them out one at a time, and the table reads them
+    twice, for its widths and to print, instead of holding them: the command's own peak RSS stays
+    under 200 MiB (about 100; holding the rows, and the JSON document, took 510 MiB for --json and
+    240 MiB for the table). The JSON is the one document it always was."""
+    from sqlalchemy import insert
+
+    from cachemgr.index.db import Database
+    from cachemgr.index.models import Shape
+
+    db = Database(db_url)
+    now = time.time()
+
+    def spec(batch: int) -> dict:
+        tensor = json.loads(GOOD)["spec"]["args"][0]
+        return {"args": [{**tensor, "shape": [batch, 4]}] + [{"t": "str", "v": "y" * 4000}] * 15, "kwargs": {}}
+
+    options = json.dumps({f"k{i}": "z" * 4000 for i in range(8)})
+    n = 1000
+    with db.engine.begin() as conn:
+        for start in range(0, n, 100):
+            conn.execute(
+                insert(Shape),
+                [
+                    {
+                        "model": "big",
+                        "signature_hash": f"{i:016x}",
+                        "signature": f"(f32[{i + 1},4])",
+                        "spec": json.dumps(spec(i + 1)),
+                        "options": options,
+                        "first_seen": now - n + i,
+                        "last_seen": now - n + i,
+                    }
+                    for i in range(start, start + 100)
+                ],
+            )
+    db.close()
+    config = str(config_for(tmp_path, tmp_path / "spool"))
+    for args in (["--json"], []):
+        out = subprocess.run(
+            [sys.executable, "-c", OWN_PEAK_RSS_PROGRAM, *Cli(tmp_path / "cache", db_url).base()]
+            + ["--config", config, "shapes", *args],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        peak = int(out.stderr.split("peak-rss-mib")[1].split()[0])
+        assert peak < 200, f"shapes {' '.join(args)}: own peak RSS {peak} MiB"
+        if args:
+            doc = json.loads(out.stdout)
+            assert [d["signature_hash"] for d in doc] == [f"{i:016x}" for i in range(n)]
+            assert doc[0]["varied"] == ["args[0].0"] and len(doc[-1]["spec"]["args"]) == 16
+            assert out.stdout.endswith("}\n]\n")
+        else:
+            lines = out.stdout.splitlines()
+            assert len(lines) == n + 1 and lines[0].startswith("model") and lines[1].startswith("big")

@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -156,6 +156,17 @@ def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=False, default=str))
 
 
+def emit_json_list(items: Iterable[Any]) -> None:
+    """emit_json(list(items)), the same text, written an item at a time: the list is never held.
+    (json.dumps escapes a newline in a string: every line of an item's text is one to indent.)"""
+    first = True
+    for item in items:
+        text = json.dumps(item, indent=2, sort_keys=False, default=str)
+        click.echo(("[\n" if first else ",\n") + "\n".join("  " + line for line in text.split("\n")), nl=False)
+        first = False
+    click.echo("[]" if first else "\n]")
+
+
 # -- text for people ----------------------------------------------------------------------------------
 
 
@@ -200,11 +211,22 @@ GAP = "  "
 def render_table(columns: Sequence[Col | str], rows: Sequence[Sequence[Any]], width: int | None) -> list[str]:
     """The lines of a table at most `width` columns wide (None: as wide as its cells). A column
     given as a plain header is shown whole."""
-    from rich.cells import cell_len, set_cell_size
-
     cols = [c if isinstance(c, Col) else Col(str(c)) for c in columns]
     cells = [[clean(v) for v in row] for row in rows]
-    natural = [max([cell_len(c.header)] + [cell_len(r[i]) for r in cells]) for i, c in enumerate(cols)]
+    return list(_table_lines(cols, _table_widths(cols, cells, width), cells))
+
+
+def _table_widths(cols: Sequence[Col], cells: Iterable[Sequence[str]], width: int | None) -> list[int]:
+    """The columns' widths, in one pass over the rows' cleaned cells (none of them held)."""
+    from rich.cells import cell_len
+
+    natural = [cell_len(c.header) for c in cols]
+    firsts: set[int] = set()  # the first column's cell widths: one per width, not per row
+    for r in cells:
+        for i in range(len(cols)):
+            natural[i] = max(natural[i], cell_len(r[i]))
+        if cols:
+            firsts.add(cell_len(r[0]))
     widths = list(natural)
     if width is not None:
         gaps = len(GAP) * (len(cols) - 1)
@@ -214,7 +236,7 @@ def render_table(columns: Sequence[Col | str], rows: Sequence[Sequence[Any]], wi
         if cols and not cols[0].cut:
             others = sum(min(c.min, natural[j]) if c.cut else natural[j] for j, c in enumerate(cols) if j)
             room = width - others - gaps
-            widths[0] = max([cell_len(cols[0].header)] + [n for r in cells if (n := cell_len(r[0])) <= room])
+            widths[0] = max([cell_len(cols[0].header)] + [n for n in firsts if n <= room])
         over = sum(widths) + gaps - width
         cut = [i for i, c in enumerate(cols) if c.cut]
         while over > 0:  # a character at a time from the widest cut column, down to its minimum
@@ -223,6 +245,11 @@ def render_table(columns: Sequence[Col | str], rows: Sequence[Sequence[Any]], wi
                 break
             widths[max(shrinkable, key=lambda i: widths[i])] -= 1
             over -= 1
+    return widths
+
+
+def _table_lines(cols: Sequence[Col], widths: list[int], cells: Iterable[Sequence[str]]) -> Iterator[str]:
+    from rich.cells import cell_len, set_cell_size
 
     def fit(text: str, i: int) -> str:
         if cell_len(text) > widths[i] and cols[i].cut:
@@ -230,13 +257,12 @@ def render_table(columns: Sequence[Col | str], rows: Sequence[Sequence[Any]], wi
         pad = " " * (widths[i] - cell_len(text))
         return pad + text if cols[i].right else text + pad
 
-    lines = [GAP.join(fit(c.header, i) for i, c in enumerate(cols))]
+    yield GAP.join(fit(c.header, i) for i, c in enumerate(cols)).rstrip()
     for r in cells:
         if cols and not cols[0].cut and cell_len(r[0]) > widths[0]:  # as df does: the long key on a
-            lines.append(r[0])  # line of its own, its row's values under their headers on the next
+            yield r[0].rstrip()  # line of its own, its row's values under their headers on the next
             r = ["", *r[1:]]
-        lines.append(GAP.join(fit(r[i], i) for i in range(len(cols))))
-    return [line.rstrip() for line in lines]
+        yield GAP.join(fit(r[i], i) for i in range(len(cols))).rstrip()
 
 
 def table(
@@ -247,6 +273,29 @@ def table(
         click.echo(title)
     for line in render_table(cols, rows, None if wide else terminal_width()):
         click.echo(line)
+
+
+def streamed_table(cols: Sequence[Col], rows: Callable[[], Iterable[Sequence[Any]]]) -> bool:
+    """table(cols, rows()) for rows too many to hold: `rows()` is read twice, once for the
+    columns' widths and once to print, and memory holds a row, not the table. Prints nothing and
+    returns False when there is no row."""
+    seen = 0
+
+    def cells() -> Iterator[list[str]]:
+        return ([clean(v) for v in row] for row in rows())
+
+    def counted() -> Iterator[list[str]]:
+        nonlocal seen
+        for row in cells():
+            seen += 1
+            yield row
+
+    widths = _table_widths(cols, counted(), terminal_width())
+    if not seen:
+        return False
+    for line in _table_lines(cols, widths, cells()):
+        click.echo(line)
+    return True
 
 
 def fields_block(pairs: Sequence[tuple[str, Any]], wrap: bool = True, whole: Sequence[str] = ()) -> list[str]:
@@ -307,12 +356,13 @@ def human_size(n: int | None) -> str:
     return format_size(n)
 
 
-def age(ts: float | None) -> str:
-    """How long ago `ts` was, in whole seconds; '-' when unknown (None, 0: a kernel folder with no
-    file to date it by; a value no clock gives, from an index edited by hand)."""
+def age(ts: float | None, now: float | None = None) -> str:
+    """How long ago `ts` was (before `now`, default now), in whole seconds; '-' when unknown (None,
+    0: a kernel folder with no file to date it by; a value no clock gives, from an index edited by
+    hand)."""
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 < ts < 1e12:
         return "-"
-    return format_duration(max(0, round(time.time() - ts)))
+    return format_duration(max(0, round((time.time() if now is None else now) - ts)))
 
 
 def seconds(s: float | None) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from contextlib import contextmanager, suppress
 
 import click
@@ -108,18 +109,19 @@ def shapes(app, model: str | None, as_json: bool) -> None:
         cachemgr shapes
         cachemgr shapes --model ranker --json | jq '.[].signature'
     """
-    rows = _recorded(app, model)
-    if as_json:
-        emit_json(rows)
-        return
-    if not rows:
-        click.echo(
-            "no shapes recorded" + (f" for model {model!r}" if model else "") + f" (spool: {app.settings.spool_dir})"
-        )
-        return
-    from cachemgr.cli.common import age
+    from cachemgr.cli.common import age, emit_json_list, streamed_table
+    from cachemgr.prewarm.spool import each_shape
 
-    table(
+    # The rows are read from the index as they are printed, never all held: how many there are
+    # is up to the spool's writers (each up to 64 KiB). The table is not held for its columns'
+    # widths either (piped, its cells are printed whole: options alone take up to 64 KiB): it is
+    # read twice, once for the widths and once to print, its ages both times as of `now`.
+    ingest_spool(app)
+    if as_json:
+        emit_json_list(each_shape(app.db, model))
+        return
+    now = time.time()
+    printed = streamed_table(
         (
             Col("model", cut=True, min=6),
             Col("signature", cut=True, min=12),
@@ -129,7 +131,7 @@ def shapes(app, model: str | None, as_json: bool) -> None:
             Col("options", cut=True, min=7),
             Col("last seen", right=True),
         ),
-        [
+        lambda: (
             (
                 r["model"],
                 r["signature"],
@@ -137,11 +139,15 @@ def shapes(app, model: str | None, as_json: bool) -> None:
                 r["count"],
                 ",".join(r["varied"]) or "-",
                 ",".join(f"{k}={v}" for k, v in r["options"].items()) or "-",
-                age(r["last_seen"]),
+                age(r["last_seen"], now),
             )
-            for r in rows
-        ],
+            for r in each_shape(app.db, model)
+        ),
     )
+    if not printed:
+        click.echo(
+            "no shapes recorded" + (f" for model {model!r}" if model else "") + f" (spool: {app.settings.spool_dir})"
+        )
 
 
 def _devices(value: str | None) -> list[str] | None:

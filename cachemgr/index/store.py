@@ -44,12 +44,13 @@ class Driver(Protocol):
     dialect: str
 
     def rows(self, sql: str, params: Mapping[str, Any]) -> list[tuple]: ...
-    def each(self, sql: str, params: Mapping[str, Any]) -> Iterator[tuple]: ...
+    def each(self, sql: str, params: Mapping[str, Any], batch: int = ...) -> Iterator[tuple]: ...
     def write(self, sql: str, params: Mapping[str, Any]) -> int: ...
     def close(self) -> None: ...
 
 
 STREAM = 1000  # rows fetched at a time by `each`: memory holds these, not the result
+SHAPES_STREAM = 50  # shapes rows fetched at a time: one holds up to 64 KiB of spec and 64 KiB of options
 
 
 class _Sqlite3:
@@ -66,10 +67,10 @@ class _Sqlite3:
         except sqlite3.Error as e:
             raise DatabaseError(f"index database error: {e}") from e
 
-    def each(self, sql: str, params: Mapping[str, Any]) -> Iterator[tuple]:
+    def each(self, sql: str, params: Mapping[str, Any], batch: int = STREAM) -> Iterator[tuple]:
         try:
             cur = self.conn.execute(sql, dict(params))
-            while part := cur.fetchmany(STREAM):
+            while part := cur.fetchmany(batch):
                 yield from part
         except sqlite3.Error as e:
             raise DatabaseError(f"index database error: {e}") from e
@@ -97,9 +98,9 @@ class _Engine:
         with self.engine.connect() as conn:
             return list(conn.execute(text(sql), dict(params)).fetchall())
 
-    def each(self, sql: str, params: Mapping[str, Any]) -> Iterator[tuple]:
+    def each(self, sql: str, params: Mapping[str, Any], batch: int = STREAM) -> Iterator[tuple]:
         with self.engine.connect() as conn:
-            yield from _Connection(conn).each(sql, params)
+            yield from _Connection(conn).each(sql, params, batch)
 
     def write(self, sql: str, params: Mapping[str, Any]) -> int:
         from sqlalchemy import text
@@ -123,11 +124,11 @@ class _Connection:
 
         return list(self.conn.execute(text(sql), dict(params)).fetchall())
 
-    def each(self, sql: str, params: Mapping[str, Any]) -> Iterator[tuple]:
+    def each(self, sql: str, params: Mapping[str, Any], batch: int = STREAM) -> Iterator[tuple]:
         from sqlalchemy import text
 
-        result = self.conn.execution_options(stream_results=True).execute(text(sql), dict(params))
-        for part in result.partitions(STREAM):
+        result = self.conn.execution_options(stream_results=True, max_row_buffer=batch).execute(text(sql), dict(params))
+        for part in result.partitions(batch):
             yield from part
 
     def write(self, sql: str, params: Mapping[str, Any]) -> int:
@@ -449,6 +450,12 @@ class Store:
     def of(cls, db: Any, host: str, root: str) -> Store:
         """Over a cachemgr.index.db.Database (the cache's row is created on first use)."""
         return cls(_Engine(db.engine), host, root, db.cache_id(host, root))
+
+    @classmethod
+    def of_index(cls, db: Any) -> Store:
+        """Over a Database, for what belongs to no one cache (the recorded shapes): no cache's row
+        is made."""
+        return cls(_Engine(db.engine), "", "")
 
     @classmethod
     def of_id(cls, db: Any, cache_id: int) -> Store:
@@ -795,14 +802,15 @@ class Store:
 
     # -- shapes and models --------------------------------------------------------------------------
 
-    def shapes(self, model: str | None = None) -> list[dict[str, Any]]:
-        """Recorded input signatures (cachemgr.record), per model in first-seen order."""
+    def each_shape(self, model: str | None = None) -> Iterator[dict[str, Any]]:
+        """Recorded input signatures (cachemgr.record), per model in first-seen order, as stored
+        (spec and options JSON text): streamed, SHAPES_STREAM rows at a time, however many there are."""
         where = "" if model is None else " WHERE model = :m"
         cols = ("model", "signature_hash", "signature", "spec", "options", "host", "count", "first_seen", "last_seen")
-        rows = self.driver.rows(
-            f"SELECT {', '.join(cols)} FROM shapes{where} ORDER BY model, first_seen, id", {"m": model}
+        rows = self.driver.each(
+            f"SELECT {', '.join(cols)} FROM shapes{where} ORDER BY model, first_seen, id", {"m": model}, SHAPES_STREAM
         )
-        return [dict(zip(cols, r, strict=True)) for r in rows]
+        return (dict(zip(cols, r, strict=True)) for r in rows)
 
     def models(self) -> list[str]:
         return [m for (m,) in self.driver.rows("SELECT DISTINCT model FROM shapes ORDER BY model", {})]
@@ -815,7 +823,7 @@ class Store:
         An entry belongs to the model when it holds every recorded tensor (dtype[shape]) of one
         signature. A graph that went dynamic (symbolic dims) no longer matches concrete shapes.
         """
-        signatures = [s["signature"] for s in self.shapes(model)]
+        signatures = [s["signature"] for s in self.each_shape(model)]
         if not signatures:
             known = len(self.models())
             raise NotFound(
@@ -860,7 +868,7 @@ class Store:
         ):
             deps.setdefault(fid, {})[did] = int(size or 0)
         by_model: dict[str, list[str]] = {}
-        for s in self.shapes():
+        for s in self.each_shape():
             by_model.setdefault(s["model"], []).append(s["signature"])
         out = []
         for model, signatures in by_model.items():

@@ -36,6 +36,7 @@ import os
 import re
 import stat
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -549,38 +550,39 @@ def _upsert_batch(db: Database, lines: list[_Row], recovering: bool) -> tuple[in
 def list_shapes(db: Database, model: str | None = None) -> list[dict]:
     """Recorded shapes, per model in first-seen order (the order prewarm replays them in). A row
     that cannot be replayed (written by an older ingest that checked less) is left out."""
-    from sqlalchemy import select
+    from cachemgr.index.store import Store
 
-    from cachemgr.index.models import Shape
-
-    with db.session() as s:
-        q = select(Shape).order_by(Shape.model, Shape.first_seen, Shape.id)
-        if model is not None:
-            q = q.where(Shape.model == model)
-        rows = list(s.scalars(q))
-    out: list[dict[str, Any]] = []
-    for r in rows:
-        try:
-            spec, options = _decoded(r.model, r.signature, r.host, r.spec, r.options)
-        except LineError:
-            continue
-        out.append(
-            {
-                "model": r.model,
-                "signature_hash": r.signature_hash,
-                "signature": r.signature,
-                "spec": spec,
-                "options": options,
-                "host": r.host,
-                "count": r.count,
-                "first_seen": r.first_seen,
-                "last_seen": r.last_seen,
-            }
-        )
+    out = list(_readable(Store.of_index(db).each_shape(model)))
     varied = varied_dims(out)
     for d in out:
         d["varied"] = varied.get(d["model"], [])
     return out
+
+
+def each_shape(db: Database, model: str | None = None) -> Iterator[dict]:
+    """list_shapes, a row at a time: memory holds a few rows (and one model's dims), however many
+    the spool's writers made. A model's `varied` comes from a pass over its rows before its first."""
+    from cachemgr.index.store import Store
+
+    store = Store.of_index(db)
+    current, varied = None, []
+    for d in _readable(store.each_shape(model)):
+        if d["model"] != current:
+            current = d["model"]
+            varied = varied_dims(_readable(store.each_shape(current))).get(current, [])
+        d["varied"] = varied
+        yield d
+
+
+def _readable(rows: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The index's `shapes` rows with their spec and options decoded, as prewarm replays them; a
+    row that cannot be is left out."""
+    for r in rows:
+        try:
+            spec, options = _decoded(r["model"], r["signature"], r["host"], r["spec"], r["options"])
+        except LineError:
+            continue
+        yield {**r, "spec": spec, "options": options}
 
 
 def _decoded(model: Any, signature: Any, host: Any, spec_text: Any, options_text: Any) -> tuple[dict, dict]:
@@ -614,15 +616,19 @@ def _stored(text: Any, what: str) -> Any:
         raise LineError(f"{what} is not a stored JSON value") from None
 
 
-def varied_dims(shapes: list[dict]) -> dict[str, list[str]]:
-    """Per model, which tensor dims took more than one value across its signatures: `args[0].0`."""
-    seen: dict[str, dict[str, set]] = {}
+def varied_dims(shapes: Iterable[dict]) -> dict[str, list[str]]:
+    """Per model, which tensor dims took more than one value across its signatures: `args[0].0`.
+    A dim's first value is held, not every value it took."""
+    first: dict[str, dict[str, Any]] = {}
+    varied: dict[str, set[str]] = {}
     for d in shapes:
-        per = seen.setdefault(d["model"], {})
+        per, more = first.setdefault(d["model"], {}), varied.setdefault(d["model"], set())
         for path, shape in _tensor_shapes(d["spec"]):
             for i, n in enumerate(shape):
-                per.setdefault(f"{path}.{i}", set()).add(n)
-    return {m: sorted(p for p, vals in per.items() if len(vals) > 1) for m, per in seen.items()}
+                dim = f"{path}.{i}"
+                if per.setdefault(dim, n) != n:
+                    more.add(dim)
+    return {m: sorted(more) for m, more in varied.items()}
 
 
 def _tensor_shapes(spec: dict):
