@@ -130,6 +130,20 @@ print(json.dumps({"sqlalchemy": "sqlalchemy" in sys.modules}))
 """
 
 
+def scan_in_a_fresh_process(cli: Cli) -> tuple[int, bool]:
+    """`scan` in a new process: (entries it found unchanged, whether it imported SQLAlchemy)."""
+    out = subprocess.run(
+        [sys.executable, "-c", SCAN_PROGRAM, *cli.base(), "scan", "--json"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    *scanned, probe = out.stdout.strip().splitlines()
+    return json.loads("\n".join(scanned))["unchanged"], json.loads(probe)["sqlalchemy"]
+
+
 def test_parallel_parse_matches_serial(gpu_cache, tmp_path, monkeypatch):
     """Several parse workers describe every entry as one worker does."""
     from cachemgr.index import describe
@@ -594,17 +608,7 @@ def test_rescan_reconciles_changes(cpu_cache, cli_for):
     assert again["added"] == again["changed"] == again["removed"] == 0
     assert again["unchanged"] == first["added"]
     # An unchanged tree is answered from directory mtimes alone, without importing SQLAlchemy.
-    out = subprocess.run(
-        [sys.executable, "-c", SCAN_PROGRAM, *cli.base(), "scan", "--json"],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    *scanned, probe = out.stdout.strip().splitlines()
-    assert json.loads("\n".join(scanned))["unchanged"] == first["added"]
-    assert json.loads(probe) == {"sqlalchemy": False}
+    assert scan_in_a_fresh_process(cli) == (first["added"], False)
 
     victim = next(cpu_cache.glob("fxgraph/*/*/*"))
     victim.unlink()
@@ -626,6 +630,26 @@ def test_rescan_reconciles_changes(cpu_cache, cli_for):
     assert cli.json("scan")["changed"] == 0
     full = cli.json("scan", "--full")
     assert (full["added"], full["changed"], full["removed"]) == (0, 1, 0)
+    assert cli.json("stats")["bytes"] == find_bytes(cpu_cache)
+
+
+def test_a_rescan_just_after_a_first_scan_stays_quick(cpu_cache, cli_for):
+    """A first scan makes its trash folder in the root just before its walk: the root's mtime is
+    too recent to trust (RACY), so the next walk reads the root again. A directory read again
+    that holds no entry, then or now, with the same subdirectories, is settled by the quick
+    rescan itself (no SQLAlchemy); a file that appears there is still found."""
+    age_dirs(cpu_cache)
+    cli = cli_for(cpu_cache)
+    first = cli.json("scan")
+    for _ in range(2):  # the root recorded RACY, then (moved less than 2 s ago) RACY again
+        assert scan_in_a_fresh_process(cli) == (first["added"], False)
+    (cpu_cache / "other.bin").write_bytes(b"x" * 100)
+    (cpu_cache / "fxgraph" / "stray").write_bytes(b"y" * 10)
+    r = cli.json("scan")
+    assert (r["added"], r["changed"], r["removed"]) == (2, 0, 0), r
+    (cpu_cache / "fxgraph" / "stray").unlink()
+    r = cli.json("scan")
+    assert (r["added"], r["changed"], r["removed"]) == (0, 0, 1), r
     assert cli.json("stats")["bytes"] == find_bytes(cpu_cache)
 
 

@@ -1220,6 +1220,8 @@ def _graphs_with(signatures: Iterable[str | None], entries: Iterable[tuple[str |
 
 # -- the quick rescan of an unchanged tree ----------------------------------------------------------
 
+RELISTED_MOST = 64  # directories without entries read again that the quick rescan settles itself
+
 
 def rescan_unchanged(path: str, head: str, host: str, root: str) -> int | None:
     """The rescan of a tree in which no directory changed since the last scan, over stdlib sqlite3:
@@ -1228,7 +1230,7 @@ def rescan_unchanged(path: str, head: str, host: str, root: str) -> int | None:
     Importing SQLAlchemy costs about as much as `find` over a 100,000-file cache; a tree whose
     directories all kept their mtimes (`layout.walk_dirs` reads none of them) needs none of it.
     """
-    from cachemgr.layout import walk_dirs
+    from cachemgr.layout import RACY, walk_dirs
     from cachemgr.vocab import READER
 
     conn = open_sqlite(path, write=True)
@@ -1248,8 +1250,19 @@ def rescan_unchanged(path: str, head: str, host: str, root: str) -> int | None:
             return None  # entries wait to be parsed: a real scan reads them
         stored = dict(conn.execute("SELECT path, mtime_ns FROM dirs WHERE cache_id = ?", (cache_id,)))
         walked = walk_dirs(root, "", stored) if stored else None
-        if walked is None or walked.listed or len(walked.mtimes) != len(stored):
+        if walked is None or walked.entries or walked.unreadable or walked.mtimes.keys() != stored.keys():
             return None
+        # Directories read again that hold no entry, then or now, and the same subdirectories (the
+        # same set of paths): the root, whose mtime a first scan's trash folder moved just before
+        # its walk (recorded RACY), or a folder a compile made and emptied. Their new mtimes are
+        # kept; anything more is `scan.reconcile`'s.
+        relisted = [(m, d) for d, m in walked.mtimes.items() if m == RACY or m != stored[d]]
+        if len(relisted) != walked.listed or len(relisted) > RELISTED_MOST:
+            return None
+        for _, d in relisted:
+            if conn.execute("SELECT 1 FROM entries WHERE cache_id = ? AND dir = ? LIMIT 1", (cache_id, d)).fetchone():
+                return None
+        conn.executemany(f"UPDATE dirs SET mtime_ns = ? WHERE cache_id = {int(cache_id)} AND path = ?", relisted)
         conn.execute("UPDATE caches SET last_scan = ? WHERE id = ?", (time.time(), cache_id))
         return conn.execute("SELECT COUNT(*) FROM entries WHERE cache_id = ?", (cache_id,)).fetchone()[0]
     except sqlite3.Error:
