@@ -1057,3 +1057,12 @@ def test_many_large_shape_rows_are_listed_in_bounded_memory(tmp_path, db_url):
         else:
             lines = out.stdout.splitlines()
             assert len(lines) == n + 1 and lines[0].startswith("model") and lines[1].startswith("big")
+
+
+@pytest.mark.parametrize("args", [["explain", "--graph"], ["ls", "--graph"], ["purge", "--key"], ["show"], ["pin"]])
+def test_an_empty_key_is_a_usage_error(args, tmp_path, db_url):
+    """`--graph ""` was taken as no key at all (explain and ls listed every graph); an empty key
+    names nothing: exit 2, one line, nothing read or written."""
+    r = Cli(tmp_path / "cache", db_url).proc(*args, "")
+    one_error_line(r, 2, "a key must not be empty")
+    assert not (tmp_path / "state" / "index.db").exists()

@@ -110,7 +110,10 @@ class KeyType(click.ParamType):
 
     def convert(self, value, param, ctx):
         """A name typed or pasted with bytes that are not UTF-8 (the shell hands them on as
-        surrogates, which no database takes: exit 70) is looked up as the index keys it."""
+        surrogates, which no database takes: exit 70) is looked up as the index keys it. An empty
+        one is a usage error (`--graph ""` listed every graph, as if no key were given)."""
+        if value == "":
+            self.fail("a key must not be empty", param, ctx)
         if isinstance(value, str) and any("\udc80" <= c <= "\udcff" for c in value):
             from cachemgr import layout
 
