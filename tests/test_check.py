@@ -640,7 +640,29 @@ def test_a_bundle_s_entries_are_read_in_bounded_workers(fixture_cache, tmp_path,
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads(out.stdout)
     assert doc["graphs"] == 2 and not doc["complete"], doc
-    assert "graph bomb: its entry does not read (MemoryError)" in doc["missing"], doc["missing"]
-    assert any(m.startswith("aotautograd entry notapickle: its entry does not read (") for m in doc["missing"])
+    assert "graph bomb: its entry does not read: out of memory (a parse worker may take 512 MiB)" in doc["missing"]
+    aot = "aotautograd entry notapickle: its entry does not read: unpickle failed"
+    assert any(m.startswith(aot) for m in doc["missing"]), doc["missing"]
     peak = int(out.stderr.split("peak-rss-mib")[1].split()[0])
     assert peak < 450, f"check's own peak RSS {peak} MiB"
+
+
+def test_a_bundle_s_entries_share_a_worker_per_core(monkeypatch):
+    """A bundle of many entries is read by as many parse workers as the host has cores (here
+    made 2), each taking entry after entry: one worker per entry started hundreds of processes
+    at once, each allowed its 512 MiB."""
+    from cachemgr.index import workers
+
+    started = []
+    real_init = workers._Worker.__init__
+
+    def counting_init(self):
+        started.append(1)
+        real_init(self)
+
+    monkeypatch.setattr(workers, "default_workers", lambda: 2)
+    monkeypatch.setattr(workers._Worker, "__init__", counting_init)
+    arts = {"inductor": [(f"g{i}", b"\x80\x02N.") for i in range(12)], "aot_autograd": [("a", b"\x80\x02N.")]}
+    contents = bundle.read_contents({}, arts)
+    assert len(contents.graphs) == 12 and len(contents.aot) == 1
+    assert len(started) == 2, f"{len(started)} workers started"

@@ -1259,11 +1259,15 @@ def rescan_unchanged(path: str, head: str, host: str, root: str) -> int | None:
         relisted = [(m, d) for d, m in walked.mtimes.items() if m == RACY or m != stored[d]]
         if len(relisted) != walked.listed or len(relisted) > RELISTED_MOST:
             return None
+        # Checked and written in one write transaction: a scan beside this one that commits an
+        # entry of such a directory commits before (seen here) or after (its mtime then wins).
+        conn.execute("BEGIN IMMEDIATE")
         for _, d in relisted:
             if conn.execute("SELECT 1 FROM entries WHERE cache_id = ? AND dir = ? LIMIT 1", (cache_id, d)).fetchone():
-                return None
+                return None  # (rolled back as the connection closes)
         conn.executemany(f"UPDATE dirs SET mtime_ns = ? WHERE cache_id = {int(cache_id)} AND path = ?", relisted)
         conn.execute("UPDATE caches SET last_scan = ? WHERE id = ?", (time.time(), cache_id))
+        conn.execute("COMMIT")
         return conn.execute("SELECT COUNT(*) FROM entries WHERE cache_id = ?", (cache_id,)).fetchone()[0]
     except sqlite3.Error:
         return None

@@ -228,7 +228,7 @@ def read_contents(header: dict, arts: Artifacts, workers: int | None = None) -> 
     cachemgr.index.workers: its address space limited, killed after PARSE_SECONDS, replaced),
     never in this process: a bundle is a file from anywhere, and a pickle can be built to make
     the unpickler allocate without bound or spin. An entry that costs its worker gets the reason."""
-    from cachemgr.index.workers import BYTES, WORKER_MEMORY, Job, Pool
+    from cachemgr.index.workers import BYTES, WORKER_MEMORY, Job, Pool, default_workers
 
     def why(value: object) -> str:
         if value == "MemoryError":
@@ -241,14 +241,14 @@ def read_contents(header: dict, arts: Artifacts, workers: int | None = None) -> 
     jobs += [Job(len(fx) + i, 0, "", BYTES, aot_reader, key, (c,)) for i, (key, c) in enumerate(aot)]
     results: dict[int, tuple[bool, Any]] = {}
     if jobs:
-        with Pool(min(workers or len(jobs), len(jobs))) as pool:
+        with Pool(min(workers or default_workers(), len(jobs))) as pool:  # (a worker per core, not per entry)
             for job, result in pool.run(jobs, lambda job, reason: (False, reason)):
                 results[job.id] = cast("tuple[bool, Any]", result)
     graphs: list[tuple[str, Any, tuple | str]] = []
     for i, (key, _) in enumerate(fx):
         ok, value = results[i]
         if ok:
-            graphs.append((key, value[0], value[1]))
+            graphs.append((key, value[0], value[1] if not isinstance(value[1], str) else why(value[1])))
         else:
             from cachemgr.parse import Parsed
             from cachemgr.vocab import Kind
@@ -339,14 +339,14 @@ def completeness(contents: Contents, expects: dict | None = None) -> list[str]:
     graphs = {key for key, _, _ in contents.graphs}
     for key, refs in contents.aot:
         if isinstance(refs, str):
-            out.append(f"aotautograd entry {_shown(key)}: its entry does not read ({refs})")
+            out.append(f"aotautograd entry {_shown(key)}: its entry does not read: {refs}")
             continue
         for kind, ref in refs:
             if kind == Kind.FXGRAPH and ref not in graphs:
                 out.append(f"aotautograd entry {_shown(key)}: its graph {_shown(ref)} is not in the bundle")
     for key, _, kernels in contents.graphs:
         if isinstance(kernels, str):
-            out.append(f"graph {_shown(key)}: its entry does not read ({kernels})")
+            out.append(f"graph {_shown(key)}: its entry does not read: {kernels}")
             continue
         names, files, _ = kernels
         for name in names:
