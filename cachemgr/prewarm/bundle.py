@@ -223,7 +223,7 @@ class Contents:
         return {h for _, _, k in self.graphs if not isinstance(k, str) for h in k[2]}
 
 
-def read_contents(header: dict, arts: Artifacts, workers: int | None = None) -> Contents:
+def read_contents(header: dict, arts: Artifacts) -> Contents:
     """Every fxgraph and AOT entry of `arts` read, each in a parse worker (a BYTES job of
     cachemgr.index.workers: its address space limited, killed after PARSE_SECONDS, replaced),
     never in this process: a bundle is a file from anywhere, and a pickle can be built to make
@@ -241,7 +241,7 @@ def read_contents(header: dict, arts: Artifacts, workers: int | None = None) -> 
     jobs += [Job(len(fx) + i, 0, "", BYTES, aot_reader, key, (c,)) for i, (key, c) in enumerate(aot)]
     results: dict[int, tuple[bool, Any]] = {}
     if jobs:
-        with Pool(min(workers or default_workers(), len(jobs))) as pool:  # (a worker per core, not per entry)
+        with Pool(min(default_workers(), len(jobs))) as pool:  # (a worker per core, not per entry)
             for job, result in pool.run(jobs, lambda job, reason: (False, reason)):
                 results[job.id] = cast("tuple[bool, Any]", result)
     graphs: list[tuple[str, Any, tuple | str]] = []
