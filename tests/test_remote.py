@@ -103,14 +103,12 @@ def test_push_one_graph(cpu_cache, cli_for, redis_url, rconn, tmp_path, cpp_buil
     assert len(aot) == 1
     # a second guard set under the same key: Redis holds one value per key, the newest goes
     entry = cpu_cache / infer[0]["key"]
-    newer = entry.with_name("z" + entry.name[1:])
+    # (another name: an entry's name is its content's hash, and 1 in 32 of them begins with "z")
+    newer = entry.with_name(("z" if entry.name[0] != "z" else "y") + entry.name[1:])
     newer.write_bytes(entry.read_bytes())
     os.utime(newer, (entry.stat().st_atime, entry.stat().st_mtime + 10))
     out = a("remote", "--redis", redis_url, "push", "--graph", key).stdout
-    # (this failed once in 7 CI runs, not since: say what the index held of the graph then)
-    held = [(e["key"], e.get("corrupt"), e.get("signature")) for e in a.json("ls", "--graph", key)]
-    said = out.startswith("pushed 2 entries (") and "0 already there" in out
-    assert said and "1 extra guard sets not pushed" in out, (out, held)
+    assert out.startswith("pushed 2 entries (") and "0 already there" in out and "1 extra guard sets not pushed" in out
     meta = json.loads(rconn.hget("cachemgr:meta", f"pt2:fx-graph-v1::{key}:c1"))
     assert meta["source"] == str(newer.relative_to(cpu_cache))
     assert torch_keys(rconn) == sorted([f"pt2:fx-graph-v1::{key}:c1", f"pt2:autograd-experimental::{aot[0]}:c1"])
