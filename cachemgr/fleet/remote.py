@@ -487,7 +487,7 @@ class Remote:
         cachemgr.index.workers: its address space limited, killed after PARSE_SECONDS, replaced),
         exactly as a local entry is: a pickle built to exhaust memory or time costs that worker,
         and the value gets the reason. This process holds about MAX_VALUE bytes of values at once."""
-        from cachemgr.index.workers import BYTES, WORKER_MEMORY, Job, Pool, default_workers
+        from cachemgr.index.workers import BYTES, Job, Pool, default_workers, failure
 
         out: dict[str, tuple[list[str], str | None]] = {}
         if not keys:
@@ -513,12 +513,7 @@ class Remote:
                 jobs.clear()  # (the values: not held while the next batch is read)
                 for rkey, result in done:
                     ok, value = cast("tuple[bool, Any]", result)
-                    if ok:
-                        out[rkey] = (value, None)
-                    elif value == "MemoryError":
-                        out[rkey] = ([], f"out of memory (a parse worker may take {WORKER_MEMORY >> 20} MiB)")
-                    else:
-                        out[rkey] = ([], str(value)[:200])
+                    out[rkey] = (value, None) if ok else ([], failure(value))
         return out
 
     def execute(self, plan: EvictPlan) -> EvictResult:

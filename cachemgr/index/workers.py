@@ -372,6 +372,14 @@ def run_bytes(job: Job) -> tuple[bool, object]:
         return False, lines[0][:300] if lines else type(e).__name__
 
 
+def failure(value: object) -> str:
+    """A BYTES job's failed answer (`run_bytes`'s, or the pool's `failed` reason) as a reason to
+    show: a MemoryError is the worker's bound."""
+    if value == "MemoryError":
+        return f"out of memory (a parse worker may take {WORKER_MEMORY >> 20} MiB)"
+    return str(value)[:200]
+
+
 def main() -> None:
     import gc
 

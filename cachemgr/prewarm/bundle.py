@@ -228,12 +228,7 @@ def read_contents(header: dict, arts: Artifacts) -> Contents:
     cachemgr.index.workers: its address space limited, killed after PARSE_SECONDS, replaced),
     never in this process: a bundle is a file from anywhere, and a pickle can be built to make
     the unpickler allocate without bound or spin. An entry that costs its worker gets the reason."""
-    from cachemgr.index.workers import BYTES, WORKER_MEMORY, Job, Pool, default_workers
-
-    def why(value: object) -> str:
-        if value == "MemoryError":
-            return f"out of memory (a parse worker may take {WORKER_MEMORY >> 20} MiB)"
-        return str(value)[:200]
+    from cachemgr.index.workers import BYTES, Job, Pool, default_workers, failure
 
     fx, aot = arts.get("inductor", []), arts.get("aot_autograd", [])
     fx_reader, aot_reader = f"{__name__}:{graph_facts.__name__}", f"{__name__}:{aot_facts.__name__}"
@@ -248,17 +243,17 @@ def read_contents(header: dict, arts: Artifacts) -> Contents:
     for i, (key, _) in enumerate(fx):
         ok, value = results[i]
         if ok:
-            graphs.append((key, value[0], value[1] if not isinstance(value[1], str) else why(value[1])))
+            graphs.append((key, value[0], value[1] if not isinstance(value[1], str) else failure(value[1])))
         else:
             from cachemgr.parse import Parsed
             from cachemgr.vocab import Kind
 
-            reason = why(value)
+            reason = failure(value)
             graphs.append((key, Parsed(Kind.FXGRAPH, graph_key=key, corrupt=reason), reason))
     aots: list[tuple[str, list[tuple[str, str]] | str]] = []
     for i, (key, _) in enumerate(aot):
         ok, value = results[len(fx) + i]
-        aots.append((key, value if ok else why(value)))
+        aots.append((key, value if ok else failure(value)))
     return Contents(header, arts, graphs, aots)
 
 
