@@ -173,8 +173,9 @@ def _index_of(db_file: Path) -> dict:
         return {
             "entries": sorted(
                 conn.execute(
-                    "SELECT key, kind, ref, alias, dir, bytes, files, mtime, graph_key, signature_hash, options_hash, "
-                    "guards, compile_seconds, torch_version_hash, corrupt, parse_state, content FROM entries"
+                    "SELECT key, kind, ref, alias, dir, bytes, files, mtime, graph_key, signature, signature_hash, "
+                    "options_hash, guards, device_types, compile_seconds, torch_version, torch_version_hash, "
+                    "system_hash, corrupt, unrecorded, parse_state, content FROM entries"
                 )
             ),
             "refs": sorted(
@@ -187,6 +188,21 @@ def _index_of(db_file: Path) -> dict:
                 )
             ),
             "dirs": sorted(p for (p,) in conn.execute("SELECT path FROM dirs")),
+            "set_items": sorted(
+                conn.execute(
+                    "SELECT c.digest, c.part, i.name, i.hash, i.value FROM component_set_items i "
+                    "JOIN component_sets c ON c.id = i.set_id"
+                )
+            ),
+            "events": sorted(
+                conn.execute("SELECT ts, kind, entry_kind, entry_key, graph_key, recompile, bytes, seconds FROM events")
+            ),
+            "kept": sorted(
+                (name, size, kind, *map(json.loads, (row, refs, parts)), reader)
+                for name, size, kind, row, refs, parts, reader in conn.execute(
+                    'SELECT name, bytes, kind, "row", refs, parts, reader FROM parsed_content'
+                )
+            ),
         }
     finally:
         conn.close()
@@ -194,22 +210,32 @@ def _index_of(db_file: Path) -> dict:
 
 FIRST_SCAN_WITHOUT_SQLALCHEMY = """
 import json, sys
-from cachemgr.index.fill import first_scan
+from cachemgr.index import fill, schema
+from cachemgr.index.describe import prepare_unseen_reads
 from cachemgr.index.workers import Pool
+path, root, phases = sys.argv[1:]
 with Pool(2) as pool:
-    r = first_scan(sys.argv[1], "h", sys.argv[2], pool, create_folder=False)
+    if phases == "both":
+        r = fill.first_scan(path, "h", root, pool, create_folder=False)
+    else:  # phase one only
+        prepare_unseen_reads(root)
+        conn = schema.open_at_head(path, False)
+        conn.execute("INSERT INTO caches (host, root) VALUES ('h', ?)", (root,))
+        r = fill.first_fill(conn, 1, root, pool)
+        conn.close()
 assert "sqlalchemy" not in sys.modules, "sqlalchemy was imported"
 print(json.dumps(None if r is None else r.as_dict()))
 """
 
 
-def test_a_first_scan_of_the_embedded_index_is_usable_before_sqlalchemy_is_imported(gpu_cache, tmp_path):
-    """`cachemgr scan` into a new SQLite index runs phase one on stdlib sqlite3 (fill.first_scan:
-    the schema made from head_ddl, every entry and directory written, last_scan set), before it
-    imports SQLAlchemy for phase two. Autotune results (JSON, not pickles) are read beside its
-    walk, but one larger than any real one is left to phase two's workers. Once parsed, the index
-    is the one a scan through SQLAlchemy makes, whether as a first fill or a row-by-row sync (an
-    index that holds another cache), odd autotune files and all."""
+def test_a_first_scan_of_the_embedded_index_runs_without_sqlalchemy(gpu_cache, tmp_path):
+    """`cachemgr scan` into a new SQLite index runs on stdlib sqlite3 (fill.first_scan): phase one
+    (the schema made from head_ddl, every entry and directory written, last_scan set), then
+    phase two over the same connection. Autotune results (JSON, not pickles) are read beside its
+    walk, but one larger than any real one is left to phase two's workers. The index it makes is
+    the one a scan through SQLAlchemy makes, whether as a first fill then phase two under the
+    engine, or a row-by-row sync (an index that holds another cache), odd autotune files and
+    all: entries, references, component sets, events and the parse results kept by content."""
     from cachemgr.index import scan
     from cachemgr.index.db import Database
     from cachemgr.index.describe import READ_WITH_WALK_BYTES
@@ -219,11 +245,11 @@ def test_a_first_scan_of_the_embedded_index_is_usable_before_sqlalchemy_is_impor
     big = {"triton_cache_hash": "BIGHASH", "pad": "x" * READ_WITH_WALK_BYTES}
     (folder / "big.best_config").write_text(json.dumps(big))
     (folder / "bad.best_config").write_text("{not json")
-    path = tmp_path / "stdlib.db"
+    path = tmp_path / "phase-one.db"
 
-    def first_scan() -> dict | None:
+    def first_scan(phases: str = "one", at: Path = path) -> dict | None:
         out = subprocess.run(
-            [sys.executable, "-c", FIRST_SCAN_WITHOUT_SQLALCHEMY, str(path), str(gpu_cache)],
+            [sys.executable, "-c", FIRST_SCAN_WITHOUT_SQLALCHEMY, str(at), str(gpu_cache), phases],
             env=subprocess_env(),
             capture_output=True,
             text=True,
@@ -245,7 +271,10 @@ def test_a_first_scan_of_the_embedded_index_is_usable_before_sqlalchemy_is_impor
         pending = dict(conn.execute("SELECT kind, COUNT(*) FROM entries WHERE parse_state <> 0 GROUP BY kind"))
         assert sum(pending.values()) == r["pending"] and pending["autotune"] == 1  # big.best_config
         assert conn.execute("SELECT COUNT(*) FROM entry_refs").fetchone()[0] > 0  # the other results' kernels
-    assert first_scan() is None and state() == made  # no first fill now: nothing written
+    assert first_scan("both") is None and state() == made  # no first fill now: nothing written
+    both = first_scan("both", tmp_path / "stdlib.db")
+    assert both is not None and both["added"] == 264 and both["pending"] == 0
+    assert both["parsed"] == r["parsed"] + r["pending"]
 
     def parsed(name: str, other_cache_first: bool = False) -> dict:
         db = Database(f"sqlite:///{tmp_path / name}")
@@ -253,7 +282,7 @@ def test_a_first_scan_of_the_embedded_index_is_usable_before_sqlalchemy_is_impor
             scan.reconcile(db, db.cache_id("other", str(gpu_cache)), str(gpu_cache), parse_now=False)
         cid = db.cache_id("h", str(gpu_cache))
         with Pool(2) as pool:
-            if name == "stdlib.db":
+            if name == "phase-one.db":  # phase two under SQLAlchemy's engine
                 scan.parse_pending(db, cid, str(gpu_cache), pool=pool)
             else:
                 assert scan.reconcile(db, cid, str(gpu_cache), pool=pool).added == 264
@@ -263,9 +292,10 @@ def test_a_first_scan_of_the_embedded_index_is_usable_before_sqlalchemy_is_impor
         db.close()
         return _index_of(tmp_path / name)
 
-    stdlib = parsed("stdlib.db")
-    assert stdlib["entries"] and stdlib["refs"] and stdlib["sets"] and stdlib["dirs"]
+    stdlib = _index_of(tmp_path / "stdlib.db")
+    assert all(stdlib[part] for part in ("entries", "refs", "sets", "dirs", "set_items", "events", "kept"))
     assert all(e[-2] == 0 for e in stdlib["entries"])  # every one parsed
+    assert stdlib == parsed("phase-one.db")
     assert stdlib == parsed("sqlalchemy.db")
     assert stdlib == parsed("synced.db", other_cache_first=True)
 

@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # the one boundary where a bug becomes a message
         if os.environ.get("CACHEMGR_DEBUG"):
             raise
-        if type(e).__module__.startswith(("sqlalchemy.", "sqlite3")):  # the index failed mid-command: full, ...
+        # the index failed mid-command (full, ...): SQLAlchemy's errors, or its drivers' (cachemgr.index.dbapi)
+        if type(e).__module__.startswith(("sqlalchemy.", "sqlite3", "psycopg")):
             orig = str(getattr(e, "orig", None) or e).strip()
             click.echo(
                 f"cachemgr: error: index database: {orig.splitlines()[0] if orig else type(e).__name__}", err=True

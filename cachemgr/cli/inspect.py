@@ -59,20 +59,15 @@ def run_scan(app, quiet_progress: bool = False, full: bool = False):
     if result is None:
         from cachemgr.index.workers import Pool
 
-        with Pool() as pool:
-            if path is not None and not full:  # a first scan? its phase one without SQLAlchemy too
+        with Pool() as pool, progress_bar("parsing entries", enabled=None if not quiet_progress else False) as progress:
+            if path is not None and not full:  # a first scan? both phases without SQLAlchemy too
                 from cachemgr.index.fill import first_scan
 
-                result = first_scan(path, s.host, root, pool, create_folder=s.defaulted("db"))
-            with progress_bar("parsing entries", enabled=None if not quiet_progress else False) as progress:
-                if result is None:
-                    from cachemgr.index import reconcile
+                result = first_scan(path, s.host, root, pool, s.defaulted("db"), progress)
+            if result is None:
+                from cachemgr.index import reconcile
 
-                    result = reconcile(app.db, app.cache_id, root, progress=progress, full=full, pool=pool)
-                elif result.pending:
-                    from cachemgr.index import parse_pending
-
-                    result = result.with_parsed(parse_pending(app.db, app.cache_id, root, progress, pool))
+                result = reconcile(app.db, app.cache_id, root, progress=progress, full=full, pool=pool)
     ingest_spool(app)
     return result
 

@@ -44,7 +44,8 @@ from cachemgr.daemon import systemd
 from cachemgr.daemon.watcher import Watcher
 from cachemgr.errors import AlreadyRunning, CacheDirError, CachemgrError
 from cachemgr.index.db import Database, redact
-from cachemgr.index.scan import ParseResult, check_root
+from cachemgr.index.pending import ParseResult
+from cachemgr.index.result import check_root
 
 if TYPE_CHECKING:
     from cachemgr.daemon.metrics import Metrics

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 _WHERE = {
     "Database": "cachemgr.index.db",
     "reconcile": "cachemgr.index.scan",
-    "parse_pending": "cachemgr.index.scan",
+    "parse_pending": "cachemgr.index.pending",
     "AmbiguousKey": "cachemgr.index.store",
     "CacheRow": "cachemgr.index.store",
     "CompileEvent": "cachemgr.index.store",
@@ -48,7 +48,8 @@ __all__ = [
 
 if TYPE_CHECKING:
     from cachemgr.index.db import Database
-    from cachemgr.index.scan import parse_pending, reconcile
+    from cachemgr.index.pending import parse_pending
+    from cachemgr.index.scan import reconcile
     from cachemgr.index.store import (
         AmbiguousKey,
         CacheRow,

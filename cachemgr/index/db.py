@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,12 +64,12 @@ class Database:
             # The disk the index shares with the cache is full: SQLite cannot make its -shm/-wal
             # files, and eviction, which would free the disk, could not even open its index.
             # Give back the space held in reserve for this, and try once more.
-            if not (self.reserve and _disk_full(e) and _release(self.reserve)):
+            if not (self.reserve and schema.disk_full(e) and schema.release_reserve(self.reserve)):
                 raise
             self.engine.dispose()
             self.migrate()
         if self.reserve is not None:
-            _keep(self.reserve)
+            schema.keep_reserve(self.reserve)
 
     # -- schema --------------------------------------------------------------------------------
 
@@ -189,39 +188,6 @@ class Database:
 
     def close(self) -> None:
         self.engine.dispose()
-
-
-RESERVE_BYTES = 8 << 20  # beside a SQLite index: room to open it and record an eviction on a full disk
-
-
-def _disk_full(e: BaseException) -> bool:
-    text = str(e).lower()
-    return "disk i/o error" in text or "disk is full" in text or "no space left" in text
-
-
-def _release(reserve: Path) -> bool:
-    try:
-        reserve.unlink()
-        return True
-    except OSError:
-        return False
-
-
-def _keep(reserve: Path) -> None:
-    """Hold RESERVE_BYTES beside the index while the disk has room (made again after a release)."""
-    try:
-        if reserve.exists():
-            return
-        fd = os.open(reserve, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except OSError:
-        return
-    try:
-        os.posix_fallocate(fd, 0, RESERVE_BYTES)
-    except OSError:  # no room now: try again next time
-        os.close(fd)
-        _release(reserve)
-        return
-    os.close(fd)
 
 
 def redact(url: str) -> str:

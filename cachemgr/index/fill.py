@@ -10,9 +10,10 @@ transactional: a scan stopped midway leaves the index as it was, indexes and all
 is held from the walk's start (another writer waits, busy_timeout), so nobody else writes
 meanwhile.
 
-`first_scan` does it in a process that has not imported SQLAlchemy (`cachemgr scan` on the
-embedded default: its import and the ORM's cost a third of a first scan's time to a usable index
-on 2 cores); `scan.index_names` does it through the connection under SQLAlchemy's (the daemon).
+`first_scan` does it, and phase two after it (cachemgr.index.pending, over the same stdlib
+connection), in a process that has not imported SQLAlchemy (`cachemgr scan` on the embedded
+default: its import and the ORM's cost a third of a first scan's time to a usable index on 2
+cores); `scan.index_names` does it through the connection under SQLAlchemy's (the daemon).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sqlite3
 import time
 from collections import deque
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from cachemgr import layout, procs, safefs
 from cachemgr.index import schema
@@ -29,6 +31,9 @@ from cachemgr.index.describe import Describer, prepare_unseen_reads
 from cachemgr.index.result import ScanResult, check_root
 from cachemgr.index.workers import WALK, WALK_READ, Job, Pool
 from cachemgr.vocab import PARSED, PENDING_NEW, PICKLED, READER, Kind
+
+if TYPE_CHECKING:
+    from cachemgr.index.pending import Progress
 
 CHUNK = 500  # directories per phase-one batch at most
 BULK = 2000  # entries per phase-one batch (and per executemany)
@@ -62,22 +67,31 @@ WALK_JOB = (16, 512)  # fewest and most units per worker job
 WALK_AHEAD = 8192  # units out at the workers or waiting: memory bounded whatever the number of cores
 
 
-def first_scan(path: str, host: str, root: str, pool: Pool | None, create_folder: bool) -> ScanResult | None:
-    """Phase one of the first scan of `root` into the SQLite index at `path` (made here if it
-    is new), without SQLAlchemy. None where it is not a first fill (the index holds entries, is
-    at another revision or is not cachemgr's, or anything fails): `scan.reconcile` then does the
-    work, and says what is wrong where something is."""
+def first_scan(
+    path: str, host: str, root: str, pool: Pool | None, create_folder: bool, progress: Progress | None = None
+) -> ScanResult | None:
+    """The first scan of `root` into the SQLite index at `path` (made here if it is new), both
+    phases, without SQLAlchemy. None where it is not a first fill (the index holds entries, is
+    at another revision or is not cachemgr's, or phase one fails): `scan.reconcile` then does
+    the work, and says what is wrong where something is."""
+    from cachemgr.index.dbapi import OverSqlite  # (phase two imports this module)
+    from cachemgr.index.pending import parse_pending
+
     check_root(root)  # (before the index is made: a missing root makes none)
     prepare_unseen_reads(root)
     conn = schema.open_at_head(path, create_folder)
     if conn is None:
         return None
     try:
-        conn.execute("INSERT INTO caches (host, root) VALUES (?, ?) ON CONFLICT DO NOTHING", (host, root))
-        (cache_id,) = conn.execute("SELECT id FROM caches WHERE host = ? AND root = ?", (host, root)).fetchone()
-        return first_fill(conn, cache_id, root, pool)
-    except sqlite3.Error:
-        return None  # (rolled back: the index as it was)
+        try:
+            conn.execute("INSERT INTO caches (host, root) VALUES (?, ?) ON CONFLICT DO NOTHING", (host, root))
+            (cache_id,) = conn.execute("SELECT id FROM caches WHERE host = ? AND root = ?", (host, root)).fetchone()
+            result = first_fill(conn, cache_id, root, pool)
+        except sqlite3.Error:
+            return None  # (rolled back: the index as it was)
+        if result is None or not result.pending:
+            return result
+        return result.with_parsed(parse_pending(OverSqlite(conn), cache_id, root, progress, pool))
     finally:
         conn.close()
 

@@ -21,11 +21,11 @@ from sqlalchemy import Row, bindparam, insert, select, update
 
 from cachemgr import layout, safefs
 from cachemgr.index.db import Database
+from cachemgr.index.models import Event
+from cachemgr.index.pending import ParseResult
 from cachemgr.index.scan import (
     ENTRIES,
-    EVENTS,
     KNOWN_COLUMNS,
-    ParseResult,
     _chunks,
     at_or_below,
     check_root,
@@ -37,6 +37,7 @@ from cachemgr.index.scan import (
 from cachemgr.index.workers import Pool
 from cachemgr.vocab import Kind
 
+EVENTS = Event.__table__
 GUARDED = (Kind.FXGRAPH, Kind.AOTAUTOGRAD)  # kinds whose lookups try candidates in order
 
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from cachemgr.errors import CacheDirError
 
-if TYPE_CHECKING:  # (not at run time: scan imports SQLAlchemy)
-    from cachemgr.index.scan import ParseResult
+if TYPE_CHECKING:
+    from cachemgr.index.pending import ParseResult
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,9 @@ into an empty SQLite index is a first fill (cachemgr.index.fill: one transaction
 sqlite3, which `cachemgr scan` runs before it imports SQLAlchemy); its walk also reads the
 autotune results (small JSON files), so they are not left pending.
 
-Phase two (`parse_pending`): read the pending entries. A parse result is kept by the entry
-file's content name and size (`parsed_content`: torch names fxgraph and AOTAutograd files by the
-hash of their bytes), so an entry seen before, here or on any host of a fleet index, is not read
-again; the rest go through the parse workers (cachemgr.index.workers). Fields, references and
-hash components are written, and a 'new' event for each newly compiled graph.
+Phase two (`parse_pending`, cachemgr.index.pending): read the pending entries.
 
-The bulk path is SQLAlchemy Core over the ORM's tables (executemany), not ORM objects. If another
+Phase one's bulk path is SQLAlchemy Core over the ORM's tables (executemany), not ORM objects. If another
 process (a second scan, the daemon) indexes some of the same entries between a batch's read and
 its write, the write fails on a unique key, rolls back, and that batch runs once more.
 """
@@ -27,8 +23,7 @@ import itertools
 import json
 import sqlite3
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -52,51 +47,22 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
-from cachemgr import layout, parse, procs, safefs
+from cachemgr import layout, parse, procs
 from cachemgr.errors import DatabaseError
 from cachemgr.index import fill
 from cachemgr.index.db import Database
-from cachemgr.index.describe import Described, Parts, failed, new_run, prepare_unseen_reads
-from cachemgr.index.models import (
-    Cache,
-    ComponentSet,
-    ComponentSetItem,
-    Dir,
-    Entry,
-    EntryComponentSet,
-    EntryRef,
-    Event,
-    ParsedContent,
-)
+from cachemgr.index.dbapi import Sql
+from cachemgr.index.describe import prepare_unseen_reads
+from cachemgr.index.models import Cache, Dir, Entry, ParsedContent
+from cachemgr.index.pending import Progress, drop_unused_sets, parse_pending, sets_of
 from cachemgr.index.result import ScanResult, check_root
-from cachemgr.index.workers import BATCH, Job, Pool
-from cachemgr.vocab import PARSED, PENDING, PENDING_NEW, PICKLED, Kind
-from cachemgr.vocab import Event as Ev
+from cachemgr.index.workers import Pool
+from cachemgr.vocab import PARSED, PENDING, PICKLED, Kind
 
-ENTRIES, REFS, EVENTS, DIRS = Entry.__table__, EntryRef.__table__, Event.__table__, Dir.__table__
-SETS, SET_ITEMS, ENTRY_SETS = ComponentSet.__table__, ComponentSetItem.__table__, EntryComponentSet.__table__
-CONTENT, CACHES = ParsedContent.__table__, Cache.__table__
+ENTRIES, DIRS, CONTENT, CACHES = Entry.__table__, Dir.__table__, ParsedContent.__table__, Cache.__table__
 CHUNK = 500  # rows per IN (...) list: well under SQLite's and PostgreSQL's parameter limits
-PARSE_CHUNK = 500  # pending entries read per phase-two transaction
 
 T = TypeVar("T")
-Progress = Callable[[int, int], None]  # (done, total) while parsing entries
-
-PARSED_COLUMNS = (
-    "graph_key",
-    "signature",
-    "signature_hash",
-    "options_hash",
-    "guards",
-    "device_types",
-    "compile_seconds",
-    "torch_version",
-    "torch_version_hash",
-    "system_hash",
-    "corrupt",
-    "unrecorded",
-)
-WRITTEN_COLUMNS = ("alias", *PARSED_COLUMNS)  # what phase two writes of each entry it reads
 KNOWN_COLUMNS = (
     ENTRIES.c.id,
     ENTRIES.c.key,
@@ -463,402 +429,6 @@ def _write_dirs(conn, cache_id: int, stored: dict[str, int], seen: dict[str, int
         upsert_tuples(conn, DIRS, ("cache_id", "path", "mtime_ns"), ("cache_id", "path"), chunk)
 
 
-# -- phase two ------------------------------------------------------------------------------------
-
-
-@dataclass
-class ParseResult:
-    parsed: int = 0
-    from_content: int = 0  # taken from parse results kept by content, not read
-    corrupt: list[tuple[str, str]] = field(default_factory=list)  # (key, reason), capped
-    new_events: list[dict] = field(default_factory=list)  # the 'new' events written, for this run's caller
-    seconds: float = 0.0
-
-
-def parse_pending(
-    db: Database,
-    cache_id: int,
-    root: str,
-    progress: Progress | None = None,
-    pool: Pool | None = None,
-    keys: Iterable[str] | None = None,
-    limit: int | None = None,
-) -> ParseResult:
-    """Phase two: read pending entries (all of them, those of `keys`, or at most `limit`), a
-    chunk per transaction (entry pickles are read as no workload does: describe.read_unseen).
-
-    Each entry file's content is read once: a parse result kept by content (`parsed_content`)
-    is taken as it is, and of the pending entries that share a content name and size one is
-    read and the others take its result. The workers read the next chunks while this process
-    writes the last one (AHEAD chunks in flight)."""
-    t0 = time.monotonic()
-    out = ParseResult()
-    wanted = None if keys is None else list(dict.fromkeys(keys))
-    with db.engine.connect() as conn:
-        q = (
-            select(func.count())
-            .select_from(ENTRIES)
-            .where(ENTRIES.c.cache_id == cache_id, ENTRIES.c.parse_state != PARSED)
-        )
-        total = conn.execute(q).scalar_one() if wanted is None else len(wanted)
-    total = min(total, limit) if limit is not None else total
-    if not total:
-        return out
-    own = pool is None
-    pool = pool or Pool(min(max(1, total // 8), Pool().size))
-    try:
-        with procs.collector_paused(), _Reader(pool, root) as reader:
-            ahead: deque[_Chunk] = deque()
-            for rows in _pending_rows(db, cache_id, wanted, total):
-                with db.engine.connect() as conn:
-                    ahead.append(reader.start(conn, rows))
-                while len(ahead) > AHEAD:
-                    _finish(db, cache_id, reader, ahead.popleft(), out, total, progress)
-            while ahead:
-                _finish(db, cache_id, reader, ahead.popleft(), out, total, progress)
-    finally:
-        if own:
-            pool.close()
-    out.seconds = time.monotonic() - t0
-    return out
-
-
-AHEAD = 2  # chunks handed to the workers beyond the one being written
-LIGHT_BATCH = 64  # entries that are not pickles (autotune results, C++ sources) per worker job
-
-
-def _pending_rows(db: Database, cache_id: int, wanted: list[str] | None, total: int) -> Iterator[Sequence[Row]]:
-    """The pending rows to read, PARSE_CHUNK at a time: those of `wanted`, or new entries then
-    changed ones, each in id order. (One parse state at a time, so each read is a range of the
-    (cache_id, parse_state) index from the last id on: `parse_state != PARSED` made SQLite read
-    every row of the cache's part of that index, and sort, for each chunk.)"""
-    left = total
-    cols = (
-        ENTRIES.c.id,
-        ENTRIES.c.key,
-        ENTRIES.c.kind,
-        ENTRIES.c.ref,
-        ENTRIES.c.bytes,
-        ENTRIES.c.content,
-        ENTRIES.c.parse_state,
-        ENTRIES.c.mtime,
-    )
-    if wanted is not None:
-        for key_chunk in _chunks(wanted, PARSE_CHUNK):
-            if left <= 0:
-                return
-            with db.engine.connect() as conn:
-                rows = conn.execute(
-                    select(*cols)
-                    .where(
-                        ENTRIES.c.cache_id == cache_id,
-                        ENTRIES.c.parse_state != PARSED,
-                        one_of(conn, ENTRIES.c.key, key_chunk),
-                    )
-                    .limit(min(PARSE_CHUNK, left))
-                ).fetchall()
-            if rows:
-                left -= len(rows)
-                yield rows
-        return
-    for state in (PENDING_NEW, PENDING):
-        last_id = 0
-        while left > 0:
-            with db.engine.connect() as conn:
-                rows = conn.execute(
-                    select(*cols)
-                    .where(
-                        ENTRIES.c.cache_id == cache_id,
-                        ENTRIES.c.parse_state == state,
-                        ENTRIES.c.id > last_id,
-                    )
-                    .order_by(ENTRIES.c.id)
-                    .limit(min(PARSE_CHUNK, left))
-                ).fetchall()
-            if not rows:
-                break
-            last_id = rows[-1].id
-            left -= len(rows)
-            yield rows
-
-
-@dataclass
-class _Chunk:
-    rows: list
-    run: int
-    described: dict[int, Described]  # row id -> what is known of it so far
-    jobs: dict[int, list[int]]  # job id -> the row ids its result answers (a BATCH answers several)
-    copies: dict[int, list[int]]  # row id read -> row ids of the same content that take its result
-    later: list = field(default_factory=list)  # rows whose content an earlier chunk reads: kept by then
-    hits: int = 0
-
-
-class _Reader:
-    """Hands the pending entries of each chunk to the parse workers (one job per pickle, small
-    entries in batches) through a Stream, and gathers their results."""
-
-    def __init__(self, pool: Pool, root: str) -> None:
-        self.root = root
-        try:
-            with safefs.Root(root) as r:
-                self.root_id: tuple[int, int] | None = r.id
-        except OSError:
-            self.root_id = None  # each entry is then reported unreadable by its worker
-        self.stream = pool.stream(lambda job, why: failed(why))
-        self.ids = itertools.count()
-        self.earlier: set[tuple[str, str, int]] = set()  # contents a chunk in flight reads
-        self.got: dict[int, object] = {}  # results that came before their chunk was finished
-
-    def __enter__(self) -> _Reader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stream.close()
-
-    def start(self, conn, rows) -> _Chunk:
-        """Look the chunk's entries up by content, and send the rest to be read."""
-        chunk = _Chunk(rows, new_run(), {}, {}, {})
-        chunk.described, chunk.hits = _from_content(conn, rows)
-        first: dict[tuple[str, str, int], int] = {}
-        reads: list[Row] = []
-        light: list[Row] = []
-        for r in rows:
-            if r.id in chunk.described:
-                continue
-            same = (r.kind, r.content, r.bytes) if r.kind in fill.CONTENT_NAMED and r.content else None
-            if same is not None and same in first:
-                chunk.copies[first[same]].append(r.id)
-            elif same is not None and same in self.earlier:
-                chunk.later.append(r)
-            else:
-                if same is not None:
-                    first[same] = r.id
-                    chunk.copies[r.id] = []
-                (reads if r.kind in PICKLED else light).append(r)
-        self.earlier.update(first)
-        self._send(chunk, reads, light)
-        return chunk
-
-    def _send(self, chunk: _Chunk, reads: list, light: list) -> None:
-        jobs = []
-        for r in reads:
-            jobs.append(Job(next(self.ids), chunk.run, self.root, r.kind, r.key, r.ref, (), self.root_id))
-            chunk.jobs[jobs[-1].id] = [r.id]
-        for i in range(0, len(light), LIGHT_BATCH):
-            part = light[i : i + LIGHT_BATCH]
-            jobs.append(
-                Job(
-                    next(self.ids),
-                    chunk.run,
-                    self.root,
-                    BATCH,
-                    "",
-                    None,
-                    tuple((r.kind, r.key, r.ref) for r in part),
-                    self.root_id,
-                )
-            )
-            chunk.jobs[jobs[-1].id] = [r.id for r in part]
-        self.stream.submit(jobs)
-
-    def finish(self, conn, chunk: _Chunk) -> set[int]:
-        """Wait for the chunk's results; returns the ids of the rows whose files were read."""
-        self._collect(chunk)
-        again: list[Row] = []
-        for rid, others in chunk.copies.items():
-            d = chunk.described[rid]
-            if d.row.get("corrupt"):  # not the content's fault, perhaps (unreadable): each is read
-                again.extend(r for r in chunk.rows if r.id in set(others))
-            else:
-                chunk.described.update((o, d) for o in others)
-                chunk.hits += len(others)
-        if chunk.later:  # an earlier chunk read their content and kept it (when it parsed cleanly)
-            kept, n = _from_content(conn, chunk.later)
-            chunk.described.update(kept)
-            chunk.hits += n
-            again.extend(r for r in chunk.later if r.id not in kept)
-        if again:
-            self._send(chunk, again, [])
-            self._collect(chunk)
-        read = {rid for rids in chunk.jobs.values() for rid in rids}
-        return read
-
-    def _collect(self, chunk: _Chunk) -> None:
-        waiting = [j for j in chunk.jobs if chunk.jobs[j][0] not in chunk.described]
-        for j in waiting:
-            while j not in self.got:
-                job, result = self.stream.get()
-                self.got[job.id] = result
-            result = self.got.pop(j)
-            rids = chunk.jobs[j]
-            if isinstance(result, list) and len(result) == len(rids):
-                chunk.described.update(zip(rids, result, strict=True))
-            elif isinstance(result, Described):  # one entry, or a failed BATCH: each of its entries
-                chunk.described.update((rid, result) for rid in rids)
-
-
-def _finish(
-    db: Database, cache_id: int, reader: _Reader, chunk: _Chunk, out: ParseResult, total: int, progress: Progress | None
-) -> None:
-    with db.engine.connect() as conn:
-        read = reader.finish(conn, chunk)
-    with db.engine.begin() as conn:
-        _write_parsed(conn, cache_id, chunk.rows, chunk.described, read, out)
-    out.from_content += chunk.hits
-    out.parsed += len(chunk.rows)
-    if progress:
-        progress(out.parsed, total)
-
-
-def _from_content(conn, rows) -> tuple[dict[int, Described], int]:
-    """Described entries for the pending rows whose content was parsed before (same name and
-    size), when every component set they name is still stored."""
-    keyed = {(r.content, r.bytes) for r in rows if r.kind in fill.CONTENT_NAMED and r.content}
-    if not keyed:
-        return {}, 0
-    cached = {}
-    for chunk in _chunks(sorted({name for name, _ in keyed})):  # (by name: the other sizes are passed over)
-        q = select(CONTENT).where(one_of(conn, CONTENT.c.name, chunk), CONTENT.c.reader == parse.READER)
-        for c in conn.execute(q):
-            if (c.name, c.bytes) in keyed:
-                cached[(c.name, c.bytes)] = c
-    digests = {d for c in cached.values() for d in (c.parts or {}).values()}
-    have: set[str] = set()
-    for chunk in _chunks(sorted(digests)):
-        have.update(conn.execute(select(SETS.c.digest).where(one_of(conn, SETS.c.digest, chunk))).scalars())
-    out = {}
-    for r in rows:
-        c = cached.get((r.content, r.bytes))
-        if c is not None and c.kind == r.kind and set((c.parts or {}).values()) <= have:
-            out[r.id] = Described(dict(c.row), [tuple(x) for x in c.refs], {p: (d, None) for p, d in c.parts.items()})
-    return out, len(out)
-
-
-def _write_parsed(conn, cache_id: int, rows, described: dict[int, Described], read: set[int], out: ParseResult) -> None:
-    """Write what parsing said, for the rows still pending now (another process may have
-    written them, or an eviction deleted them, since they were read)."""
-    # SQLite: the write lock first (a no-op write; not of the key, whose change checks every child row)
-    conn.execute(update(CACHES).where(CACHES.c.id == cache_id).values(last_scan=CACHES.c.last_scan))
-    ids = [r.id for r in rows]
-    still: dict[int, int] = {}  # id -> parse state now
-    for chunk in _chunks(ids):
-        still.update(
-            conn.execute(
-                select(ENTRIES.c.id, ENTRIES.c.parse_state).where(
-                    one_of(conn, ENTRIES.c.id, chunk), ENTRIES.c.parse_state != PARSED
-                )
-            ).all()
-        )
-    rows = [r for r in rows if r.id in still]
-    if not rows:
-        return
-    seen_before = [r.id for r in rows if still[r.id] != PENDING_NEW]  # (a new row has no refs or sets yet)
-    replaced = _sets_of(conn, seen_before)  # sets a changed entry had: kept while still used
-    for chunk in _chunks(seen_before):
-        conn.execute(delete(REFS).where(one_of(conn, REFS.c.entry_id, chunk)))
-        conn.execute(delete(ENTRY_SETS).where(one_of(conn, ENTRY_SETS.c.entry_id, chunk)))
-    update_tuples(
-        conn,
-        ENTRIES,
-        ("parse_state", *WRITTEN_COLUMNS),
-        ("id",),
-        [(PARSED, *map(described[r.id].row.get, WRITTEN_COLUMNS), r.id) for r in rows],
-    )
-    sets = ComponentSets(conn, [described[r.id].parts for r in rows])
-    refs: list[tuple] = []
-    entry_sets: list[tuple] = []
-    for r in rows:
-        d = described[r.id]
-        refs.extend([(r.id, kind, ref) for kind, ref in d.refs])
-        entry_sets.extend([(r.id, part, set_id) for part, set_id in sets.ids_for(d.parts).items()])
-        if d.row.get("corrupt") and len(out.corrupt) < fill.MAX_REPORTED:
-            out.corrupt.append((r.key, d.row["corrupt"]))
-    sets.flush()
-    insert_tuples(conn, REFS, ("entry_id", "kind", "ref"), refs)
-    insert_tuples(conn, ENTRY_SETS, ("entry_id", "part", "set_id"), entry_sets)
-    _drop_unused_sets(conn, replaced)
-    events = _new_events(conn, cache_id, [r for r in rows if r.parse_state == PENDING_NEW], described)
-    insert_rows(conn, EVENTS, events)
-    out.new_events.extend(events[: fill.MAX_REPORTED - len(out.new_events)])
-    _keep_content(conn, [r for r in rows if r.id in read], described)
-
-
-def _new_events(conn, cache_id: int, new_rows, described: dict[int, Described]) -> list[dict]:
-    """A 'new' event per newly compiled graph; a recompile when its graph key had an entry before."""
-    graphs = [
-        (r, d.row.get("graph_key"))
-        for r in sorted(new_rows, key=lambda r: r.mtime)
-        if r.kind == Kind.FXGRAPH and not (d := described[r.id]).row.get("corrupt")
-    ]
-    keys = list({gk for _, gk in graphs if gk})
-    new_ids = [r.id for r, _ in graphs]
-    known: set[str | None] = set()
-    for chunk in _chunks(keys):
-        known.update(
-            conn.execute(
-                select(ENTRIES.c.graph_key)
-                .distinct()
-                .where(
-                    ENTRIES.c.cache_id == cache_id,
-                    one_of(conn, ENTRIES.c.graph_key, chunk),
-                    ~one_of(conn, ENTRIES.c.id, new_ids),
-                )
-            ).scalars()
-        )
-    events = []
-    for r, gk in graphs:
-        events.append(
-            {
-                "cache_id": cache_id,
-                "ts": r.mtime,
-                "kind": Ev.NEW,
-                "entry_kind": r.kind,
-                "entry_key": r.key,
-                "graph_key": gk,
-                "recompile": gk in known,
-                "bytes": r.bytes,
-                "seconds": described[r.id].row.get("compile_seconds"),
-            }
-        )
-        known.add(gk)
-    return events
-
-
-def _keep_content(conn, rows, described: dict[int, Described]) -> None:
-    """Keep the parse results of content-named entries that parsed cleanly, for their next copy."""
-    kept = []
-    for r in rows:
-        d = described[r.id]
-        if r.kind in fill.CONTENT_NAMED and r.content and not d.row.get("corrupt"):
-            kept.append(
-                {
-                    "name": r.content,
-                    "bytes": r.bytes,
-                    "kind": r.kind,
-                    "row": d.row,
-                    "refs": d.refs,
-                    "parts": {p: digest for p, (digest, _) in d.parts.items()},
-                    "parsed_at": time.time(),
-                    "reader": parse.READER,
-                }
-            )
-    if not kept:
-        return
-    kept = list({(k["name"], k["bytes"]): k for k in kept}.values())
-    if conn.dialect.name == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert as dialect_insert
-    else:
-        from sqlalchemy.dialects.postgresql import insert as dialect_insert  # type: ignore[assignment]
-    q = dialect_insert(CONTENT)
-    # a result another reader version left is replaced; one of this version is as good as ours
-    q = q.on_conflict_do_update(
-        index_elements=[CONTENT.c.name, CONTENT.c.bytes],
-        set_={c: q.excluded[c] for c in ("kind", "row", "refs", "parts", "parsed_at", "reader")},
-        where=CONTENT.c.reader != parse.READER,
-    )
-    conn.execute(q, kept)
-
-
 def forget_unused_content(conn) -> int:
     """Parse results no entry of any cache has any more."""
     return conn.execute(
@@ -872,73 +442,11 @@ def forget_unused_content(conn) -> int:
 def delete_entries(conn, ids: list[int]) -> None:
     """Delete entry rows (their refs and component-set links go with them: ON DELETE CASCADE)
     and the component sets no other entry uses any more."""
-    sets = _sets_of(conn, ids)
+    sql = Sql.under(conn)
+    sets = sets_of(sql, ids)
     for chunk in _chunks(ids):
         conn.execute(delete(ENTRIES).where(one_of(conn, ENTRIES.c.id, chunk)))
-    _drop_unused_sets(conn, sets)
-
-
-def _sets_of(conn, entry_ids: list[int]) -> set[int]:
-    out: set[int] = set()
-    for chunk in _chunks(entry_ids):
-        q = select(ENTRY_SETS.c.set_id).where(one_of(conn, ENTRY_SETS.c.entry_id, chunk))
-        out.update(conn.execute(q).scalars())
-    return out
-
-
-def _drop_unused_sets(conn, set_ids: set[int]) -> None:
-    """Of these component sets, delete those no entry links to (only these are looked at: an
-    index of many thousand sets is not scanned for each batch)."""
-    for chunk in _chunks(sorted(set_ids)):
-        conn.execute(
-            delete(SETS).where(
-                one_of(conn, SETS.c.id, chunk),
-                ~select(ENTRY_SETS.c.set_id).where(ENTRY_SETS.c.set_id == SETS.c.id).exists(),
-            )
-        )
-
-
-class ComponentSets:
-    """Deduplicated component sets: an entry's components split by part, each part stored once
-    per distinct content (digest) and shared by every entry that has the same one."""
-
-    def __init__(self, conn, parts: list[Parts]) -> None:
-        """`parts`: those of the entries about to be written (a describer sends a part's items
-        with one entry only: they are gathered from all first); the index's other sets stay unread."""
-        self.conn = conn
-        self.items: dict[str, list[parse.Component]] = {}
-        for entry_parts in parts:
-            for digest, items in entry_parts.values():
-                if items is not None:
-                    self.items.setdefault(digest, items)
-        digests = sorted({digest for entry_parts in parts for digest, _ in entry_parts.values()})
-        self.known: dict[str, int] = {}
-        for chunk in _chunks(digests):
-            q = select(SETS.c.digest, SETS.c.id).where(one_of(conn, SETS.c.digest, chunk))
-            self.known.update(conn.execute(q).all())
-        self.pending: list[tuple[str, list[parse.Component]]] = []
-
-    def ids_for(self, parts: Parts) -> dict[str, int]:
-        out = {}
-        for part, (digest, _) in parts.items():
-            if digest not in self.known:
-                items = self.items.get(digest)
-                if items is None:  # a describer counted it as sent in a run that wrote nothing: not stored
-                    continue
-                made = self.conn.execute(insert(SETS).values(digest=digest, part=part))
-                self.known[digest] = made.inserted_primary_key[0]
-                self.pending.append((digest, items))
-            out[part] = self.known[digest]
-        return out
-
-    def flush(self) -> None:
-        rows = [
-            {"set_id": self.known[d], "name": c.name, "hash": c.hash, "value": c.value}
-            for d, items in self.pending
-            for c in items
-        ]
-        insert_rows(self.conn, SET_ITEMS, rows)
-        self.pending.clear()
+    drop_unused_sets(sql, sets)
 
 
 def one_of(conn, column, ids: Sequence[int] | Sequence[str]):

@@ -99,11 +99,45 @@ def open_at_head(path: str, create_folder: bool) -> sqlite3.Connection | None:
                 conn.execute("ROLLBACK")
                 raise
         if conn.execute("SELECT version_num FROM alembic_version").fetchall() == [(HEAD_REVISION,)]:
+            keep_reserve(Path(f"{path}.reserve"))  # (as `Database` does: room to evict on a full disk)
             return conn
     except sqlite3.Error:
         pass
     conn.close()
     return None
+
+
+RESERVE_BYTES = 8 << 20  # beside a SQLite index: room to open it and record an eviction on a full disk
+
+
+def disk_full(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "disk i/o error" in text or "disk is full" in text or "no space left" in text
+
+
+def release_reserve(reserve: Path) -> bool:
+    try:
+        reserve.unlink()
+        return True
+    except OSError:
+        return False
+
+
+def keep_reserve(reserve: Path) -> None:
+    """Hold RESERVE_BYTES beside the index while the disk has room (made again after a release)."""
+    try:
+        if reserve.exists():
+            return
+        fd = os.open(reserve, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return
+    try:
+        os.posix_fallocate(fd, 0, RESERVE_BYTES)
+    except OSError:  # no room now: try again next time
+        os.close(fd)
+        release_reserve(reserve)
+        return
+    os.close(fd)
 
 
 def ddl_from_models() -> tuple[str, ...]:
