@@ -7,14 +7,15 @@ read, so after phase one every file is counted and the index is usable; entries 
 more than their names (graph pickles, autotune results, C++ kernel sources) are left *pending*.
 Memory stays flat: one batch of directories is held at a time, never the tree. A first scan
 into an empty SQLite index is a first fill (cachemgr.index.fill: one transaction, over stdlib
-sqlite3, which `cachemgr scan` runs before it imports SQLAlchemy); its walk also reads the
-autotune results (small JSON files), so they are not left pending.
+sqlite3; `cachemgr scan` runs it, and phase two, without importing SQLAlchemy); its walk also
+reads the autotune results (small JSON files), so they are not left pending.
 
 Phase two (`parse_pending`, cachemgr.index.pending): read the pending entries.
 
-Phase one's bulk path is SQLAlchemy Core over the ORM's tables (executemany), not ORM objects. If another
-process (a second scan, the daemon) indexes some of the same entries between a batch's read and
-its write, the write fails on a unique key, rolls back, and that batch runs once more.
+Phase one's bulk path is SQLAlchemy Core over the ORM's tables (executemany), not ORM objects.
+If another process (a second scan, the daemon) indexes some of the same entries between a
+batch's read and its write, the write fails on a unique key, rolls back, and that batch runs
+once more.
 """
 
 from __future__ import annotations
