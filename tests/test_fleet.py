@@ -317,3 +317,45 @@ def test_postgres_unreachable_is_one_line(cpu_cache, url, message, args):
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 5 and len(lines) == 1 and lines[0].startswith(f"cachemgr: error: {message}"), r.stderr
     assert "secret" not in r.stderr
+
+
+def test_a_component_set_made_by_another_host_meanwhile_is_taken(gpu_cache, pg_url):
+    """Hosts of a fleet index share component sets by digest. A host whose scan meets a set that
+    another host's transaction is inserting right then waits for that transaction, then takes
+    its row: the scan neither fails on the unique digest nor stores the set twice."""
+    import psycopg
+
+    probe = Cli(gpu_cache, pg_url, host="probe")
+    probe.json("scan")
+    digest, part = pg_query(pg_url, "SELECT digest, part FROM component_sets ORDER BY digest LIMIT 1")[0]
+    for table in ("caches", "component_sets", "parsed_content"):  # as new, migrated
+        pg_query(pg_url, f"DELETE FROM {table}")
+    other = psycopg.connect(pg_url.replace("postgresql+psycopg://", "postgresql://"))  # the other host
+    try:
+        (set_id,) = other.execute(
+            "INSERT INTO component_sets (digest, part) VALUES (%s, %s) RETURNING id", (digest, part)
+        ).fetchone()
+        cli = Cli(gpu_cache, pg_url, host="h")
+        scan = subprocess.Popen(
+            [sys.executable, "-m", "cachemgr", *cli.base(), "scan", "--json"],
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        deadline = time.monotonic() + 120
+        while pg_query(pg_url, waiting) != [(1,)]:  # the scan waits on the other host's insert
+            assert scan.poll() is None and time.monotonic() < deadline, scan.communicate()
+            time.sleep(0.05)
+        other.commit()
+        out, err = scan.communicate(timeout=120)
+    finally:
+        other.close()
+    assert scan.returncode == 0, err
+    assert json.loads(out)["pending"] == 0
+    assert pg_query(pg_url, "SELECT id FROM component_sets WHERE digest = %s", digest) == [(set_id,)]
+    linked = "SELECT count(*) FROM entry_component_sets WHERE set_id = %s"
+    assert pg_query(pg_url, linked, set_id)[0][0] > 0

@@ -44,6 +44,7 @@ from cachemgr.errors import UnsafePath
 from cachemgr.evict.look import Look, Looker, Lookers, Took, remove_quietly
 from cachemgr.evict.policy import Evicted, Plan, Table, Unit
 from cachemgr.index.db import Database
+from cachemgr.index.dbapi import driver_errors
 from cachemgr.index.models import Cache, Dir, Entry, Event
 from cachemgr.index.scan import delete_entries, insert_rows, one_of
 from cachemgr.vocab import Event as Ev
@@ -266,7 +267,7 @@ class Executor:
         ]
         try:
             self._write(taken, events)
-        except OperationalError:
+        except driver_errors("OperationalError", OperationalError):  # (delete_entries runs the driver's SQL too)
             # The index may live on the very disk that is full: free the space first, then retry.
             if not any(t.took.trashed for t in taken):
                 raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -128,6 +129,14 @@ class OverSqlite:
                 self.conn.execute("ROLLBACK")
             raise
         self.conn.execute("COMMIT")
+
+
+def driver_errors(name: str, *also: type[Exception]) -> tuple[type[Exception], ...]:
+    """`also`, and the DB-API exception class `name` ('IntegrityError', 'OperationalError') of
+    each driver this process has loaded: what this module's SQL raises where SQLAlchemy's would
+    raise its own (pass SQLAlchemy's as `also`)."""
+    drivers = [sqlite3, sys.modules.get("psycopg")]
+    return (*also, *(getattr(d, name) for d in drivers if d is not None))
 
 
 def connections(db: Any) -> Connections:

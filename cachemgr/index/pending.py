@@ -480,10 +480,18 @@ class ComponentSets:
                 items = self.items.get(digest)
                 if items is None:  # a describer counted it as sent in a run that wrote nothing: not stored
                     continue
-                (self.known[digest],) = self.sql.one(
-                    "INSERT INTO component_sets (digest, part) VALUES (?, ?) RETURNING id", (digest, part)
+                # Another writer (a host of a fleet index, in a transaction of its own) may make the
+                # same set meanwhile: PostgreSQL then waits for its end here, and takes its row.
+                made = self.sql.rows(
+                    "INSERT INTO component_sets (digest, part) VALUES (?, ?) "
+                    "ON CONFLICT (digest) DO NOTHING RETURNING id",
+                    (digest, part),
                 )
-                self.pending.append((digest, items))
+                if made:
+                    self.pending.append((digest, items))  # ours: its items are written with it
+                else:
+                    made = self.sql.rows("SELECT id FROM component_sets WHERE digest = ?", (digest,))
+                self.known[digest] = made[0][0]
             out[part] = self.known[digest]
         return out
 

@@ -52,7 +52,7 @@ from cachemgr import layout, parse, procs
 from cachemgr.errors import DatabaseError
 from cachemgr.index import fill
 from cachemgr.index.db import Database
-from cachemgr.index.dbapi import Sql
+from cachemgr.index.dbapi import Sql, driver_errors
 from cachemgr.index.describe import prepare_unseen_reads
 from cachemgr.index.models import Cache, Dir, Entry, ParsedContent
 from cachemgr.index.pending import Progress, drop_unused_sets, parse_pending, sets_of
@@ -107,7 +107,7 @@ def once_more_on_race(write_step: Callable[..., T], *args) -> T:
     their rows."""
     try:
         return write_step(*args)
-    except IntegrityError:
+    except driver_errors("IntegrityError", IntegrityError):  # (phase two's SQL is the driver's)
         return write_step(*args)
 
 
