@@ -316,3 +316,30 @@ def test_a_key_given_with_bytes_that_are_not_utf8_is_looked_up_as_the_index_keys
     for command in ("show", "pin", "unpin"):
         r = subprocess.run([*base, command, b"\xfe\xff"], capture_output=True, env=subprocess_env())
         assert r.returncode == 3 and b"internal error" not in r.stderr, (command, r.stderr)
+
+
+PROGRESS_ON_A_TERMINAL = """
+import sys
+from cachemgr.cli.common import progress_bar
+with progress_bar("parsing entries", enabled=True) as update:
+    assert "rich" not in sys.modules, "rich imported before the first update"
+    update(1, 3)
+    assert "rich" in sys.modules
+    update(3, 3)
+print("ok")
+"""
+
+
+def test_the_progress_bar_starts_at_its_first_update():
+    """A scan on a terminal opens its progress bar before phase one (a first scan runs both
+    phases in one call): rich's import and the bar wait for the first entry parsed, so the walk
+    to a usable index never pays for them, nor does a scan that parses nothing."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    out = subprocess.run(
+        [sys.executable, "-c", PROGRESS_ON_A_TERMINAL], env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout == "ok\n", out.stderr

@@ -9,7 +9,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -393,26 +393,32 @@ def ingest_spool(app) -> None:
 
 @contextmanager
 def progress_bar(label: str, enabled: bool | None = None) -> Iterator[Callable[[int, int], None] | None]:
-    """A progress callback (done, total) drawn on stderr when it is a terminal; None otherwise."""
+    """A progress callback (done, total) drawn on stderr when it is a terminal; None otherwise.
+    The bar (and rich's import) starts at the first call: work that reports none pays nothing."""
     if enabled is None:
         enabled = sys.stderr.isatty()
     if not enabled:
         yield None
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    with Progress(
-        f"[bold]{label}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as p:
-        task = p.add_task(label, total=None)
+    with ExitStack() as stack:
+        bar: list = []  # [Progress, task id] once started
 
         def update(done: int, total: int) -> None:
-            p.update(task, completed=done, total=total)
+            if not bar:
+                from rich.console import Console
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+                p = stack.enter_context(
+                    Progress(
+                        f"[bold]{label}",
+                        BarColumn(),
+                        MofNCompleteColumn(),
+                        TimeElapsedColumn(),
+                        console=Console(stderr=True),
+                        transient=True,
+                    )
+                )
+                bar.extend((p, p.add_task(label, total=total)))
+            bar[0].update(bar[1], completed=done, total=total)
 
         yield update

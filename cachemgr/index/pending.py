@@ -424,7 +424,7 @@ def _keep_content(sql: Sql, rows: list[Pending], described: dict[int, Described]
         f"INSERT INTO parsed_content (name, bytes, {', '.join(KEPT_COLUMNS)}) VALUES (?, ?, ?, {j}, {j}, {j}, ?, ?) "
         f"ON CONFLICT (name, bytes) DO UPDATE SET {', '.join(f'{c} = excluded.{c}' for c in KEPT_COLUMNS)} "
         f"WHERE parsed_content.reader <> {int(parse.READER)}",
-        list(kept.values()),
+        [kept[k] for k in sorted(kept)],  # (in key order, as ComponentSets: no two writers deadlock)
     )
 
 
@@ -458,49 +458,50 @@ class ComponentSets:
 
     def __init__(self, sql: Sql, parts: list[Parts]) -> None:
         """`parts`: those of the entries about to be written (a describer sends a part's items
-        with one entry only: they are gathered from all first); the index's other sets stay unread."""
+        with one entry only: they are gathered from all first); the index's other sets stay
+        unread. The sets not stored yet are made here, in digest order: another writer (a host
+        of a fleet index, in a transaction of its own) may be making some of the same ones; on
+        PostgreSQL this waits for its end and takes its row, and two writers that both go in
+        digest order never wait for each other in a circle (a deadlock)."""
         self.sql = sql
-        self.items: dict[str, list[parse.Component]] = {}
+        items: dict[str, tuple[str, list[parse.Component]]] = {}  # digest -> (part, items)
         for entry_parts in parts:
-            for digest, items in entry_parts.values():
-                if items is not None:
-                    self.items.setdefault(digest, items)
+            for part, (digest, its) in entry_parts.items():
+                if its is not None:
+                    items.setdefault(digest, (part, its))
         digests = sorted({digest for entry_parts in parts for digest, _ in entry_parts.values()})
         self.known: dict[str, int] = {}
-        for part in chunks(digests):
+        for some in chunks(digests):
             self.known.update(
-                sql.rows(f"SELECT digest, id FROM component_sets WHERE {sql.in_('digest')}", (sql.values(part),))
+                sql.rows(f"SELECT digest, id FROM component_sets WHERE {sql.in_('digest')}", (sql.values(some),))
             )
-        self.pending: list[tuple[str, list[parse.Component]]] = []
+        # (a digest neither stored nor sent here: a describer counted it as sent in a run that
+        # wrote nothing; it is not stored, and its entries go without it)
+        self.ours = [d for d in digests if d not in self.known and d in items]
+        self.items = {d: items[d][1] for d in self.ours}
+        made = []
+        for d in self.ours:  # (one at a time: a statement's rowcount says whether it made the row)
+            if self.sql.run(
+                "INSERT INTO component_sets (digest, part) VALUES (?, ?) ON CONFLICT (digest) DO NOTHING",
+                (d, items[d][0]),
+            ):
+                made.append(d)
+        for some in chunks(self.ours):
+            self.known.update(
+                sql.rows(f"SELECT digest, id FROM component_sets WHERE {sql.in_('digest')}", (sql.values(some),))
+            )
+        self.ours = made  # another writer's sets come with their items
 
     def ids_for(self, parts: Parts) -> dict[str, int]:
-        out = {}
-        for part, (digest, _) in parts.items():
-            if digest not in self.known:
-                items = self.items.get(digest)
-                if items is None:  # a describer counted it as sent in a run that wrote nothing: not stored
-                    continue
-                # Another writer (a host of a fleet index, in a transaction of its own) may make the
-                # same set meanwhile: PostgreSQL then waits for its end here, and takes its row.
-                made = self.sql.rows(
-                    "INSERT INTO component_sets (digest, part) VALUES (?, ?) "
-                    "ON CONFLICT (digest) DO NOTHING RETURNING id",
-                    (digest, part),
-                )
-                if made:
-                    self.pending.append((digest, items))  # ours: its items are written with it
-                else:
-                    made = self.sql.rows("SELECT id FROM component_sets WHERE digest = ?", (digest,))
-                self.known[digest] = made[0][0]
-            out[part] = self.known[digest]
-        return out
+        return {part: self.known[digest] for part, (digest, _) in parts.items() if digest in self.known}
 
     def flush(self) -> None:
+        """The items of the sets made here."""
         self.sql.many(
             "INSERT INTO component_set_items (set_id, name, hash, value) VALUES (?, ?, ?, ?)",
-            [(self.known[d], c.name, c.hash, c.value) for d, items in self.pending for c in items],
+            [(self.known[d], c.name, c.hash, c.value) for d in self.ours for c in self.items[d]],
         )
-        self.pending.clear()
+        self.ours = []
 
 
 def chunks(items: Sequence, n: int = CHUNK) -> Iterator[Sequence]:
