@@ -968,3 +968,52 @@ def test_a_stream_closes_when_an_interrupt_left_its_lock_held():
         [sys.executable, "-c", LEAKED_LOCK], env=subprocess_env(), capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and out.stdout.strip() == "closed", out.stderr
+
+
+def test_a_damaged_kept_parse_result_is_read_again_and_replaced(gpu_cache, tmp_path, db_url):
+    """Parse results kept by content are shared by every cache of an index (a restored cache,
+    every host of a fleet's). One that does not read as this reader writes it (JSON that does not
+    parse, a list where a field belongs, a reference that is not a pair of names) is no reason to
+    fail a scan: the entry is read instead and its result kept over the damaged one."""
+    first = Cli(gpu_cache, db_url)
+    assert first.json("scan")["pending"] == 0
+    restored = tmp_path / "restored"
+    shutil.copytree(gpu_cache, restored, symlinks=True)
+    path = db_url.removeprefix("sqlite:///")
+    damage = [
+        ("row", "{not json"),
+        ("row", json.dumps({"graph_key": [1, 2]})),
+        ("refs", json.dumps([[1, 2]])),
+        ("refs", json.dumps([["triton"]])),
+        ("parts", json.dumps("x")),
+        ("row", json.dumps(["a list"])),
+    ]
+    with sqlite3.connect(path) as conn:
+        names = [n for (n,) in conn.execute("SELECT name FROM parsed_content ORDER BY name")]
+        assert len(names) >= len(damage)
+        for name, (column, value) in zip(names, damage, strict=False):
+            conn.execute(f'UPDATE parsed_content SET "{column}" = ? WHERE name = ?', (value, name))
+    r = Cli(restored, db_url).json("scan")
+    assert r["pending"] == 0 and r["corrupt"] == []
+    with sqlite3.connect(path) as conn:
+        fields = "kind, graph_key, signature_hash, options_hash, guards, compile_seconds, torch_version, corrupt"
+        by_cache = [
+            sorted(conn.execute(f"SELECT key, {fields} FROM entries WHERE cache_id = ? AND content IS NOT NULL", (c,)))
+            for (c,) in conn.execute("SELECT id FROM caches ORDER BY id").fetchall()
+        ]
+        refs = [
+            sorted(
+                conn.execute(
+                    "SELECT e.key, r.kind, r.ref FROM entry_refs r JOIN entries e ON e.id = r.entry_id "
+                    "WHERE e.cache_id = ? AND e.content IS NOT NULL",
+                    (c,),
+                )
+            )
+            for (c,) in conn.execute("SELECT id FROM caches ORDER BY id").fetchall()
+        ]
+        kept = conn.execute('SELECT "row", refs, parts FROM parsed_content').fetchall()
+    assert len(by_cache) == 2 and by_cache[0] == by_cache[1] and by_cache[0]
+    assert refs[0] == refs[1] and refs[0]
+    for row, kept_refs, parts in kept:  # repaired: each as this reader writes it
+        assert isinstance(json.loads(row), dict) and isinstance(json.loads(parts), dict)
+        assert all(len(x) == 2 and all(isinstance(v, str) for v in x) for x in json.loads(kept_refs))

@@ -296,12 +296,12 @@ def _from_content(sql: Sql, rows: list[Pending]) -> tuple[dict[int, Described], 
         return {}, 0
     cached: dict[tuple[str, int], tuple] = {}
     for names in chunks(sorted({name for name, _ in keyed})):  # (by name: the other sizes are passed over)
-        for name, size, kind, row, refs, parts in sql.rows(
+        for name, size, *kept in sql.rows(
             f'SELECT name, bytes, kind, "row", refs, parts FROM parsed_content WHERE {sql.in_("name")} AND reader = ?',
             (sql.values(names), parse.READER),
         ):
-            if (name, size) in keyed:
-                cached[(name, size)] = (kind, sql.from_json(row), sql.from_json(refs), sql.from_json(parts) or {})
+            if (name, size) in keyed and (c := _kept(sql, *kept)) is not None:
+                cached[(name, size)] = c
     digests = {d for c in cached.values() for d in c[3].values()}
     have: set[str] = set()
     for part in chunks(sorted(digests)):
@@ -312,8 +312,29 @@ def _from_content(sql: Sql, rows: list[Pending]) -> tuple[dict[int, Described], 
     for r in rows:
         c = cached.get((r.content, r.bytes))  # type: ignore[arg-type]
         if c is not None and c[0] == r.kind and set(c[3].values()) <= have:
-            out[r.id] = Described(dict(c[1]), [tuple(x) for x in c[2]], {p: (d, None) for p, d in c[3].items()})
+            out[r.id] = Described(dict(c[1]), list(c[2]), {p: (d, None) for p, d in c[3].items()})
     return out, len(out)
+
+
+def _kept(sql: Sql, kind: str, row: Any, refs: Any, parts: Any) -> tuple | None:
+    """A kept parse result as (kind, row, refs, parts), or None where it is not one this
+    reader writes (a damaged row of a shared index): that entry is read instead, and its result
+    kept over the damaged one."""
+    try:
+        row, refs, parts = sql.from_json(row), sql.from_json(refs), sql.from_json(parts)
+    except (ValueError, TypeError, RecursionError):
+        return None
+    scalar = (str, int, float, type(None))
+    if not (isinstance(row, dict) and all(isinstance(row.get(c), scalar) for c in WRITTEN_COLUMNS)):
+        return None
+    if not (isinstance(refs, list) and all(isinstance(x, list) and len(x) == 2 for x in refs)):
+        return None
+    if not all(isinstance(v, str) for x in refs for v in x):
+        return None
+    parts = {} if parts is None else parts
+    if not (isinstance(parts, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in parts.items())):
+        return None
+    return kind, row, [tuple(x) for x in refs], parts
 
 
 def _write_parsed(
@@ -402,8 +423,9 @@ def _new_events(sql: Sql, cache_id: int, new_rows: list[Pending], described: dic
 
 
 def _keep_content(sql: Sql, rows: list[Pending], described: dict[int, Described]) -> None:
-    """Keep the parse results of content-named entries that parsed cleanly, for their next copy.
-    A result another reader version left is replaced; one of this version is as good as ours."""
+    """Keep the parse results of content-named entries that parsed cleanly, for their next copy,
+    over any kept before: another reader version's, a damaged one, or one whose component sets
+    are gone (an entry is read again only then, or when another writer read it meanwhile)."""
     kept: dict[tuple[str, int], tuple] = {}
     for r in rows:
         d = described[r.id]
@@ -422,8 +444,7 @@ def _keep_content(sql: Sql, rows: list[Pending], described: dict[int, Described]
     j = sql.json_mark
     sql.many(
         f"INSERT INTO parsed_content (name, bytes, {', '.join(KEPT_COLUMNS)}) VALUES (?, ?, ?, {j}, {j}, {j}, ?, ?) "
-        f"ON CONFLICT (name, bytes) DO UPDATE SET {', '.join(f'{c} = excluded.{c}' for c in KEPT_COLUMNS)} "
-        f"WHERE parsed_content.reader <> {int(parse.READER)}",
+        f"ON CONFLICT (name, bytes) DO UPDATE SET {', '.join(f'{c} = excluded.{c}' for c in KEPT_COLUMNS)}",
         [kept[k] for k in sorted(kept)],  # (in key order, as ComponentSets: no two writers deadlock)
     )
 
