@@ -33,7 +33,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -41,6 +41,7 @@ from urllib.parse import parse_qsl, unquote, urlparse, urlsplit, urlunsplit
 
 from cachemgr import layout, safefs
 from cachemgr.errors import NotFound, RemoteError, UsageError
+from cachemgr.index.dbapi import chunks
 from cachemgr.index.describe import read_unseen
 
 if TYPE_CHECKING:  # redis is imported where it is used: an optional dependency
@@ -277,7 +278,7 @@ class Remote:
         skipped = [] if skipped is None else skipped
         keys = self.torch_keys(skipped) if keys is None else keys
         out: list[RemoteKey] = []
-        for chunk in _chunks(keys):
+        for chunk in chunks(keys, BATCH):
 
             def read(chunk=chunk):
                 p = self.r.pipeline(transaction=False)
@@ -312,7 +313,7 @@ class Remote:
                 skipped.append(Skipped(META_KEY, f"a Redis {typ}, not cachemgr's hash: ignored"))
             return {}
         out: dict[str, dict] = {}
-        for chunk in _chunks(rkeys):
+        for chunk in chunks(rkeys, BATCH):
             # (bytes: the client does not decode responses)
             values = cast("list[bytes | None]", self.call(partial(self.r.hmget, META_KEY, chunk)))
             for k, v in zip(chunk, values, strict=True):
@@ -366,7 +367,7 @@ class Remote:
         skipped: list[Skipped] = []
         nbytes = 0
         now = time.time()
-        for chunk in _chunks(items, 50):  # values are megabytes: small pipelines
+        for chunk in chunks(items, 50):  # values are megabytes: small pipelines
             taken = self.call(partial(_types, self.r, [it.rkey for it in chunk]))
             payload = []
             for it in chunk:
@@ -520,7 +521,7 @@ class Remote:
         """Delete the plan's keys, each only if nothing read it since the plan (idle not reset)."""
         script = self.r.register_script(_EVICT_LUA)
         deleted: list[str] = []
-        for chunk in _chunks(list(plan.victims)):
+        for chunk in chunks(list(plan.victims), BATCH):
             done = self.call(partial(script, keys=[META_KEY, *(v.rkey for v in chunk)], args=[v.idle for v in chunk]))
             deleted.extend(d.decode() if isinstance(d, bytes) else d for d in done)
         gone = set(deleted)
@@ -811,11 +812,6 @@ def _closure(seeds: set[str], rows: list, edges: dict[int, list[str]]) -> set[st
         if more <= wanted:
             return wanted
         wanted |= more
-
-
-def _chunks(items: list, n: int = BATCH) -> Iterator[list]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
 
 
 def _line(e: BaseException) -> str:

@@ -15,7 +15,16 @@ import sqlite3
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
+
+CHUNK = 500  # values per IN list, rows per statement: well under SQLite's and PostgreSQL's limits
+
+
+def chunks(items: list[T], n: int = CHUNK) -> Iterator[list[T]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
 
 
 class Sql:

@@ -21,12 +21,12 @@ from sqlalchemy import Row, bindparam, insert, select, update
 
 from cachemgr import layout, safefs
 from cachemgr.index.db import Database
+from cachemgr.index.dbapi import chunks
 from cachemgr.index.models import Event
 from cachemgr.index.pending import ParseResult
 from cachemgr.index.scan import (
     ENTRIES,
     KNOWN_COLUMNS,
-    _chunks,
     at_or_below,
     check_root,
     once_more_on_race,
@@ -88,7 +88,7 @@ def _apply_batch(
     with db.engine.connect() as conn:  # read outside the write (see scan._sync_dirs)
         keys = list(set(classified) | set(disk) | exact)
         known: dict[str, Row] = {}
-        for chunk in _chunks(keys):
+        for chunk in chunks(keys):
             known.update(
                 (r.key, r)
                 for r in conn.execute(
@@ -145,7 +145,7 @@ def _write_hits(conn, cache_id: int, hits: dict[str, int], now: float) -> dict[s
     if not hits:
         return {}
     rows: dict[str, Row] = {}
-    for chunk in _chunks(list(hits)):
+    for chunk in chunks(list(hits)):
         rows.update(
             (r.key, r)
             for r in conn.execute(

@@ -16,19 +16,18 @@ import itertools
 import json
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from cachemgr import parse, procs, safefs
-from cachemgr.index.dbapi import Connections, Sql, connections
+from cachemgr.index.dbapi import Connections, Sql, chunks, connections
 from cachemgr.index.describe import Described, Parts, failed, new_run
 from cachemgr.index.fill import CONTENT_NAMED, MAX_REPORTED
 from cachemgr.index.workers import BATCH, Job, Pool
 from cachemgr.vocab import PARSED, PENDING, PENDING_NEW, PICKLED, Kind
 from cachemgr.vocab import Event as Ev
 
-CHUNK = 500  # values per IN list, rows per statement: well under SQLite's and PostgreSQL's limits
 PARSE_CHUNK = 500  # pending entries read per phase-two transaction
 AHEAD = 2  # chunks handed to the workers beyond the one being written
 LIGHT_BATCH = 64  # entries that are not pickles (autotune results, C++ sources) per worker job
@@ -523,8 +522,3 @@ class ComponentSets:
             [(self.known[d], c.name, c.hash, c.value) for d in self.ours for c in self.items[d]],
         )
         self.ours = []
-
-
-def chunks(items: Sequence, n: int = CHUNK) -> Iterator[Sequence]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]

@@ -52,7 +52,7 @@ from cachemgr import layout, parse, procs
 from cachemgr.errors import DatabaseError
 from cachemgr.index import fill
 from cachemgr.index.db import Database
-from cachemgr.index.dbapi import Sql, driver_errors
+from cachemgr.index.dbapi import Sql, chunks, driver_errors
 from cachemgr.index.describe import prepare_unseen_reads
 from cachemgr.index.models import Cache, Dir, Entry, ParsedContent
 from cachemgr.index.pending import Progress, drop_unused_sets, parse_pending, sets_of
@@ -61,7 +61,6 @@ from cachemgr.index.workers import Pool
 from cachemgr.vocab import PARSED, PENDING, PICKLED, Kind
 
 ENTRIES, DIRS, CONTENT, CACHES = Entry.__table__, Dir.__table__, ParsedContent.__table__, Cache.__table__
-CHUNK = 500  # rows per IN (...) list: well under SQLite's and PostgreSQL's parameter limits
 
 T = TypeVar("T")
 KNOWN_COLUMNS = (
@@ -198,7 +197,7 @@ def index_names(
         finally:
             dirs.close()
         with db.engine.begin() as conn:
-            for chunk in _chunks(gone):
+            for chunk in chunks(gone):
                 ids = list(
                     conn.execute(
                         select(ENTRIES.c.id).where(ENTRIES.c.cache_id == cache_id, one_of(conn, ENTRIES.c.dir, chunk))
@@ -285,13 +284,13 @@ class _StoredDirsTable(_StoredDirs):
         conn = self.conn
         if conn.dialect.name == "sqlite":  # the driver's own cursor: SQLAlchemy's IN expansion cost 3x the lookups
             cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-            for chunk in _chunks(list(paths)):
+            for chunk in chunks(list(paths)):
                 marks = ",".join("?" * len(chunk))
                 out.update(cur.execute(f"SELECT path, mtime_ns FROM {SNAPSHOT.name} WHERE path IN ({marks})", chunk))
                 cur.executemany(f"UPDATE {SNAPSHOT.name} SET seen = 1 WHERE path = ?", [(p,) for p in chunk])
             cur.close()
         else:
-            for chunk in _chunks(list(paths)):
+            for chunk in chunks(list(paths)):
                 q = select(SNAPSHOT.c.path, SNAPSHOT.c.mtime_ns).where(SNAPSHOT.c.path.in_(chunk))
                 out.update(conn.execute(q).all())  # (rows: a Result has .keys(), and update took it for a mapping)
                 conn.execute(update(SNAPSHOT).where(SNAPSHOT.c.path.in_(chunk)).values(seen=True))
@@ -354,7 +353,7 @@ def _sync_dirs(
     known: dict[str, Row] = {}
     if not empty:  # read outside the write: a SQLite reader cannot take the write lock after another commit
         with db.engine.connect() as conn:
-            for chunk in _chunks([listing.dir for listing in batch]):
+            for chunk in chunks([listing.dir for listing in batch]):
                 known.update(
                     (r.key, r)
                     for r in conn.execute(
@@ -399,7 +398,7 @@ def sync(conn, cache_id: int, disk: dict[str, layout.DiskEntry], known: dict, no
             for d in changed
         ],
     )
-    for chunk in _chunks(added, fill.BULK):
+    for chunk in chunks(added, fill.BULK):
         insert_tuples(conn, ENTRIES, fill.NEW_ROW, [fill.new_row(cache_id, disk[k], now) for k in chunk])
     to_read = [k for k in added if disk[k].needs_reading] + [d.key for d in changed if d.needs_reading]
     return Diff(added, [d.key for d in changed], [k for k in known if k not in disk], to_read)
@@ -423,11 +422,11 @@ def _write_dirs(conn, cache_id: int, stored: dict[str, int], seen: dict[str, int
     """Record the mtime each directory had when it was read (those new or moved since `stored`
     was read: written over what another scan may have written meanwhile); forget directories
     that are gone."""
-    for chunk in _chunks(gone):
+    for chunk in chunks(gone):
         conn.execute(delete(DIRS).where(DIRS.c.cache_id == cache_id, one_of(conn, DIRS.c.path, chunk)))
     moved = [(cache_id, d, m) for d, m in seen.items() if stored.get(d) != m]
-    for chunk in _chunks(moved, fill.BULK):
-        upsert_tuples(conn, DIRS, ("cache_id", "path", "mtime_ns"), ("cache_id", "path"), chunk)
+    for rows in chunks(moved, fill.BULK):
+        upsert_tuples(conn, DIRS, ("cache_id", "path", "mtime_ns"), ("cache_id", "path"), rows)
 
 
 def forget_unused_content(conn) -> int:
@@ -445,7 +444,7 @@ def delete_entries(conn, ids: list[int]) -> None:
     and the component sets no other entry uses any more."""
     sql = Sql.under(conn)
     sets = sets_of(sql, ids)
-    for chunk in _chunks(ids):
+    for chunk in chunks(ids):
         conn.execute(delete(ENTRIES).where(one_of(conn, ENTRIES.c.id, chunk)))
     drop_unused_sets(sql, sets)
 
@@ -531,8 +530,3 @@ def update_tuples(conn, table, names: Sequence[str], where: Sequence[str], rows:
         f"WHERE {' AND '.join(quote(w) + ' = ?' for w in where)}"
     )
     conn.exec_driver_sql(sql, rows)
-
-
-def _chunks(items: list, n: int = CHUNK) -> Iterable[list]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]

@@ -29,12 +29,12 @@ from typing import Any, Protocol
 from urllib.parse import quote
 
 from cachemgr.errors import DatabaseError, NotFound, UsageError
+from cachemgr.index.dbapi import chunks
 from cachemgr.vocab import PARSED, Event, Kind
 
 SHORT_MIN = 8  # characters of a short key (git's --abbrev, one more)
 PREFIX_MIN = 4  # the shortest prefix `resolve` looks up
 CANDIDATES = 10  # ambiguous prefix: candidates listed
-CHUNK = 500  # values per IN (...) list
 
 
 # -- drivers ----------------------------------------------------------------------------------------
@@ -519,9 +519,7 @@ class Store:
 
     def _chunked(self, sql: str, column: str, values: Iterable[Any], **params: Any) -> Iterator[tuple]:
         """Run `sql` whose `{in}` is `column IN (...)` over `values`, a chunk at a time."""
-        values = list(values)
-        for i in range(0, len(values), CHUNK):
-            chunk = values[i : i + CHUNK]
+        for chunk in chunks(list(values)):
             names = {f"v{j}": v for j, v in enumerate(chunk)}
             cond = f"{column} IN ({', '.join(':' + n for n in names)})"
             yield from self._rows(sql.format(**{"in": cond}), **params, **names)
@@ -939,7 +937,7 @@ class Store:
         """Say that these entries were loaded (`cachemgr import`), not compiled: their 'new'
         events become 'loaded' ones."""
         n = 0
-        for chunk in _chunks(sorted(set(keys))):
+        for chunk in chunks(sorted(set(keys))):
             names = {f"v{j}": k for j, k in enumerate(chunk)}
             n += self.driver.write(
                 f"UPDATE events SET kind = '{Event.LOADED.value}' WHERE cache_id = :cache AND kind = "
@@ -1177,11 +1175,6 @@ SORT_KEYS = {
 
 def _newest(entries: Iterable[Entry]) -> tuple[Entry, ...]:
     return tuple(sorted(entries, key=lambda e: (-e.mtime, e.key)))
-
-
-def _chunks(items: list, n: int = CHUNK) -> Iterator[list]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
 
 
 def unique_prefix(name: str, names: Sequence[str], minimum: int = SHORT_MIN) -> str:
