@@ -973,8 +973,8 @@ def test_a_stream_closes_when_an_interrupt_left_its_lock_held():
 def test_a_damaged_kept_parse_result_is_read_again_and_replaced(gpu_cache, tmp_path, db_url):
     """Parse results kept by content are shared by every cache of an index (a restored cache,
     every host of a fleet's). One that does not read as this reader writes it (JSON that does not
-    parse, a list where a field belongs, a reference that is not a pair of names) is no reason to
-    fail a scan: the entry is read instead and its result kept over the damaged one."""
+    parse, a list where a field belongs, a field of another type, a reference that is not a pair
+    of names) is no reason to fail a scan: the entry is read instead and its result kept over the damaged one."""
     first = Cli(gpu_cache, db_url)
     assert first.json("scan")["pending"] == 0
     restored = tmp_path / "restored"
@@ -987,6 +987,9 @@ def test_a_damaged_kept_parse_result_is_read_again_and_replaced(gpu_cache, tmp_p
         ("refs", json.dumps([["triton"]])),
         ("parts", json.dumps("x")),
         ("row", json.dumps(["a list"])),
+        ("row", json.dumps({"compile_seconds": "x"})),
+        ("row", json.dumps({"compile_seconds": float("nan")})),
+        ("row", json.dumps({"signature": 5})),
     ]
     with sqlite3.connect(path) as conn:
         names = [n for (n,) in conn.execute("SELECT name FROM parsed_content ORDER BY name")]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -323,8 +324,7 @@ def _kept(sql: Sql, kind: str, row: Any, refs: Any, parts: Any) -> tuple | None:
         row, refs, parts = sql.from_json(row), sql.from_json(refs), sql.from_json(parts)
     except (ValueError, TypeError, RecursionError):
         return None
-    scalar = (str, int, float, type(None))
-    if not (isinstance(row, dict) and all(isinstance(row.get(c), scalar) for c in WRITTEN_COLUMNS)):
+    if not (isinstance(row, dict) and all(_fits(c, row.get(c)) for c in WRITTEN_COLUMNS)):
         return None
     if not (isinstance(refs, list) and all(isinstance(x, list) and len(x) == 2 for x in refs)):
         return None
@@ -334,6 +334,16 @@ def _kept(sql: Sql, kind: str, row: Any, refs: Any, parts: Any) -> tuple | None:
     if not (isinstance(parts, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in parts.items())):
         return None
     return kind, row, [tuple(x) for x in refs], parts
+
+
+def _fits(column: str, value: Any) -> bool:
+    """Whether `value` is one phase two writes to `column`: a finite number of seconds or None
+    for compile_seconds, text or None for the rest."""
+    if value is None:
+        return True
+    if column == "compile_seconds":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, str)
 
 
 def _write_parsed(
