@@ -318,6 +318,21 @@ def test_a_key_given_with_bytes_that_are_not_utf8_is_looked_up_as_the_index_keys
         assert r.returncode == 3 and b"internal error" not in r.stderr, (command, r.stderr)
 
 
+def test_a_key_that_begins_with_a_dash_is_named_after_double_dash(fixture_cache, cli_for):
+    """Any file under the root is indexed, '-odd' too; click reads such a word as an option, so
+    every command that takes a KEY says in --help that it goes after `--`, and it works there."""
+    root = fixture_cache()
+    (root / "-odd").write_bytes(b"x")
+    cli = cli_for(root)
+    cli("scan")
+    assert json.loads(cli("show", "--json", "--", "-odd").stdout)["key"] == "-odd"
+    assert "No such option" in cli("show", "-odd", code=2).stderr
+    assert cli("pin", "--", "-odd").stdout.startswith("pinned -odd")
+    assert cli("unpin", "--", "-odd").stdout.startswith("unpinned -odd")
+    for command in ("show", "pin", "unpin", "diff"):
+        assert "`--`" in cli(command, "--help").stdout, command
+
+
 PROGRESS_ON_A_TERMINAL = """
 import sys
 from cachemgr.cli.common import progress_bar

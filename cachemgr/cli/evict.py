@@ -549,8 +549,8 @@ def _torch_in_use(app, rows, now: float, keep_torch: list[str]) -> fingerprint.K
 def pin(app, key: str | None, reason: str | None, force: bool, quiet: bool, wide: bool, as_json: bool) -> None:
     """Keep an entry, or every entry of a graph, from eviction and purge. Without KEY: list the pins.
 
-    KEY is any key a command prints. A graph key, or a short key of a whole graph, pins the graph:
-    every guard set compiled for it, now and later.
+    KEY is any key a command prints (one that begins with '-' goes after `--`). A graph key, or a
+    short key of a whole graph, pins the graph: every guard set compiled for it, now and later.
 
     \b
     Example:
@@ -653,7 +653,8 @@ def _pin_named(store, spec: str) -> str:
 @click.argument("key", type=KEY)
 @pass_app
 def unpin(app, key: str) -> None:
-    """Let eviction take a pinned key again. KEY: any form of it a command prints.
+    """Let eviction take a pinned key again. KEY: any form of it a command prints (after `--`
+    where it begins with '-').
 
     \b
     Example:

@@ -98,8 +98,9 @@ def diff_cmd(app, key_a: str, key_b: str, as_json: bool) -> None:
     Grouped as code (the graph changed), inputs (which input, and whether its shape, dtype,
     stride or device changed), options (fx_kwargs / inductor_config keys) and environment
     (torch version, system info, matmul and determinism settings). KEY is any key a command
-    prints (a graph key names its newest entry). Entries of torch 2.5 and 2.6 record no hash
-    components: for them only the fields they record are compared.
+    prints (a graph key names its newest entry; keys that begin with '-' go after `--`).
+    Entries of torch 2.5 and 2.6 record no hash components: for them only the fields they
+    record are compared.
 
     \b
     Example:

@@ -551,7 +551,8 @@ def show(app, key: str, wide: bool, as_json: bool) -> None:
     eviction would do with it now.
 
     KEY is any key a command prints: an entry key, a graph key (every entry of that graph), a
-    short key, or a unique prefix of any of these.
+    short key, or a unique prefix of any of these (one that begins with '-' goes after `--`:
+    `cachemgr show -- -odd-name`).
 
     `if lost` says what torch must redo without the entry (read off torch's source, per kind).
     `eviction` is what `cachemgr evict --dry-run` would do with it now under the configured
