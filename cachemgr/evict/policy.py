@@ -335,6 +335,10 @@ class Sparse(_Made["str | None"]):
             self.values[self.n] = v
         self.n += 1
 
+    def extend(self, vs: Sequence[str | None]) -> None:
+        self.values.update((self.n + j, v) for j, v in enumerate(vs) if v is not None)
+        self.n += len(vs)
+
     def item(self, i: int) -> str | None:
         return self.values.get(i)
 
