@@ -977,8 +977,6 @@ def test_a_damaged_kept_parse_result_is_read_again_and_replaced(gpu_cache, tmp_p
     of names) is no reason to fail a scan: the entry is read instead and its result kept over the damaged one."""
     first = Cli(gpu_cache, db_url)
     assert first.json("scan")["pending"] == 0
-    restored = tmp_path / "restored"
-    shutil.copytree(gpu_cache, restored, symlinks=True)
     path = db_url.removeprefix("sqlite:///")
     damage = [
         ("row", "{not json"),
@@ -990,14 +988,20 @@ def test_a_damaged_kept_parse_result_is_read_again_and_replaced(gpu_cache, tmp_p
         ("row", json.dumps({"compile_seconds": "x"})),
         ("row", json.dumps({"compile_seconds": float("nan")})),
         ("row", json.dumps({"signature": 5})),
+        ("row", '{"compile_seconds": 1' + "0" * 400 + "}"),
+        ("row", json.dumps({"compile_seconds": 10**20})),
     ]
     with sqlite3.connect(path) as conn:
         names = [n for (n,) in conn.execute("SELECT name FROM parsed_content ORDER BY name")]
-        assert len(names) >= len(damage)
-        for name, (column, value) in zip(names, damage, strict=False):
-            conn.execute(f'UPDATE parsed_content SET "{column}" = ? WHERE name = ?', (value, name))
-    r = Cli(restored, db_url).json("scan")
-    assert r["pending"] == 0 and r["corrupt"] == []
+    rounds = [damage[i : i + len(names)] for i in range(0, len(damage), len(names))]
+    for n, damaged in enumerate(rounds):  # (a round per restored cache: one damage per kept result)
+        with sqlite3.connect(path) as conn:
+            for name, (column, value) in zip(names, damaged, strict=False):
+                conn.execute(f'UPDATE parsed_content SET "{column}" = ? WHERE name = ?', (value, name))
+        restored = tmp_path / f"restored-{n}"
+        shutil.copytree(gpu_cache, restored, symlinks=True)
+        r = Cli(restored, db_url).json("scan")
+        assert r["pending"] == 0 and r["corrupt"] == []
     with sqlite3.connect(path) as conn:
         fields = "kind, graph_key, signature_hash, options_hash, guards, compile_seconds, torch_version, corrupt"
         by_cache = [
@@ -1015,8 +1019,8 @@ def test_a_damaged_kept_parse_result_is_read_again_and_replaced(gpu_cache, tmp_p
             for (c,) in conn.execute("SELECT id FROM caches ORDER BY id").fetchall()
         ]
         kept = conn.execute('SELECT "row", refs, parts FROM parsed_content').fetchall()
-    assert len(by_cache) == 2 and by_cache[0] == by_cache[1] and by_cache[0]
-    assert refs[0] == refs[1] and refs[0]
+    assert len(by_cache) == 1 + len(rounds) and all(c == by_cache[0] for c in by_cache) and by_cache[0]
+    assert all(r == refs[0] for r in refs) and refs[0]
     for row, kept_refs, parts in kept:  # repaired: each as this reader writes it
         assert isinstance(json.loads(row), dict) and isinstance(json.loads(parts), dict)
         assert all(len(x) == 2 and all(isinstance(v, str) for v in x) for x in json.loads(kept_refs))

@@ -337,12 +337,13 @@ def _kept(sql: Sql, kind: str, row: Any, refs: Any, parts: Any) -> tuple | None:
 
 
 def _fits(column: str, value: Any) -> bool:
-    """Whether `value` is one phase two writes to `column`: a finite number of seconds or None
-    for compile_seconds, text or None for the rest."""
+    """Whether `value` is one phase two writes to `column`: a finite float of seconds or None for
+    compile_seconds (an int is not one: 10**400 is not a float, 10**20 no SQLite integer), text or
+    None for the rest."""
     if value is None:
         return True
     if column == "compile_seconds":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return type(value) is float and math.isfinite(value)
     return isinstance(value, str)
 
 
