@@ -1066,3 +1066,66 @@ def test_an_empty_key_is_a_usage_error(args, tmp_path, db_url):
     r = Cli(tmp_path / "cache", db_url).proc(*args, "")
     one_error_line(r, 2, "a key must not be empty")
     assert not (tmp_path / "state" / "index.db").exists()
+
+
+# -- odd values in the index itself --------------------------------------------------------------
+
+INDEX_READERS = (
+    ("ls",),
+    ("ls", "--json", "--sort", "age"),
+    ("ls", "--sort", "cost"),
+    ("stats", "--json"),
+    ("explain",),
+    ("evict", "--dry-run", "--max-size", "1"),
+    ("evict", "--dry-run", "--max-size", "1", "--policy", "cost"),
+    ("purge", "--stale", "--dry-run"),
+)
+
+
+def _every_reader_answers(cli: Cli, key: str) -> None:
+    for args in (*INDEX_READERS, ("show", key)):
+        r = cli(*args)  # (Cli asserts exit 0: an odd value was exit 70)
+        assert "internal error" not in r.stderr, (args, r.stderr)
+
+
+def test_numbers_of_a_hand_edited_sqlite_index_that_are_no_numbers_fail_no_command(fixture_cache, cli_for, db_url):
+    """SQLite keeps any value in any column: text where an entry's size, time or compile time
+    belongs, or an event's time, is that entry's oddity (read as unknown), never a failed command;
+    and the next scan writes the disk's values over it."""
+    import sqlite3
+
+    root = fixture_cache()
+    cli = cli_for(root)
+    cli("scan")
+    path = db_url.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as conn:
+        key = conn.execute("SELECT key FROM entries WHERE kind = 'fxgraph' ORDER BY id LIMIT 1").fetchone()[0]
+        true_size = conn.execute("SELECT bytes FROM entries WHERE key = ?", (key,)).fetchone()[0]
+        conn.execute("UPDATE entries SET bytes = 'abc', compile_seconds = 'x', hit_count = 'y' WHERE key = ?", (key,))
+        conn.execute("UPDATE entries SET mtime = 'x', last_access = 1e999 WHERE kind = 'triton'")
+        conn.execute("UPDATE entries SET files = 1e300, first_seen = -1e999 WHERE kind = 'code'")
+        conn.execute("UPDATE events SET ts = 'x', seconds = 'y', bytes = 'z'")
+    _every_reader_answers(cli, key)
+    cli("scan")
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT bytes FROM entries WHERE key = ?", (key,)).fetchone()[0] == true_size
+        assert not conn.execute("SELECT 1 FROM entries WHERE typeof(mtime) = 'text'").fetchall()
+
+
+def test_nan_and_infinity_in_a_postgresql_index_fail_no_command(fixture_cache, pg_url):  # noqa: F811 - the fixture
+    """A shared index's float columns can hold NaN and Infinity (another host's bug, an edit):
+    read as unknown times, never a failed command; eviction takes no entry for a time it cannot
+    read (an unknown time counts as just used)."""
+    from test_fleet import pg_query
+
+    root = fixture_cache()
+    cli = Cli(root, pg_url)
+    cli("scan")
+    key = pg_query(pg_url, "SELECT key FROM entries WHERE kind = 'fxgraph' ORDER BY id LIMIT 1")[0][0]
+    pg_query(pg_url, "UPDATE entries SET compile_seconds = 'NaN', mtime = 'Infinity' WHERE key = %s", key)
+    pg_query(pg_url, "UPDATE entries SET last_access = 'NaN', first_seen = '-Infinity' WHERE kind <> 'fxgraph'")
+    pg_query(pg_url, "UPDATE events SET ts = 'NaN', seconds = 'Infinity'")
+    pg_query(pg_url, "UPDATE caches SET last_scan = 'Infinity', last_eviction = 'NaN'")
+    _every_reader_answers(cli, key)
+    planned = json.loads(cli("evict", "--dry-run", "--max-age", "1d", "--json").stdout)
+    assert not any(e["key"] == key for e in planned["entries"])

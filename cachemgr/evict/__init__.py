@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -137,12 +138,12 @@ def _table(batches: Iterable[list[tuple]], pins: dict, full: bool) -> Table:
         t.alias.extend(aliases)
         t.graph_key.extend(graph_keys)
         t.corrupt.extend(corrupt)
-        t.bytes.extend(nbytes)
-        t.files.extend(files)
-        t.mtime.extend(mtimes)
-        t.last_access.extend(accessed)
-        t.compile_seconds.extend([UNKNOWN if cs is None else cs for cs in seconds])
-        t.hit_count.extend([h or 0 for h in hits])
+        _numbers(t.bytes, nbytes)
+        _numbers(t.files, files)
+        _numbers(t.mtime, mtimes, math.inf)  # an unknown time: as if just used, the last to go
+        _numbers(t.last_access, accessed, math.inf)
+        _numbers(t.compile_seconds, [UNKNOWN if cs is None else cs for cs in seconds], UNKNOWN)
+        _numbers(t.hit_count, [h or 0 for h in hits])
         if pins:
             t.flags.extend(
                 PINNED * any(k in pins for k in names if k) | PARSED * (state == PARSE_DONE)
@@ -156,6 +157,24 @@ def _table(batches: Iterable[list[tuple]], pins: dict, full: bool) -> Table:
                 for tv, sh, tvh in zip(tvs, shs, tvhs, strict=True)
             )
     return t
+
+
+def _numbers(column: array, values: Sequence, missing: float = 0.0) -> None:
+    """`column.extend(values)`, in C. Where a value is not a number of the column's kind (text in
+    a hand-edited SQLite index), or a time is not finite (NaN or Infinity in a PostgreSQL one), the
+    batch goes again with each such value read as `store.whole` / `store.moment` read it (times
+    unknown: `missing`). compile_seconds (`missing` NaN) keeps NaN: its own "unknown"."""
+    from cachemgr.index.store import moment, whole
+
+    n = len(column)
+    try:
+        column.extend(values)
+        if column.typecode == "q" or math.isnan(missing) or math.isfinite(sum(values)):
+            return
+    except (TypeError, OverflowError):
+        pass
+    del column[n:]
+    column.extend([whole(v) for v in values] if column.typecode == "q" else [moment(v, missing) for v in values])
 
 
 def _holds_binary(root: safefs.Root, key: str) -> bool:

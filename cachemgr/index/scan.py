@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -57,6 +58,7 @@ from cachemgr.index.describe import prepare_unseen_reads
 from cachemgr.index.models import Cache, Dir, Entry, ParsedContent
 from cachemgr.index.pending import Progress, drop_unused_sets, parse_pending, sets_of
 from cachemgr.index.result import ScanResult, check_root
+from cachemgr.index.store import moment
 from cachemgr.index.workers import Pool
 from cachemgr.vocab import PARSED, PENDING, PICKLED, Kind
 
@@ -377,9 +379,10 @@ def sync(conn, cache_id: int, disk: dict[str, layout.DiskEntry], known: dict, no
         d = disk.get(k)
         if d is None:
             continue
-        if r.bytes != d.bytes or r.files != d.files or abs(r.mtime - d.mtime) > 1e-6:
+        # (an odd value of an edited index, text or NaN, reads as changed: the disk's is written)
+        if r.bytes != d.bytes or r.files != d.files or not abs(moment(r.mtime, math.nan) - d.mtime) <= 1e-6:
             changed.append(d)
-        elif max(d.atime, d.mtime) > r.last_access + 1:
+        elif max(d.atime, d.mtime) > moment(r.last_access, -math.inf) + 1:
             touched.append({"id": r.id, "last_access": max(d.atime, d.mtime)})
     delete_entries(conn, removed)
     update_rows(conn, ENTRIES, ("id",), touched)

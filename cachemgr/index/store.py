@@ -20,6 +20,7 @@ kernel on several devices) add `/` and the shortest unique prefix of what tells 
 from __future__ import annotations
 
 import bisect
+import math
 import os
 import sqlite3
 import time
@@ -194,7 +195,41 @@ def sqlite_path(url: str) -> str | None:
 
 
 def iso_time(ts: float | None) -> str | None:
-    return None if ts is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+    """UTC ISO 8601; None for no time, or one no clock can show (an edited index: text, inf)."""
+    try:
+        return None if ts is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return None
+
+
+# The index is read as it is: a hand-edited SQLite index may hold text where a number belongs
+# (SQLite keeps any value in any column), and a PostgreSQL one NaN or Infinity in a float column.
+# An entry's numbers are read through these, so one odd value is that entry's oddity, not a
+# failed command.
+
+
+INT64 = 1 << 63
+
+
+def whole(v: Any) -> int:
+    """A count or size as stored, 0 where it is none (not a number a database integer holds)."""
+    if type(v) is not int:
+        try:
+            v = int(float(v)) if v is not None and not isinstance(v, (bytes, bool)) else 0
+        except (TypeError, ValueError, OverflowError):
+            return 0
+    return v if -INT64 <= v < INT64 else 0
+
+
+def moment(v: Any, missing: float = 0.0) -> float:
+    """A time (or seconds) as stored, `missing` where it is not a finite number."""
+    if type(v) is float and math.isfinite(v):
+        return v
+    try:
+        f = float(v) if v is not None and not isinstance(v, (bytes, bool)) else missing
+    except (TypeError, ValueError, OverflowError):
+        return missing
+    return f if math.isfinite(f) else missing
 
 
 @dataclass(frozen=True)
@@ -323,12 +358,17 @@ e.torch_version_hash, e.system_hash, e.corrupt, COALESCE(e.parse_state, 0), e.un
 
 def _entry(row: Sequence[Any], pins: Mapping[str, str | None] | None = None) -> Entry:
     e = Entry(*row[:25])
+    seconds = None if e.compile_seconds is None else moment(e.compile_seconds, -1.0)
     e = replace(
         e,
-        bytes=int(e.bytes or 0),
-        files=int(e.files or 0),
-        hit_count=int(e.hit_count or 0),
-        parse_state=int(e.parse_state or 0),
+        bytes=whole(e.bytes),
+        files=whole(e.files),
+        mtime=moment(e.mtime),
+        first_seen=moment(e.first_seen),
+        last_access=moment(e.last_access),
+        hit_count=whole(e.hit_count),
+        compile_seconds=seconds if seconds is not None and seconds >= 0 else None,
+        parse_state=whole(e.parse_state),
     )
     if pins:
         pin = next((k for k in (e.key, e.graph_key, e.ref) if k and k in pins), None)
@@ -567,9 +607,12 @@ class Store:
             "SELECT kind, COUNT(*), SUM(files), SUM(bytes), MIN(mtime), MAX(mtime) "
             "FROM entries WHERE cache_id = :cache GROUP BY kind"
         ):
-            by_kind[kind] = Usage(int(n), int(files or 0), int(size or 0))
-            oldest = lo if oldest is None else min(oldest, lo)
-            newest = hi if newest is None else max(newest, hi)
+            by_kind[kind] = Usage(whole(n), whole(files), whole(size))
+            lo, hi = moment(lo, math.nan), moment(hi, math.nan)
+            if math.isfinite(lo):
+                oldest = lo if oldest is None else min(oldest, lo)
+            if math.isfinite(hi):
+                newest = hi if newest is None else max(newest, hi)
         pending = int(self._scalar("SELECT COUNT(*) FROM entries WHERE cache_id = :cache AND parse_state > 0") or 0)
         corrupt = int(self._scalar("SELECT COUNT(*) FROM entries WHERE cache_id = :cache AND corrupt IS NOT NULL") or 0)
         pins = int(self._scalar("SELECT COUNT(*) FROM pins WHERE cache_id = :cache") or 0)
@@ -593,7 +636,7 @@ class Store:
             "SELECT COUNT(*), SUM(files), SUM(bytes) FROM entries WHERE cache_id = :cache AND last_access <= :cutoff",
             cutoff=cutoff,
         )[0]
-        return Usage(int(n or 0), int(files or 0), int(size or 0))
+        return Usage(int(n or 0), whole(files), whole(size))
 
     # -- entries ------------------------------------------------------------------------------------
 
@@ -782,7 +825,7 @@ class Store:
                 "SELECT COUNT(*) FROM entries WHERE cache_id = :cache AND (key = :k OR graph_key = :k OR ref = :k)",
                 k=key,
             )
-            out.append(Pin(key, reason, float(created), int(n or 0)))
+            out.append(Pin(key, reason, moment(created), int(n or 0)))
         return out
 
     def add_pin(self, key: str, reason: str | None, now: float | None = None) -> Pin | None:
@@ -876,7 +919,7 @@ class Store:
             "AND r.kind = 'fxgraph' JOIN entries v ON v.cache_id = a.cache_id AND v.ref = r.ref "
             "WHERE a.cache_id = :cache AND a.kind = 'aotautograd'"
         ):
-            deps.setdefault(fid, {})[did] = int(size or 0)
+            deps.setdefault(fid, {})[did] = whole(size)
         by_model: dict[str, list[str]] = {}
         for s in self.each_shape():
             by_model.setdefault(s["model"], []).append(s["signature"])
@@ -884,7 +927,7 @@ class Store:
         for model, signatures in by_model.items():
             graphs = _graphs_with(signatures, [(r[1], r[2]) for r in fx])
             rows = [r for r in fx if r[1] in graphs]
-            held = {r[0]: int(r[3] or 0) for r in rows}
+            held = {r[0]: whole(r[3]) for r in rows}
             for r in rows:
                 held.update(deps.get(r[0], {}))
             out.append(
@@ -894,8 +937,8 @@ class Store:
                     len(graphs),
                     len(held),
                     sum(held.values()),
-                    sum(int(r[4]) for r in rows),
-                    sum(float(r[5] or 0) for r in rows),
+                    sum(whole(r[4]) for r in rows),
+                    sum(moment(r[5]) for r in rows),
                     max((r[6] for r in rows), default=None),
                 )
             )
@@ -928,7 +971,7 @@ class Store:
         )
         return [
             CompileEvent(
-                int(i), float(ts), key, gk, None if s is None else float(s), kind == Event.LOADED or bool(copy), eid
+                int(i), moment(ts), key, gk, None if s is None else moment(s), kind == Event.LOADED or bool(copy), eid
             )
             for i, ts, key, gk, s, kind, eid, copy in rows
         ]
@@ -1033,7 +1076,7 @@ class Store:
             "AND e.parse_state = 0 ORDER BY e.mtime, e.id"
         )
         return [
-            GraphEntry(int(i), k, r, g, float(m), gu, un, tv, sets.get(int(i), {}))
+            GraphEntry(int(i), k, r, g, moment(m), gu, un, tv, sets.get(int(i), {}))
             for i, k, r, g, m, gu, un, tv in rows
         ]
 
@@ -1053,7 +1096,7 @@ class Store:
     def fleet_hosts(self) -> list[tuple[str, int, int, int, int, float | None]]:
         """(host, caches, entries, bytes, hit_count, last scan) of every host."""
         return [
-            (h, int(c), int(n), int(b or 0), int(hits or 0), last)
+            (h, int(c), int(n), whole(b), whole(hits), last)
             for h, c, n, b, hits, last in self._rows(
                 "SELECT c.host, COUNT(DISTINCT c.id), COUNT(e.id), SUM(e.bytes), SUM(e.hit_count), MAX(c.last_scan) "
                 "FROM caches c LEFT JOIN entries e ON e.cache_id = c.id GROUP BY c.host ORDER BY c.host"
@@ -1095,9 +1138,9 @@ class Store:
                 "graph_key": g,
                 "hosts": int(nh),
                 "entries": int(n),
-                "bytes": int(size or 0),
-                "redundant_bytes": int(size or 0) - int(biggest or 0),
-                "compile_seconds": None if cost is None else round(float(cost), 3),
+                "bytes": whole(size),
+                "redundant_bytes": whole(size) - whole(biggest),
+                "compile_seconds": None if cost is None else round(moment(cost), 3),
                 "torch_version": tv,
             }
             for g, nh, n, size, biggest, cost, tv in rows[:limit]
@@ -1107,7 +1150,7 @@ class Store:
         """(version, fxgraph entries, their bytes, hosts) of every torch version in the index."""
         return sorted(
             (
-                (v, int(n), int(size or 0), int(nh))
+                (v, int(n), whole(size), int(nh))
                 for v, n, size, nh in self._rows(
                     "SELECT e.torch_version, COUNT(*), SUM(e.bytes), COUNT(DISTINCT c.host) FROM entries e "
                     "JOIN caches c ON c.id = e.cache_id WHERE e.torch_version IS NOT NULL GROUP BY e.torch_version"
@@ -1123,7 +1166,7 @@ class Store:
         (cache_id, kind) index and on (cache_id, ref|alias): without it this takes minutes on
         40,000 entries instead of a second."""
         return [
-            (v, int(i), int(b or 0))
+            (v, int(i), whole(b))
             for v, i, b in self._rows(
                 "SELECT v.torch_version, d.id, d.bytes FROM entries v JOIN entry_refs r ON r.entry_id = v.id "
                 "JOIN entries d ON d.cache_id = v.cache_id AND d.ref = r.ref AND d.kind || '' = r.kind "
@@ -1166,7 +1209,7 @@ class Store:
         """(host, entry id, graph key, part, component set id) of every parsed fxgraph entry of
         every cache in the index: what the fragmentation report groups by graph code."""
         return [
-            (h, int(i), g, p, int(s))
+            (h, int(i), g, p, whole(s))
             for h, i, g, p, s in self.driver.rows(
                 "SELECT c.host, e.id, e.graph_key, s.part, s.set_id FROM entries e "
                 "JOIN caches c ON c.id = e.cache_id JOIN entry_component_sets s ON s.entry_id = e.id "
