@@ -421,6 +421,8 @@ def read_toml(path: str, what: str, error: type[UsageError]) -> dict[str, Any]:
         raise error(f"{what} {path}: not valid TOML: {e}") from None
     except RecursionError:
         raise error(f"{what} {path}: not valid TOML: nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts (4,300)
+        raise error(f"{what} {path}: not valid TOML: {e}") from None
 
 
 def _read_toml(path: str) -> dict[str, Any]:

@@ -119,7 +119,9 @@ def entry_signature(inputs: list[tuple[int, str]]) -> str | None:
 
 # -- matching a recorded call to entries --------------------------------------------------------------
 
-_TENSOR = re.compile(r"[a-z]+\d*[a-z0-9]*\[[^\]]*\]")
+# a dtype word and its shape: possessive, and a word only from its start, so each character is
+# looked at once (a run of letters was scanned again from each of them: quadratic in an entry's text)
+_TENSOR = re.compile(r"(?<![a-z0-9])[a-z][a-z0-9]*+\[[^\[\]]*+\]")
 
 
 def tensors_of(signature: str | None) -> set[str]:

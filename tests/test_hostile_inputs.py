@@ -555,6 +555,15 @@ def test_variables_and_flags_meet_the_same_checks(name, value, says, tmp_path):
     one_error_line(r, 2, f"{name.lower()} from env CACHEMGR_{name}", says)
 
 
+def test_an_integer_longer_than_python_converts_is_a_bad_config_file(tmp_path):
+    """tomllib raises a plain ValueError past 4,300 digits (it was exit 70, and a daemon reloading
+    such a file died); the same file as a manifest is refused alike."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("unknown_key = " + "9" * 4301 + "\n")
+    one_error_line(run("--config", str(cfg), "config", "show"), 2, f"config file {cfg}: not valid TOML")
+    one_error_line(run("--config", str(cfg), "stats"), 2, "not valid TOML")
+
+
 def test_a_key_set_at_the_top_level_and_under_cachemgr_is_refused(tmp_path):
     """Both places set: which was meant? (the top level used to win, with no word)"""
     cfg = tmp_path / "config.toml"
@@ -1129,3 +1138,33 @@ def test_nan_and_infinity_in_a_postgresql_index_fail_no_command(fixture_cache, p
     _every_reader_answers(cli, key)
     planned = json.loads(cli("evict", "--dry-run", "--max-age", "1d", "--json").stdout)
     assert not any(e["key"] == key for e in planned["entries"])
+
+
+def test_the_tensors_of_a_signature_are_read_in_one_pass_over_hostile_text():
+    """An entry's signature is its example inputs' text, whatever length the pickle gave it: the
+    tensors are read by a pattern that looks at each character once (a run of letters was read
+    again from each letter: a 16 MB signature held `stats --by model` for minutes). What it reads
+    of a real signature, and of a recorded one, is unchanged."""
+    from cachemgr.signatures import call_matches, tensors_of
+
+    entry = "f32[s0, 32](32, 1)cpu grad; bf16[8](1)cuda:0; 3; f8e4m3fn[2, 2](2, 1)cuda:0"
+    assert tensors_of(entry) == {"f32[s0,32]", "bf16[8]", "f8e4m3fn[2,2]"}
+    assert call_matches(tensors_of("f32[s0, 32]; bf16[8]"), tensors_of(entry))
+    assert not call_matches(tensors_of("f32[s0, 32]; bf16[9]"), tensors_of(entry))
+    assert tensors_of(("a" * 800 + " ") * 2_000) == set()
+    assert tensors_of("a1" * 100_000 + "[" * 10_000 + "f32[1]") == {"f32[1]"}
+    assert tensors_of("(" * 10_000 + "f32[1]" + "]" * 10_000) == {"f32[1]"}
+
+
+@pytest.mark.parametrize("end", [b"", b"\\"])
+def test_a_deep_line_with_a_string_never_closed_is_read_in_one_pass(end):
+    """The depth check skips strings: one never closed, of escaped quotes, was looked at again
+    from each quote (25 s of CPU for one 64 KiB line, a day for a full spool file). Now one pass:
+    the line is refused as nested too deep, like any other."""
+    from cachemgr.prewarm import spool
+
+    line = b"[" * 33 + b'"' + b'\\"' * 30_000 + end
+    with pytest.raises(spool.LineError, match="nested deeper than"):
+        spool.parse_line(line)
+    with pytest.raises(spool.LineError, match="not JSON"):  # shallow: the JSON parser says why
+        spool.parse_line(b"[" + b'"' + b'\\"' * 30_000 + end)

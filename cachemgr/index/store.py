@@ -1246,21 +1246,15 @@ def unique_prefix(name: str, names: Sequence[str], minimum: int = SHORT_MIN) -> 
     return name[: max(minimum, common + 1)]
 
 
-_TENSOR = None
-
-
 def _graphs_with(signatures: Iterable[str | None], entries: Iterable[tuple[str | None, str | None]]) -> set[str]:
     """Graph keys of the entries whose signature holds every tensor of one recorded signature."""
-    import re
+    from cachemgr.signatures import call_matches, tensors_of
 
-    global _TENSOR
-    if _TENSOR is None:
-        _TENSOR = re.compile(r"[a-z]+\d*\[[^\]]*\]")
-    tensor_sets = [s for sig in signatures if (s := set(_TENSOR.findall((sig or "").replace(" ", ""))))]
+    tensor_sets = [s for sig in signatures if (s := tensors_of(sig))]
     found = set()
     for gk, sig in entries:
-        have = set(_TENSOR.findall((sig or "").replace(" ", "")))
-        if gk and any(ts <= have for ts in tensor_sets):
+        have = tensors_of(sig)
+        if gk and any(call_matches(ts, have) for ts in tensor_sets):
             found.add(gk)
     return found
 

@@ -63,7 +63,9 @@ LOCK_WAIT = 5.0  # seconds to wait for a recorder to finish its line in a file j
 FUTURE = 86400.0  # a line's time may be this far ahead of ours (clocks differ), no more
 
 _BAD_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+# a string, or one never closed up to the end of the line (possessive: each character looked at
+# once; an unclosed string backtracked to every quote in it, quadratic in the line)
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.S)
 _BRACKETS = re.compile(r"[\[\]{}]")
 _DTYPE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
