@@ -59,6 +59,11 @@ def _text(v: Any, what: str = "a string") -> str:
         raise ValueError(f"must be {what}, not {_kind(v)}")
     if "\x00" in v:
         raise ValueError("must not contain a NUL byte")
+    if not v.isascii():
+        try:  # (a name that is not UTF-8 comes from the environment or argv as lone surrogates)
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be UTF-8 (the index keeps it as text)") from None
     return v
 
 
@@ -378,18 +383,20 @@ def load(
     for o in OPTIONS:
         if o.name in raw:
             v, src = raw[o.name]
-            try:
-                values[o.name] = o.parse(v)
-            except UsageError as e:
-                raise ConfigError(f"{o.name} from {src}: {e}") from e
-            except (TypeError, ValueError, OverflowError) as e:
-                shown = repr(v)
-                shown = shown if len(shown) <= 80 else shown[:77] + "..."
-                raise ConfigError(f"{o.name} from {src}: invalid value {shown}: {e}") from e
-            sources[o.name] = src
+            parse: Callable[[Any], Any] = o.parse
         else:
-            values[o.name] = o.default(environ)
-            sources[o.name] = o.default_source(environ)
+            src = o.default_source(environ)
+            v = o.default(environ)  # (a default read from the environment meets the text check)
+            parse = _text if isinstance(v, str) else lambda x: x
+        try:
+            values[o.name] = parse(v)
+        except UsageError as e:
+            raise ConfigError(f"{o.name} from {src}: {e}") from e
+        except (TypeError, ValueError, OverflowError) as e:
+            shown = repr(v)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise ConfigError(f"{o.name} from {src}: invalid value {shown}: {e}") from e
+        sources[o.name] = src
     return Settings(**values, sources=sources, config_file=path)
 
 

@@ -34,6 +34,8 @@ import uuid
 import warnings
 from typing import Any
 
+from cachemgr.errors import CachemgrError
+
 SPOOL_VERSION = 1
 SPOOL_SUFFIX = ".jsonl"
 MAX_LINE = 64 * 1024  # cachemgr.prewarm.spool.MAX_LINE: a longer line is never ingested
@@ -209,10 +211,11 @@ class Spool:
         try:
             with self._lock:
                 self._write(line)
-        except OSError as e:
+        except (OSError, CachemgrError) as e:  # (a bad config file names no spool: the model runs on)
             if not self._warned:
                 self._warned = True
-                warnings.warn(f"cachemgr.record: cannot write the spool {self.directory}: {e}", stacklevel=3)
+                where = self._directory or "of the settings"
+                warnings.warn(f"cachemgr.record: cannot write the spool {where}: {e}", stacklevel=3)
 
     def _write(self, line: bytes) -> None:
         import fcntl

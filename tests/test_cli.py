@@ -79,10 +79,16 @@ def test_a_database_failure_mid_command_is_one_line(gpu_cache, cli_for, db_url):
     assert r.returncode == 5 and r.stderr == "cachemgr: error: index database: disk quota exceeded\n", r.stderr
     with sqlite3.connect(path) as c:
         c.execute("DROP TRIGGER refuse")
-        c.execute("UPDATE alembic_version SET version_num = 'zzzz9999'")
+        c.execute("UPDATE alembic_version SET version_num = '9999'")
     r = cli.proc("stats")
-    assert r.returncode == 5 and "was written by a newer cachemgr (schema revision zzzz9999)" in r.stderr, r.stderr
+    assert r.returncode == 5 and "was written by a newer cachemgr (schema revision 9999)" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    for odd in ("", "@", "zzzz9999"):  # no revision at all: alembic asserted on the first two (exit 70)
+        with sqlite3.connect(path) as c:
+            c.execute("UPDATE alembic_version SET version_num = ?", (odd,))
+        r = cli.proc("scan")
+        assert r.returncode == 5 and f"names schema revision {odd!r}, which no cachemgr writes" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_stats_scans_a_never_scanned_cache(fixture_cache, cli_for):

@@ -833,7 +833,14 @@ def test_cost_policy_keeps_its_clock_across_cli_runs(aged_gpu, cli_for):
 
 
 @pytest.mark.parametrize(
-    "clock,history", [("x", "not json"), ("1e999", "[[1, 2, 3]]"), (5.0, '{"a": 1}'), (5.0, '[[1, "x"], [2, 3]]')]
+    "clock,history",
+    [
+        ("x", "not json"),
+        ("1e999", "[[1, 2, 3]]"),
+        (5.0, '{"a": 1}'),
+        (5.0, '[[1, "x"], [2, 3]]'),
+        (5.0, "[" * 5000 + "]" * 5000),  # deeper than the JSON reader recurses
+    ],
 )
 def test_a_damaged_cost_clock_does_not_stop_eviction(aged_gpu, cli_for, clock, history):
     """The cost policy's clock as the index keeps it, edited or damaged: eviction goes on (with

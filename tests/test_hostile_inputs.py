@@ -555,6 +555,21 @@ def test_variables_and_flags_meet_the_same_checks(name, value, says, tmp_path):
     one_error_line(r, 2, f"{name.lower()} from env CACHEMGR_{name}", says)
 
 
+@pytest.mark.parametrize(
+    "variable,name",
+    [("CACHEMGR_CACHE_DIR", "cache_dir"), ("TORCHINDUCTOR_CACHE_DIR", "cache_dir"), ("XDG_STATE_HOME", "db")],
+)
+def test_a_name_that_is_not_utf8_is_a_usage_error(variable, name, tmp_path):
+    """A cache dir, or the state dir under a default index, named by bytes that are not UTF-8 (they
+    reach Python as lone surrogates): the index keeps names as text, and every command stopped
+    with exit 70 at its first write of the name."""
+    bad = str(tmp_path / "c_\udcff")  # (the byte 0xff in the environment)
+    env = {variable: bad}
+    if variable == "XDG_STATE_HOME":
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
+    one_error_line(run("stats", env=env), 2, f"{name} from env {variable}", "must be UTF-8")
+
+
 def test_an_integer_longer_than_python_converts_is_a_bad_config_file(tmp_path):
     """tomllib raises a plain ValueError past 4,300 digits (it was exit 70, and a daemon reloading
     such a file died); the same file as a manifest is refused alike."""

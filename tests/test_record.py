@@ -93,6 +93,21 @@ def test_a_spool_that_cannot_be_written_warns_once_and_never_breaks_the_model(tm
     assert m(torch.randn(1, 2)).shape == (1, 2)
 
 
+def test_a_bad_config_warns_once_and_never_breaks_the_model(tmp_path, monkeypatch):
+    """The spool named by the settings, and the settings cannot be read (a config file that is
+    not TOML, a state directory whose name is not UTF-8): a warning, not an exception in the
+    user's forward pass."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("max_size = [\n")
+    monkeypatch.delenv("CACHEMGR_SPOOL_DIR", raising=False)
+    monkeypatch.setenv("CACHEMGR_CONFIG", str(cfg))
+    m = record.compile(torch.nn.Linear(2, 2), name="x", spool=record.Spool(), backend="eager")
+    with pytest.warns(UserWarning, match="cannot write the spool of the settings: config file"):
+        m(torch.randn(1, 2))
+        m(torch.randn(3, 2))
+    assert m(torch.randn(1, 2)).shape == (1, 2)
+
+
 def test_ingest_is_idempotent_and_collects_varied_dims(spool, tmp_path):
     m = record.compile(torch.nn.Linear(4, 2), name="lin", spool=spool, backend="eager")
     for b in (2, 3, 5):

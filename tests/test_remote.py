@@ -318,6 +318,11 @@ def test_remote_failures_are_one_line(cpu_cache, cli_for, url, message, args):
         ("redis://nobody:hunter2@{server}/x", "'x' is not a database number"),
         ("http://{server}", "give redis://HOST:PORT/DB"),
         ("redis://127.0.0.1:port/0", "Port could not be cast to integer value"),
+        # options that make redis-py hand back text, or that only rediss:// takes (each was exit 70)
+        ("redis://{server}/13?decode_responses=true", "leave out decode_responses"),
+        ("redis://{server}/13?Encoding=latin-1", "leave out encoding"),
+        ("redis://{server}/13?encoding_errors=bogus", "leave out encoding_errors"),
+        ("redis://{server}/13?ssl_cert_reqs=x", "ssl options need rediss://"),
     ],
 )
 def test_a_bad_redis_url_is_a_usage_error(tmp_path, db_url, redis_url, url, why):

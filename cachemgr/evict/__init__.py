@@ -221,7 +221,7 @@ def load_clock(db: Database, cache_id: int) -> Clock:
     try:
         value = float(row[0] or 0.0)
         history = json.loads(row[1] or "[]")
-    except (TypeError, ValueError):  # edited or damaged: the clock starts again, eviction goes on
+    except (TypeError, ValueError, RecursionError):  # edited or damaged: the clock starts again, eviction goes on
         return Clock()
     if not math.isfinite(value) or not isinstance(history, list):
         return Clock()

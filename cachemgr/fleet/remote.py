@@ -195,7 +195,15 @@ def check_url(url: str) -> str:
             raise UsageError(bad + f"{shown_key(db)!r} is not a database number (0, 1, 2...: redis://HOST:PORT/DB)")
     if len({int(db) for db in dbs}) > 1:
         raise UsageError(bad + "it names two databases (its path and ?db=)")
+    options = {k.lower() for k, _ in parse_qsl(parts.query, keep_blank_values=True)}
+    for option in sorted(options & _DECODING):  # redis-py would hand back text: keys and values are bytes here
+        raise UsageError(bad + f"leave out {option}: cachemgr reads Redis's bytes as they are")
+    if parts.scheme.lower() != "rediss" and any(k.startswith("ssl") for k in options):
+        raise UsageError(bad + "ssl options need rediss://")  # (redis-py fails on them at the first command)
     return url
+
+
+_DECODING = frozenset({"decode_responses", "encoding", "encoding_errors"})
 
 
 def redact_url(url: str) -> str:

@@ -92,6 +92,12 @@ class Database:
             return
         if revision is None:
             self._refuse_foreign()
+        elif not (isinstance(revision, str) and revision.isascii() and revision.isdigit()):
+            # cachemgr numbers its revisions; alembic asserts on some other strings ('', '@')
+            raise DatabaseError(
+                f"the index {redact(self.url)} names schema revision {str(revision)[:40]!r}, which no "
+                "cachemgr writes: a damaged index; move it aside and scan again, or use another --db"
+            )
         if self.is_sqlite:
             with self.engine.connect() as conn:
                 conn.exec_driver_sql("PRAGMA journal_mode=WAL")
