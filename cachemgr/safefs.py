@@ -6,7 +6,10 @@ and a path string is never resolved twice: a directory swapped for a symlink mid
 (ELOOP), not followed out of the root. Only regular files are opened (lstat first, then
 `O_NOFOLLOW | O_NONBLOCK`, then the descriptor's identity checked against the lstat), so a FIFO,
 a device node or a symlink to /dev/zero is never read. Deletions name what they expect to delete
-by (device, inode), and refuse anything that changed since it was looked at.
+by (device, inode), and refuse anything that changed since it was looked at. A kept directory
+descriptor follows its directory wherever it is moved, so before anything goes through one it is
+checked to be still reachable by its name from the root, and a rename is checked after it (and
+undone) rather than before only.
 
 This module knows no Inductor paths (cachemgr.layout does); it only makes them safe to use.
 """
@@ -77,7 +80,7 @@ class Root:
         # One descriptor cache per thread: a descriptor another thread let go (and the kernel
         # then gave to some other directory) is never used.
         self._local = threading.local()
-        self._caches: list[OrderedDict[str, int]] = []
+        self._caches: list[OrderedDict[str, tuple[int, Identity]]] = []
         self._caches_lock = threading.Lock()
 
     def __enter__(self) -> Root:
@@ -96,12 +99,10 @@ class Root:
         """Close the cached directory descriptors of every thread (no thread may be using them)."""
         with self._caches_lock:
             for cache in self._caches:
-                for fd in cache.values():
-                    os.close(fd)
-                cache.clear()
+                _close_all(cache)
 
     @property
-    def _dirs(self) -> OrderedDict[str, int]:
+    def _dirs(self) -> OrderedDict[str, tuple[int, Identity]]:
         try:
             return self._local.dirs
         except AttributeError:
@@ -115,19 +116,43 @@ class Root:
     def dir_fd(self, rel: str) -> int:
         """A descriptor of directory `rel` ('' is the root), owned by this Root: do not close it.
         Raises OSError (ELOOP for a symlink, ENOTDIR, ENOENT) when it is not a real directory."""
-        if not rel:
-            return self.fd
+        return self._dir(rel)[0] if rel else self.fd
+
+    def _dir(self, rel: str) -> tuple[int, Identity]:
         dirs = self._dirs
-        fd = dirs.get(rel)
-        if fd is not None:
+        got = dirs.get(rel)
+        if got is not None:
             dirs.move_to_end(rel)
-            return fd
+            return got
         parent, name = split(rel)
         fd = os.open(name, O_DIR, dir_fd=self.dir_fd(parent))
-        dirs[rel] = fd
+        got = dirs[rel] = fd, identity(os.fstat(fd))
         if len(dirs) > OPEN_DIRS:
-            os.close(dirs.popitem(last=False)[1])
+            os.close(dirs.popitem(last=False)[1][0])
+        return got
+
+    def reachable_dir_fd(self, rel: str) -> int:
+        """dir_fd(rel), checked to be the directory its name names now: a directory moved out of
+        the cache while its descriptor was kept (`mv cache/fxgraph /backup` mid-eviction) is
+        refused, and this thread's descriptors forgotten."""
+        fd = self.dir_fd(rel)
+        if not self._reachable(rel):
+            _close_all(self._dirs)
+            raise Refused("moved or replaced while eviction ran", rel)
         return fd
+
+    def _reachable(self, rel: str) -> bool:
+        """Is each kept descriptor on the way to `rel` the directory its name names now? One lstat
+        per level, against the descriptor above (MAX_DEPTH < OPEN_DIRS: none of them is closed)."""
+        while rel:
+            parent, name = split(rel)
+            try:
+                if identity(os.stat(name, dir_fd=self.dir_fd(parent), follow_symlinks=False)) != self._dir(rel)[1]:
+                    return False
+            except OSError:
+                return False
+            rel = parent
+        return True
 
     def lstat(self, rel: str) -> os.stat_result:
         parent, name = split(rel)
@@ -183,10 +208,11 @@ class Root:
 
     # -- deleting ---------------------------------------------------------------------------------
 
-    def check(self, rel: str, expect: Identity) -> tuple[int, str, os.stat_result]:
-        """(parent descriptor, name, lstat) of `rel`, if it is still what was seen (`expect`)."""
+    def check(self, rel: str, expect: Identity, reachable: bool = False) -> tuple[int, str, os.stat_result]:
+        """(parent descriptor, name, lstat) of `rel`, if it is still what was seen (`expect`);
+        `reachable`: its directory checked to be still below the root (reachable_dir_fd)."""
         parent, name = split(rel)
-        pfd = self.dir_fd(parent)
+        pfd = self.reachable_dir_fd(parent) if reachable else self.dir_fd(parent)
         st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
         if identity(st) != expect:
             raise Refused("changed since it was looked at", rel)
@@ -194,20 +220,60 @@ class Root:
 
     def move(self, rel: str, expect: Identity, dst_fd: int, dst_name: str) -> None:
         """Rename `rel` (a file, or a directory whole) to `dst_name` in directory `dst_fd`.
-        A rename never follows a symlink; the parents were reached without following any."""
+        A rename never follows a symlink; the parents were reached without following any. What
+        left is checked after the rename (no window between a check and a rename): if it is not
+        what was seen, or its directory is no longer below the root, it goes back, refused."""
         pfd, name, _ = self.check(rel, expect)
         os.rename(name, dst_name, src_dir_fd=pfd, dst_dir_fd=dst_fd)
+        try:
+            same = identity(os.stat(dst_name, dir_fd=dst_fd, follow_symlinks=False)) == expect
+        except OSError:
+            same = False
+        reachable = same and self._reachable(split(rel)[0])
+        if not reachable:
+            try:
+                os.rename(dst_name, name, src_dir_fd=dst_fd, dst_dir_fd=pfd)
+            except OSError:
+                pass  # its place was taken meanwhile: it stays where it went (the trash, emptied later)
+            if same:
+                _close_all(self._dirs)
+            raise Refused("changed since it was looked at" if not same else "moved or replaced while eviction ran", rel)
 
-    def delete(self, rel: str, expect: Identity) -> None:
-        """Delete `rel` in place: a file by unlink, a directory by a descriptor-based rmtree."""
-        pfd, name, st = self.check(rel, expect)
-        remove_at(pfd, name, st)
+    def delete(self, rel: str, expect: Identity, inodes: frozenset[int] | None = None) -> None:
+        """Delete `rel` in place: a file by unlink, a directory by a descriptor-based rmtree (with
+        `inodes`: a directory of files, of which only those go; refused if others are there)."""
+        pfd, name, st = self.check(rel, expect, reachable=True)
+        remove_at(pfd, name, st, inodes)
 
 
-def remove_at(dir_fd: int, name: str, st: os.stat_result | None = None) -> None:
+def _close_all(dirs: OrderedDict[str, tuple[int, Identity]]) -> None:
+    for fd, _ in dirs.values():
+        os.close(fd)
+    dirs.clear()
+
+
+def open_dir(root: str, rel: str) -> int:
+    """A new descriptor (the caller closes it) of directory `rel` below the directory `root`
+    names, reached one component at a time without following a symlink. Unlike a Root, nothing
+    stays open between calls (inotify tells of a directory's removal only once it is closed)."""
+    if rel:
+        split(rel)  # refuses '', '.' and '..' parts, and paths deeper than MAX_DEPTH
+    names = rel.split("/") if rel else []
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    for name in names:
+        try:
+            below = os.open(name, O_DIR, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = below
+    return fd
+
+
+def remove_at(dir_fd: int, name: str, st: os.stat_result | None = None, inodes: frozenset[int] | None = None) -> None:
     """Remove `name` in directory `dir_fd`: unlink a file or symlink (never what it points at),
     or remove a directory tree without following any symlink inside it. Without `st`, whatever
-    `name` is now goes (an unlink first: one call for a file)."""
+    `name` is now goes (an unlink first: one call for a file). With `inodes`, only the files of
+    a directory that are among them go: the directory stays, refused, if anything else is in it."""
     if st is None:
         try:
             os.unlink(name, dir_fd=dir_fd)
@@ -221,7 +287,11 @@ def remove_at(dir_fd: int, name: str, st: os.stat_result | None = None) -> None:
     try:
         if st is not None and identity(os.fstat(fd)) != identity(st):
             raise Refused("changed since it was looked at", name)
-        for n in os.listdir(fd):
+        with os.scandir(fd) as it:
+            found = [(d.name, d.inode()) for d in it]
+        if inodes is not None and not inodes.issuperset(ino for _, ino in found):
+            raise Refused("written to since it was looked at", name)
+        for n, _ in found:
             try:
                 os.unlink(n, dir_fd=fd)
             except IsADirectoryError:

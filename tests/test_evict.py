@@ -1048,6 +1048,120 @@ def test_a_worker_refuses_a_replaced_root(aged_gpu, tmp_path):
         assert look._start(os.getpid(), str(aged_gpu), root.id, None, {}, 0.0).root.id == root.id
 
 
+def _indexed(root: Path, db_url: str):
+    from cachemgr.index.db import Database
+    from cachemgr.index.scan import reconcile
+
+    db = Database(db_url)
+    cid = db.cache_id("h", str(root))
+    reconcile(db, cid, str(root))
+    return db, cid
+
+
+def _files_under(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in d.rglob("*") if p.is_file()}
+
+
+def test_a_directory_moved_out_of_the_cache_mid_eviction_is_not_emptied(aged_cpu, db_url, tmp_path, monkeypatch):
+    """An operator moves a folder out of the cache (`mv $CACHE/xy /backup/`) while eviction
+    runs: the descriptors eviction kept of it now point outside the root. Nothing in it goes:
+    what was already renamed comes back, and the rest is no longer found under the root."""
+    from cachemgr.evict import Limits, evict, look
+
+    db, cid = _indexed(aged_cpu, db_url)
+    take, moved = look.Looker.take, {}
+
+    def take_after_a_move(self, took, files):
+        if not moved:
+            rel = layout.fs_path(files[0].move[0][0]).rpartition("/")[0]
+            moved["out"] = tmp_path / "backup" / rel.replace("/", "_")
+            moved["out"].parent.mkdir()
+            os.rename(aged_cpu / rel, moved["out"])
+            moved["files"] = _files_under(moved["out"])
+        return take(self, took, files)
+
+    monkeypatch.setattr(look.Looker, "take", take_after_a_move)
+    r = evict(db, cid, str(aged_cpu), Limits(max_size=0, grace=0))
+    assert r.evicted and moved["files"]
+    assert _files_under(moved["out"]) == moved["files"]
+    assert "changed since planned" in {why for _, why in r.skipped}
+
+
+@pytest.mark.parametrize("trash", [True, False], ids=["trash", "in-place"])
+@pytest.mark.parametrize("written", ["young.json", "tmp.pid_1_ab/x.json"])
+def test_a_file_written_into_a_kernel_directory_mid_eviction_stays(aged_gpu, db_url, monkeypatch, written, trash):
+    """A Triton kernel directory goes whole, after each of its files was looked at. A file
+    written into it after the look (a new kernel file, a write in progress) keeps it: it never
+    goes with the directory, whether that moves into the trash or is deleted in place."""
+    from cachemgr.evict import Limits, evict, execute, look
+
+    db, cid = _indexed(aged_gpu, db_url)
+    take, wrote = look.Looker.take, []
+
+    def take_after_a_write(self, took, files):
+        kernel = next((f for f in files if f.inodes is not None), None)
+        if kernel is not None and not wrote:
+            p = aged_gpu / layout.fs_path(kernel.move[0][0]) / written
+            p.parent.mkdir(exist_ok=True)
+            p.write_text("new")
+            wrote.append(p)
+        return take(self, took, files)
+
+    monkeypatch.setattr(look.Looker, "take", take_after_a_write)
+    if not trash:
+        monkeypatch.setattr(execute.Executor, "_open_trash", lambda self: None)
+    r = evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
+    assert r.evicted and wrote and wrote[0].read_text() == "new"
+    kernel_dir = wrote[0].parent if written == "young.json" else wrote[0].parent.parent
+    assert len(list(kernel_dir.iterdir())) > 1  # the kernel's own files stayed with it
+
+
+def test_a_trash_the_evictor_may_not_write_to_deletes_in_place(aged_cpu, db_url, monkeypatch):
+    """Another user's `.cachemgr-trash` (or an immutable one): the units go in place, not nowhere."""
+    import errno
+
+    from cachemgr import safefs
+    from cachemgr.evict import Limits, evict
+
+    def refused(self, rel, expect, dst_fd, dst_name):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    db, cid = _indexed(aged_cpu, db_url)
+    monkeypatch.setattr(safefs.Root, "move", refused)
+    before = sum(disk(aged_cpu).values())
+    r = evict(db, cid, str(aged_cpu), Limits(max_size=0, grace=0))
+    assert r.evicted and not [why for _, why in r.skipped if why == "delete failed"]
+    assert before - sum(disk(aged_cpu).values()) == r.freed_bytes > 0
+
+
+def test_a_trash_replaced_before_the_workers_open_it_stops_with_exit_7(aged_gpu, db_url, monkeypatch):
+    """Eviction's worker processes open the root and the trash themselves; one replaced between
+    the evicting process's open and theirs is refused: one line, exit 7 (not an internal error),
+    nothing moved, and the index still agrees with the disk."""
+    from cachemgr.evict import Limits, evict, execute
+    from cachemgr.index.scan import reconcile
+
+    db, cid = _indexed(aged_gpu, db_url)
+    open_trash = execute.Executor._open_trash
+
+    def then_replaced(self):
+        fd = open_trash(self)
+        os.rename(aged_gpu / layout.TRASH_DIR, aged_gpu.parent / "old-trash")
+        os.mkdir(aged_gpu / layout.TRASH_DIR)
+        return fd
+
+    monkeypatch.setattr(execute, "PROCESSES_FROM", 0)
+    monkeypatch.setattr(execute, "LOOK_PROCESSES", 2)
+    monkeypatch.setattr(execute.Executor, "_open_trash", then_replaced)
+    before = disk(aged_gpu)
+    with pytest.raises(UnsafePath, match="trash folder was replaced") as e:
+        evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
+    assert e.value.exit_code == 7
+    assert disk(aged_gpu) == before
+    check = reconcile(db, cid, str(aged_gpu))
+    assert not (check.added or check.changed or check.removed), check.as_dict()
+
+
 def test_a_commit_that_fails_puts_back_its_batch_and_the_next(aged_gpu, db_url, monkeypatch):
     """The third batch's commit fails while the fourth is being moved: the first two stay
     evicted (committed), the third and fourth come back whole, and index and disk agree."""

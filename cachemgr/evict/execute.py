@@ -4,7 +4,8 @@ Nothing is deleted under a directory that does not look like an Inductor cache (
 directory named by mistake: eviction takes unreferenced files as orphans). Everything goes
 through `safefs.Root`: the root is opened once, every directory below it is reached by
 descriptor without following symlinks, and each file or kernel directory is deleted only if it
-is still the one (device, inode) that was looked at. A unit is kept whole if any file of it (or
+is still the one (device, inode) that was looked at, still below the root, and (a kernel
+directory) holds only the files looked at. A unit is kept whole if any file of it (or
 of an entry that bundles it) was written or read within the grace period, if a lock that guards
 it is held, or if anything in it changed between the look and the delete.
 
@@ -170,6 +171,8 @@ class Executor:
             at = 0
             while batch is not None:
                 failure = _collect(batch.looks, batch.taken, skipped)
+                if isinstance(failure, safefs.Refused):  # a worker found the root or the trash replaced
+                    raise UnsafePath(f"{failure.filename}: {failure.why}: eviction stopped") from failure
                 if failure is not None:
                     raise failure
                 at += BATCH
@@ -366,7 +369,7 @@ class Executor:
                 continue
             parent, name = safefs.split(layout.fs_path(d))
             try:
-                pfd = self.root.dir_fd(parent)
+                pfd = self.root.reachable_dir_fd(parent)
                 st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode) and st.st_mtime < cutoff:
                     os.rmdir(name, dir_fd=pfd)  # fails unless empty

@@ -30,7 +30,9 @@ from cachemgr.errors import CachemgrError
 from cachemgr.index.workers import receive, send
 from cachemgr.vocab import Held, Kind
 
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EMLINK, errno.EXDEV)  # the trash cannot take it: delete in place
+# The trash cannot take it (a full disk; another file system; a trash another user made, or
+# made immutable): delete in place.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EMLINK, errno.EXDEV, errno.EACCES, errno.EPERM)
 
 Planned = tuple[int, str, str, str | None]  # an entry of a unit: (id, kind, key, ref)
 Watched = tuple[int, str, str]  # an entry whose use protects a unit: (id, kind, key)
@@ -59,6 +61,7 @@ class _Files:
     paths: list[os.stat_result] = field(default_factory=list)  # lstat of each regular file
     move: list[tuple[str, safefs.Identity]] = field(default_factory=list)  # what goes: files, or a kernel dir whole
     problem: Held | None = None
+    inodes: frozenset[int] | None = None  # of the files in a directory moved whole, as looked at
 
     @property
     def newest(self) -> float:
@@ -244,7 +247,22 @@ class Looker:
         finally:
             os.close(fd)
         f.move = [(key, safefs.identity(st))]
+        f.inodes = frozenset(s.st_ino for s in f.paths)
         return f
+
+    def _same_files(self, name: str, inodes: frozenset[int]) -> bool:
+        """Does directory `name` in the trash hold exactly the files that were looked at? A file
+        written into a kernel directory between the look and the move (a new kernel file, a write
+        in progress) must not go with it."""
+        try:
+            fd = os.open(name, safefs.O_DIR, dir_fd=self.trash)
+        except OSError:
+            return False
+        try:
+            with os.scandir(fd) as it:
+                return {d.inode() for d in it} == inodes
+        finally:
+            os.close(fd)
 
     # -- moving ---------------------------------------------------------------------------------
 
@@ -258,12 +276,15 @@ class Looker:
                         name = f"{os.getpid()}-{next(self._names)}"
                         try:
                             self.root.move(layout.fs_path(key), ident, self.trash, name)
+                            if f.inodes is not None and not self._same_files(name, f.inodes):
+                                self._put_back(key, name)
+                                raise safefs.Refused("written to since it was looked at", key)
                             took.trashed.append((key, name))
                             continue
                         except OSError as e:
-                            if e.errno not in NO_ROOM:
+                            if isinstance(e, safefs.Refused) or e.errno not in NO_ROOM:
                                 raise
-                    self.root.delete(layout.fs_path(key), ident)
+                    self.root.delete(layout.fs_path(key), ident, f.inodes)
                     took.deleted = True
                 except FileNotFoundError:
                     continue  # gone meanwhile
@@ -282,12 +303,15 @@ class Looker:
     def restore(self, took: Took) -> None:
         """Put back what a unit moved into the trash."""
         for key, name in reversed(took.trashed):
-            parent, base = safefs.split(layout.fs_path(key))
-            try:
-                os.rename(name, base, src_dir_fd=self.trash, dst_dir_fd=self.root.dir_fd(parent))
-            except OSError:
-                pass  # its place was taken meanwhile: it stays in the trash, the next scan drops its row
+            self._put_back(key, name)
         took.trashed = []
+
+    def _put_back(self, key: str, name: str) -> None:
+        parent, base = safefs.split(layout.fs_path(key))
+        try:
+            os.rename(name, base, src_dir_fd=self.trash, dst_dir_fd=self.root.dir_fd(parent))
+        except OSError:
+            pass  # its place was taken meanwhile: it stays in the trash, the next scan drops its row
 
 
 # -- where the looks run --------------------------------------------------------------------------
@@ -445,12 +469,18 @@ def _start(
     cutoff: float,
 ) -> Looker:
     """Open the root and the trash the evicting process holds (the very same directories)."""
-    root = safefs.Root(path)
+    try:
+        root = safefs.Root(path)
+    except OSError as e:
+        raise safefs.Refused(f"the cache directory cannot be opened again ({e.strerror})", path) from e
     if root.id != root_id:
         raise safefs.Refused("the cache directory was replaced during eviction", path)
     trash = None
     if trash_id is not None:
-        trash = os.open(layout.TRASH_DIR, safefs.O_DIR, dir_fd=root.fd)
+        try:
+            trash = os.open(layout.TRASH_DIR, safefs.O_DIR, dir_fd=root.fd)
+        except OSError as e:
+            raise safefs.Refused("the trash folder was replaced during eviction", layout.TRASH_DIR) from e
         if safefs.identity(os.fstat(trash)) != trash_id:
             raise safefs.Refused("the trash folder was replaced during eviction", layout.TRASH_DIR)
     return Looker(root, trash, code_stems, cutoff)
