@@ -212,6 +212,48 @@ def test_read_watcher_names_files_as_on_disk(tmp_path):
         r.stop()
 
 
+def _watched_inodes(ino: inotify.Inotify) -> set[int]:
+    """The inodes an inotify instance watches, as the kernel lists them."""
+    lines = Path(f"/proc/self/fdinfo/{ino.fd}").read_text().splitlines()
+    return {
+        int(w.split(":", 1)[1], 16)
+        for line in lines
+        if line.startswith("inotify")
+        for w in line.split()
+        if w.startswith("ino:")
+    }
+
+
+def test_a_directory_swapped_for_a_symlink_never_puts_watches_outside_the_root(tmp_path, monkeypatch):
+    """A directory of the cache is renamed and a symlink to a directory outside takes its name
+    before the watchers hear of it (events not read yet): watching or listing by that path would
+    follow the symlink. Neither the tree (a directory made below it, a resync) nor the read
+    watcher places a watch outside."""
+    root, outside = tmp_path / "c", tmp_path / "outside"
+    (root / "fxgraph" / "ab" / "fkey").mkdir(parents=True)
+    for d in ("fkey", "fother", "fother/deeper"):
+        (outside / d).mkdir(parents=True)
+    outside_inodes = {p.stat().st_ino for p in [outside, *outside.rglob("*")]}
+    monkeypatch.setattr(inotify.Reader, "start", lambda self: None)  # events stay unread
+    w = TreeWatcher(str(root), lambda k, r: None, lambda r: None, lambda: None, lambda: None, lambda: None)
+    r = ReadWatcher(str(root), lambda rel: None, lambda: None)
+    w.start()
+    r.start()
+    try:
+        os.rename(root / "fxgraph" / "ab", root / "fxgraph" / "ab.moved")
+        (root / "fxgraph" / "ab").symlink_to(outside)
+        with w.lock:  # a directory made in it, its event handled after the swap
+            w._watch_tree(w.top.children["fxgraph"].children["ab"], "fother", [])  # type: ignore[union-attr]
+        w.resync()
+        r.watch(["fxgraph/ab/fother", "fxgraph/ab/fkey"])
+        assert not _watched_inodes(w.ino) & outside_inodes
+        assert not _watched_inodes(r.reader.ino) & outside_inodes
+        assert _watched_inodes(w.ino)  # (the root and what is really in it are watched)
+    finally:
+        w.stop()
+        r.stop()
+
+
 def _inotify_instances() -> set[int]:
     """This process's open inotify descriptors."""
     out = set()

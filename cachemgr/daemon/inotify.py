@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from cachemgr import safefs
 from cachemgr.layout import is_transient
 
 log = logging.getLogger("cachemgr.watcher")
@@ -48,6 +49,7 @@ _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint
 _libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
 
 Event = tuple[int, int, int, str]  # wd, mask, cookie, name ('' for the watched directory itself)
+_PROC_FDS = os.path.isdir("/proc/self/fd")  # (watches through a descriptor; by path where there is no /proc)
 
 
 class Inotify:
@@ -68,6 +70,18 @@ class Inotify:
             e = ctypes.get_errno()
             raise OSError(e, os.strerror(e), path)
         return wd
+
+    def watch_dir(self, root: str, rel: str, mask: int, at: int | None = None) -> int:
+        """Watch directory `rel` below `root` ('' the root itself), reached one component at a
+        time without following a symlink (`at`: the descriptor of its parent, opened so; then
+        `rel` is a name in it). A watch by path would follow a symlink in every component but the
+        last: one swapped in would put watches, and listings, outside the root. The watch goes
+        through the descriptor's /proc name, which names the very directory opened."""
+        fd = safefs.open_dir(root, rel) if at is None else os.open(rel, safefs.O_DIR, dir_fd=at)
+        try:
+            return self.add_watch(f"/proc/self/fd/{fd}" if _PROC_FDS else os.path.join(root, rel), mask)
+        finally:
+            os.close(fd)
 
     def rm_watch(self, wd: int) -> None:
         _libc.inotify_rm_watch(self.fd, wd)  # EINVAL when the kernel dropped it already: nothing to do
@@ -156,9 +170,8 @@ TREE_MASK = (
     | IN_DELETE_SELF
     | IN_MOVE_SELF
     | IN_ONLYDIR
-    | IN_DONT_FOLLOW
     | IN_EXCL_UNLINK
-)
+)  # (no IN_DONT_FOLLOW: a watch is placed through /proc/self/fd/N, a link to follow; see watch_dir)
 RESYNC_STEP = 1000  # directories of one listing watched per hold of the lock
 MOVE_PAIRING = 1.0  # seconds an IN_MOVED_FROM of a directory waits for its IN_MOVED_TO (else: moved out)
 
@@ -222,7 +235,7 @@ class TreeWatcher:
 
     def start(self) -> None:
         """Watch the root (OSError if it cannot be), then every directory below; start reading."""
-        wd = self.ino.add_watch(self.root, TREE_MASK)
+        wd = self.ino.watch_dir(self.root, "", TREE_MASK)
         with self.lock:
             self.top = _Dir(wd, None, "")
             self.by_wd[wd] = self.top
@@ -255,27 +268,31 @@ class TreeWatcher:
                 if node is None or self.by_wd.get(node.wd) is not node:
                     continue  # forgotten meanwhile (deleted): its events said so
                 rel = node.rel()
-            path = os.path.join(self.root, rel) if rel else self.root
             try:
-                with os.scandir(path) as it:
-                    listed = [e.name for e in it if not is_transient(e.name) and e.is_dir(follow_symlinks=False)]
+                fd = safefs.open_dir(self.root, rel)
             except OSError:
-                continue  # gone meanwhile, or unreadable (then it has no watch either)
-            for i in range(0, max(1, len(listed)), RESYNC_STEP):
-                with self.lock:
-                    if self.by_wd.get(node.wd) is not node or node.rel() != rel:
-                        if self.by_wd.get(node.wd) is node:
-                            stack.append(node)  # moved meanwhile: listed again where it is now
-                        break
-                    if i == 0 and node.children:  # gone since; one still there was made after the listing
-                        for name in set(node.children).difference(listed):
-                            if not _is_dir(os.path.join(path, name)):
-                                self._drop(node.children.pop(name))
-                    for name in listed[i : i + RESYNC_STEP]:
-                        child = self._watch(node, name, added)
-                        if child is not None:
-                            stack.append(child)
-                self._tell_added(added)
+                continue  # gone meanwhile, a symlink now, or unreadable (then it has no watch either)
+            try:
+                listed = _subdirs(fd)
+                for i in range(0, max(1, len(listed)), RESYNC_STEP):
+                    with self.lock:
+                        if self.by_wd.get(node.wd) is not node or node.rel() != rel:
+                            if self.by_wd.get(node.wd) is node:
+                                stack.append(node)  # moved meanwhile: listed again where it is now
+                            break
+                        if i == 0 and node.children:  # gone since; one still there was made after the listing
+                            for name in set(node.children).difference(listed):
+                                if not _is_dir(fd, name):
+                                    self._drop(node.children.pop(name))
+                        for name in listed[i : i + RESYNC_STEP]:
+                            child = self._watch(node, name, added, at=fd)
+                            if child is not None:
+                                stack.append(child)
+                    self._tell_added(added)
+            except OSError:
+                continue  # unreadable
+            finally:
+                os.close(fd)
         with self.lock:  # watches whose IN_IGNORED was lost in an overflow: not in the tree any more
             moving = {id(node) for node, _ in self.moving.values()}
             for wd in [wd for wd, d in self.by_wd.items() if not self._in_tree(d, moving)]:
@@ -307,10 +324,12 @@ class TreeWatcher:
 
     # -- under the lock --------------------------------------------------------------------------
 
-    def _watch(self, parent: _Dir, name: str, added: list[_Dir]) -> _Dir | None:
-        """The node of parent/name, watched (a new watch if it had none); None if it cannot be."""
+    def _watch(self, parent: _Dir, name: str, added: list[_Dir], at: int | None = None) -> _Dir | None:
+        """The node of parent/name, watched (a new watch if it had none); None if it cannot be.
+        `at`: the parent's descriptor, where the caller has it open."""
         try:
-            wd = self.ino.add_watch(os.path.join(self.root, parent.rel(), name), TREE_MASK)
+            rel = name if at is not None or parent.parent is None else f"{parent.rel()}/{name}"
+            wd = self.ino.watch_dir(self.root, rel, TREE_MASK, at=at)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 self.unwatched += 1
@@ -339,8 +358,11 @@ class TreeWatcher:
         while stack:
             d = stack.pop()
             try:
-                with os.scandir(os.path.join(self.root, d.rel())) as it:
-                    names = [e.name for e in it if not is_transient(e.name) and e.is_dir(follow_symlinks=False)]
+                fd = safefs.open_dir(self.root, d.rel())
+                try:
+                    names = _subdirs(fd)
+                finally:
+                    os.close(fd)
             except OSError:
                 continue
             for n in names:
@@ -439,8 +461,14 @@ class TreeWatcher:
             self.on_root_lost()
 
 
-def _is_dir(path: str) -> bool:
+def _subdirs(fd: int) -> list[str]:
+    """The directories in the directory open as `fd`, writes in progress left out."""
+    with os.scandir(fd) as it:  # (a duplicate, rewound: fd stays open, and can be listed again)
+        return [e.name for e in it if not is_transient(e.name) and e.is_dir(follow_symlinks=False)]
+
+
+def _is_dir(dir_fd: int, name: str) -> bool:
     try:
-        return (os.lstat(path).st_mode & 0o170000) == 0o040000
+        return (os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode & 0o170000) == 0o040000
     except OSError:
         return False

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable
 
@@ -48,7 +47,7 @@ class ReadWatcher:
         for rel in reldirs:
             with self.lock:
                 try:
-                    wd = self.reader.ino.add_watch(os.path.join(self.root, rel), IN_CLOSE_NOWRITE | IN_ONLYDIR)
+                    wd = self.reader.ino.watch_dir(self.root, rel, IN_CLOSE_NOWRITE | IN_ONLYDIR)
                 except OSError as e:
                     if e.errno == errno.ENOSPC:
                         self.on_limit()
