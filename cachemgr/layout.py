@@ -227,6 +227,9 @@ class Listing:
 RACY = -1  # a directory mtime too recent (or a directory unreadable): the next walk reads it again
 RACY_NS = 2_000_000_000  # file systems with coarse timestamps (1 s) can hide a change within this
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # not there, or not a real directory: nothing to walk
+# The process is short of descriptors or memory: no directory's fault, so no directory is
+# reported unreadable (and kept as last indexed) for it; the command fails, one line.
+_SHORT = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 _NAME = operator.attrgetter("name")
 
 
@@ -285,6 +288,8 @@ def iter_dirs(
         try:
             r = safefs.Root(root)
         except OSError as e:  # a root that is gone has no entries; one out of reach is unreadable
+            if e.errno in _SHORT:
+                raise
             if e.errno not in _GONE:
                 state.unreadable.append("")
             return
@@ -300,6 +305,8 @@ def iter_dirs(
     try:
         fd = os.open(".", safefs.O_DIR, dir_fd=root.dir_fd(fs_path(sub))) if sub else os.dup(root.fd)
     except OSError as e:
+        if e.errno in _SHORT:
+            raise
         if e.errno not in _GONE:
             state.unreadable.append(sub)
             state.mtimes[sub] = RACY
@@ -392,6 +399,8 @@ class _Walker:
         try:
             fd = os.open(fs_path(name), safefs.O_DIR, dir_fd=parent_fd)
         except OSError as e:
+            if e.errno in _SHORT:
+                raise
             if e.errno not in _GONE:  # gone, or now a symlink / a file: nothing to walk
                 self.out.unreadable.append(key)
                 self.out.mtimes[key] = RACY
@@ -408,7 +417,9 @@ class _Walker:
         subdirs, files = [], []
         try:
             it = os.scandir(fd)
-        except OSError:
+        except OSError as err:
+            if err.errno in _SHORT:
+                raise
             return None
         with it:
             try:

@@ -598,3 +598,38 @@ def test_eviction_frees_a_full_disk(gpu_cache_master, small_disk, tmp_path, cli_
         shutil.rmtree(p)
     (small_disk / "filler").unlink()
     agrees_with_disk(cli)
+
+
+def test_an_entry_naming_more_kernels_than_one_entry_may_keeps_the_first(monkeypatch):
+    """An fxgraph entry whose source embeds a million C++ kernels (58 MB) made a million
+    reference rows (120 MB of index, 350 MiB to scan it): an entry's references stop at MAX_REFS,
+    however they are named (embedded sources and the headers they include, kernels, autotuners)."""
+    from cachemgr.parse import entries
+
+    monkeypatch.setattr(entries, "MAX_REFS", 50)
+    source = "".join(
+        f"k{i} = async_compile.cpp_pybinding(['x'], '''\n#include \"/r/ab/ch{i}.h\"\n{i}''')\n" for i in range(400)
+    )
+    p = entries.parse_fxgraph(fake_entry(fxgraph_state("f" + "a" * 51, source_code=source)))
+    assert p.corrupt is None and len(p.refs) == 50
+    assert len(set(p.refs)) == 50  # the first fifty distinct ones
+
+
+@pytest.mark.parametrize("fds", [8, 12, 20])
+def test_a_process_short_of_descriptors_fails_in_one_line(fixture_cache, tmp_path, fds):
+    """`ulimit -n` too low for a scan: one line and exit 1, not exit 70 (spawning a worker), nor
+    exit 0 with directories reported unreadable and an index missing what is in them."""
+    import resource
+
+    from conftest import subprocess_env
+
+    cache = fixture_cache("mixed-2.5.1-2.13.0-cpu")
+    r = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--cache-dir", str(cache), "--db", f"sqlite:///{tmp_path / 'i.db'}", "scan"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (fds, fds)),
+    )
+    assert (r.returncode, r.stderr.splitlines()) == (1, ["cachemgr: error: out of file descriptors (ulimit -n)"])

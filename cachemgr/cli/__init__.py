@@ -10,6 +10,7 @@ Shell completion is click's: `cachemgr completion bash` prints the script to sou
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
@@ -133,6 +134,20 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"cachemgr: warning: {text}\n"
 
 
+def _short_of(e: BaseException) -> str | None:
+    """What the system ran out of, for a failure that is no bug: memory, descriptors, processes
+    (`ulimit -v`, `-n`, `-u`, or a host short of them)."""
+    if isinstance(e, MemoryError):
+        return "memory"
+    if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+        return "file descriptors (ulimit -n)"
+    if isinstance(e, OSError) and e.errno in (errno.EAGAIN, errno.ENOMEM):
+        return f"memory or processes ({e.strerror})"
+    if isinstance(e, RuntimeError) and "can't start new thread" in str(e):
+        return "threads (ulimit -u, or memory)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the group, funnel every error into one line and an exit code."""
     if os.environ.get(COMPLETE_VAR):
@@ -177,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"cachemgr: error: index database: {orig.splitlines()[0] if orig else type(e).__name__}", err=True
             )
             code = DatabaseError.exit_code
+        elif _short_of(e):
+            click.echo(f"cachemgr: error: out of {_short_of(e)}", err=True)
+            code = 1
         else:
             click.echo(
                 f"cachemgr: internal error: {type(e).__name__}: {e} (set CACHEMGR_DEBUG=1 for a traceback)", err=True

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,11 +77,10 @@ def cpp_source_ref(source: str) -> str:
     return "src-" + short_hash(source.split(_BINDING_MARK, 1)[0].strip())
 
 
-def cpp_sources(source: str) -> list[str]:
+def cpp_sources(source: str) -> Iterator[str]:
     """The C++ kernel sources a generated wrapper module embeds: the text of each
     `cpp_pybinding([...], '''<source>''')` call. Found with plain string search (linear time:
     a regular expression with two lazy groups was quadratic on a hostile entry)."""
-    out = []
     at = 0
     while (start := source.find("cpp_pybinding(", at)) >= 0:
         open_ = source.find("'''\n", start)
@@ -89,9 +89,8 @@ def cpp_sources(source: str) -> list[str]:
         close = source.find("'''", open_ + 4)
         if close < 0:
             break
-        out.append(source[open_ + 4 : close])
+        yield source[open_ + 4 : close]
         at = close + 3
-    return out
 
 
 def included_headers(source: str) -> list[str]:
@@ -176,6 +175,8 @@ def _fx_fields(p: Parsed, obj: Any, st: dict[str, Any], graph_key: str | None) -
         for src in cpp_sources(source):
             refs.append((Kind.CODE, cpp_source_ref(src)))
             refs.extend((Kind.CODE, h) for h in included_headers(src))
+            if len(refs) >= MAX_REFS:  # a hostile entry of a million kernels: its memory stays bounded
+                break
     bundle = state_of(st.get("_triton_bundle"))
     for art in items(bundle.get("kernel_artifacts"))[:MAX_REFS]:
         h = text(state_of(art).get("kernel_hash"), 128)
@@ -185,7 +186,7 @@ def _fx_fields(p: Parsed, obj: Any, st: dict[str, Any], graph_key: str | None) -
         key = text(state_of(tuner).get("cache_key"), 128)
         if key:
             refs.append((Kind.CODE, key))  # the kernel's own c<hash>.py module
-    p.refs = list(dict.fromkeys(refs))
+    p.refs = list(dict.fromkeys(refs))[:MAX_REFS]
 
 
 def _fx_family(obj: Any, st: dict[str, Any]) -> str | None:
