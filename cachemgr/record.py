@@ -22,6 +22,7 @@ torch is imported lazily: importing this module costs nothing in a process witho
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -189,9 +190,10 @@ class Spool:
             self._directory = spool_dir()
         return self._directory
 
-    def append_checked(self, doc: dict) -> None:
+    def append_checked(self, doc: dict) -> bool:
         """Append `doc` if the ingester will take it; else ValueError saying why (the recorder
-        turns it into a warning): too large, nested too deep, or text no index can hold."""
+        turns it into a warning): too large, nested too deep, or text no index can hold. False:
+        it could not be written (warned once)."""
         from cachemgr.prewarm.spool import LineError, parse_line
 
         line = (json.dumps(doc, separators=(",", ":"), allow_nan=False) + "\n").encode()
@@ -203,19 +205,22 @@ class Spool:
             raise ValueError(
                 f"the signature is {len(line)} bytes, over the {MAX_LINE // 1024} KiB a spool line may hold"
             )
-        self.append(doc, line)
+        return self.append(doc, line)
 
-    def append(self, doc: dict, line: bytes | None = None) -> None:
+    def append(self, doc: dict, line: bytes | None = None) -> bool:
+        """Append one line; False (warned once) if it cannot be written."""
         if line is None:
             line = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
         try:
             with self._lock:
                 self._write(line)
+            return True
         except (OSError, CachemgrError) as e:  # (a bad config file names no spool: the model runs on)
             if not self._warned:
                 self._warned = True
                 where = self._directory or "of the settings"
                 warnings.warn(f"cachemgr.record: cannot write the spool {where}: {e}", stacklevel=3)
+            return False
 
     def _write(self, line: bytes) -> None:
         import fcntl
@@ -242,11 +247,25 @@ class Spool:
                         continue
                     fcntl.flock(fd, fcntl.LOCK_EX)
                 if still_named(fd):
-                    os.write(fd, line)
+                    _write_whole(fd, line)
                     return
             finally:
                 os.close(fd)
         raise OSError(f"spool file {path} keeps being taken away")
+
+
+def _write_whole(fd: int, line: bytes) -> None:
+    """Append the whole line or nothing (the caller holds the file's lock): a short write on a
+    nearly full disk is cut back off, so the next line, written once there is room, does not
+    join a torn one and both are lost to the ingester."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        written = os.write(fd, line)
+    except OSError:
+        written = -1
+    if written != len(line):
+        os.ftruncate(fd, start)
+        raise OSError(errno.ENOSPC, "no room for a whole line")
 
 
 _SPOOL: Spool | None = None
@@ -285,13 +304,14 @@ class Recorder:
                 if k in self.seen:
                     return
                 self.seen.add(k)
-            self._new(args, kwargs, grad)
+            if not self._new(args, kwargs, grad):
+                self.seen.discard(k)  # not written (a full disk): a later call with it tries again
         except Exception as e:  # noqa: BLE001 - recording must never break the model
             warnings.warn(f"cachemgr.record({self.name}): not recorded: {type(e).__name__}: {e}", stacklevel=3)
 
-    def _new(self, args: tuple, kwargs: dict, grad: bool) -> None:
+    def _new(self, args: tuple, kwargs: dict, grad: bool) -> bool:
         spec = input_spec(args, kwargs, grad)
-        self.spool.append_checked(
+        return self.spool.append_checked(
             {
                 "v": SPOOL_VERSION,
                 "model": self.name,

@@ -108,6 +108,28 @@ def test_a_bad_config_warns_once_and_never_breaks_the_model(tmp_path, monkeypatc
     assert m(torch.randn(1, 2)).shape == (1, 2)
 
 
+def test_a_line_the_disk_has_no_room_for_is_cut_off_whole_and_written_again(spool, monkeypatch):
+    """A nearly full disk takes part of a line (a short write). The part is cut back off, so the
+    line written once there is room does not join a torn one (both lost to the ingester), and the
+    signature that was not written is recorded by a later call that sees it."""
+    real_write, full = os.write, [False]
+
+    def short_write(fd, data):
+        if full[0] and data.startswith(b"{"):
+            return real_write(fd, data[: len(data) // 2])
+        return real_write(fd, data)
+
+    monkeypatch.setattr(record.os, "write", short_write)
+    m = record.compile(torch.nn.Linear(2, 2), name="x", spool=spool, backend="eager")
+    spool.append({"first": 1})  # (a line already there stays whole)
+    full[0] = True
+    with pytest.warns(UserWarning, match="cannot write the spool"):
+        m(torch.randn(1, 2))
+    full[0] = False
+    m(torch.randn(1, 2))  # the same signature, now with room
+    assert [d.get("signature") for d in spool_lines(spool.directory)] == [None, "(f32[1,2])"]
+
+
 def test_ingest_is_idempotent_and_collects_varied_dims(spool, tmp_path):
     m = record.compile(torch.nn.Linear(4, 2), name="lin", spool=spool, backend="eager")
     for b in (2, 3, 5):
