@@ -769,3 +769,47 @@ def test_a_notify_socket_nobody_reads_never_blocks_the_daemon(tmp_path, start):
         wait_until(lambda n=n: d.logs().count("reloading config") == n, timeout=30)
     assert d.stop(timeout=30) == 0
     assert "stopped" in d.logs()
+
+
+def test_a_batch_the_index_could_not_take_is_rescanned_until_it_goes_in(fixture_cache, db_url, monkeypatch):
+    """The index's disk is full (or its database locked) when a batch of file events comes: the
+    batch fails, and so does the first rescan after it. A rescan is armed after each failure
+    until one goes through: the files are indexed, not left out until the hourly scan_interval
+    while eviction goes by what it last saw."""
+    from cachemgr.daemon import watcher
+    from cachemgr.index import live, scan
+    from cachemgr.index.db import Database
+    from cachemgr.index.store import Store
+
+    root = fixture_cache("torch-2.13.0-cpu")
+    db = Database(db_url)
+    w = watcher.Watcher(db, db.cache_id("testhost", str(root)), str(root), debounce=0.05, max_wait=0.2)
+    monkeypatch.setattr(watcher, "RETRY", 0.3, raising=False)
+    w.start()
+    try:
+        w.request_scan().result(timeout=60)
+        failures = {"batch": 1, "rescan": 1}
+        real_apply, real_reconcile = live.apply_batch, scan.reconcile
+
+        def disk_full(kind, real):
+            def call(*a, **kw):
+                if failures[kind]:
+                    failures[kind] -= 1
+                    raise sqlite3.OperationalError("database or disk is full")
+                return real(*a, **kw)
+
+            return call
+
+        monkeypatch.setattr(live, "apply_batch", disk_full("batch", real_apply))
+        monkeypatch.setattr(scan, "reconcile", disk_full("rescan", real_reconcile))
+        source = next(root.glob("??/c*.cpp"))
+        (root / "zq").mkdir()
+        shutil.copy(source, root / "zq" / ("czq" + "a" * 49 + ".cpp"))
+        store = Store.of(db, "testhost", str(root))
+        deadline = time.monotonic() + 30
+        while not any(e.key.startswith("zq/") for e in store.entries()):
+            assert time.monotonic() < deadline, "the new file never reached the index"
+            time.sleep(0.1)
+        assert failures == {"batch": 0, "rescan": 0}
+    finally:
+        w.stop()

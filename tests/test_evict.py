@@ -1268,3 +1268,28 @@ def test_evict_model_takes_the_aot_entries_of_its_graphs(aged_gpu, db_url):
     taken = {e.key for e in p.entries}
     assert aot in taken and any(k.startswith(f"fxgraph/{graph[1:3]}/{graph}/") for k in taken)
     assert all(not k.startswith("aotautograd/") or k == aot for k in taken)  # no other model's AOT entry
+
+
+def test_a_commit_on_a_full_index_disk_gives_back_the_reserve_and_goes_through(aged_cpu, db_url, monkeypatch):
+    """The index's own disk is full when eviction commits a batch, and nothing of the batch is in
+    the trash to free (deleted in place): the index's reserve is given back, the commit goes
+    through, and the reserve is made again once there is room."""
+    import sqlite3
+
+    from cachemgr.evict import Limits, evict, execute
+
+    db, cid = _indexed(aged_cpu, db_url)
+    assert db.reserve is not None and db.reserve.exists()
+    write, calls = execute.Executor._write, []
+
+    def full_once(self, taken, events):
+        calls.append(db.reserve.exists())
+        if len(calls) == 1:
+            raise sqlite3.OperationalError("database or disk is full")
+        return write(self, taken, events)
+
+    monkeypatch.setattr(execute.Executor, "_open_trash", lambda self: None)
+    monkeypatch.setattr(execute.Executor, "_write", full_once)
+    r = evict(db, cid, str(aged_cpu), Limits(max_size=0, grace=0))
+    assert r.evicted and calls[:2] == [True, False]  # retried once the reserve was given back
+    assert db.reserve.exists()

@@ -54,6 +54,7 @@ Item = tuple
 
 
 WALKERS = 4  # worker processes that walk the tree for a daemon's scan
+RETRY = 30.0  # seconds until a rescan takes in what a failed batch (a full disk, a locked index) left out
 
 
 class Watcher:
@@ -77,6 +78,7 @@ class Watcher:
         self.tree: TreeWatcher | None = None
         self._limit_logged = False
         self._overflow_queued = False
+        self._retry: threading.Timer | None = None  # a rescan armed after a failed batch or rescan
         self._walked = False  # every directory was just watched by start(): the first rescan needs no walk
         self.q: queue.SimpleQueue[Item] = queue.SimpleQueue()
         self.consumer: threading.Thread | None = None
@@ -122,6 +124,8 @@ class Watcher:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop_watches(timeout)
+        if self._retry is not None:
+            self._retry.cancel()
         self.q.put(("stop",))
         if self.consumer is not None:
             self.consumer.join(timeout)
@@ -226,10 +230,12 @@ class Watcher:
             self.on_root_lost()  # the daemon's supervisor says so, once
             return
         except CachemgrError as e:
-            log.error("applying %d changed paths failed: %s (the next full scan repairs the index)", len(paths), e)
+            log.error("applying %d changed paths failed: %s (a rescan in %.0f s takes them in)", len(paths), e, RETRY)
+            self._rescan_later()
             return
-        except Exception as e:  # the consumer must outlive one bad batch
-            log.exception("applying a batch failed: %s: %s", type(e).__name__, e)
+        except Exception as e:  # noqa: BLE001 - the consumer must outlive one bad batch
+            log.error("applying a batch failed: %s: %s (a rescan in %.0f s takes it in)", type(e).__name__, e, RETRY)
+            self._rescan_later()
             return
         if r.added or r.changed or r.removed or r.hits:
             log.debug(
@@ -243,6 +249,15 @@ class Watcher:
         for key, reason in r.corrupt:
             log.warning("corrupt entry %s: %s", key, reason)
         self.on_batch(r)
+
+    def _rescan_later(self) -> None:
+        """The index missed changes (consumer thread): rescan in RETRY seconds, and again after
+        each rescan that fails too, until one goes through. (Lost, the daemon stood behind the
+        disk until its next scan_interval: an hour, evicting by what it had last seen.)"""
+        if self._retry is None or not self._retry.is_alive():
+            self._retry = threading.Timer(RETRY, self.q.put, (("overflow",),))
+            self._retry.daemon = True
+            self._retry.start()
 
     def request_parse(self) -> None:
         """Read the entries a scan left pending, a step at a time between batches."""
@@ -290,6 +305,8 @@ class Watcher:
                 self.on_root_lost()
             if future is None:
                 log.error("rescan of %s failed: %s", subtree or self.root, e)
+                if not isinstance(e, CacheDirError):
+                    self._rescan_later()
             else:
                 future.set_exception(e)
             return

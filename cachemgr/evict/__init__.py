@@ -273,6 +273,10 @@ def carry_out(
         raise
     if p.clock is not None and not dry_run and out.removed:
         keep_clock(db, cache_id, p.clock)
+    if db.reserve is not None and not dry_run:  # given back to commit on a full disk: made again if there is room
+        from cachemgr.index.schema import keep_reserve
+
+        keep_reserve(db.reserve)
     skipped = dict(p.skipped)
     skipped.update(out.skipped)
     remaining = remaining_bytes(db, cache_id)

@@ -44,6 +44,7 @@ from cachemgr import layout, safefs
 from cachemgr.errors import UnsafePath
 from cachemgr.evict.look import Look, Looker, Lookers, Took, remove_quietly
 from cachemgr.evict.policy import Evicted, Plan, Table, Unit
+from cachemgr.index import schema
 from cachemgr.index.db import Database
 from cachemgr.index.dbapi import driver_errors
 from cachemgr.index.models import Cache, Dir, Entry, Event
@@ -270,13 +271,17 @@ class Executor:
         ]
         try:
             self._write(taken, events)
-        except driver_errors("OperationalError", OperationalError):  # (delete_entries runs the driver's SQL too)
-            # The index may live on the very disk that is full: free the space first, then retry.
-            if not any(t.took.trashed for t in taken):
+        except driver_errors("OperationalError", OperationalError) as e:  # (delete_entries runs the driver's SQL too)
+            # The index may live on the very disk that is full: free the space first (what the
+            # batch moved, and the index's reserve), then retry.
+            trashed = any(t.took.trashed for t in taken)
+            if trashed:
+                for t in taken:
+                    remove_quietly(self.trash, [name for _, name in t.took.trashed])
+                    t.took.trashed, t.took.deleted = [], True
+            reserve = self.db.reserve is not None and schema.disk_full(e) and schema.release_reserve(self.db.reserve)
+            if not (trashed or reserve):
                 raise
-            for t in taken:
-                remove_quietly(self.trash, [name for _, name in t.took.trashed])
-                t.took.trashed, t.took.deleted = [], True
             self._write(taken, events)
 
     def _write(self, taken: list[_Taken], events: list[dict]) -> None:
