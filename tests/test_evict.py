@@ -749,6 +749,17 @@ def test_purge_selectors(aged_gpu, cli_for):
     assert_index_matches_disk(cli, aged_gpu)
 
 
+def test_purge_key_and_graph_given_twice_purge_both(aged_gpu, cli_for):
+    """`--key A --key B` purged only B (the last of a single-valued option); each is repeatable."""
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    a, b, c, d = (e["key"] for e in cli.json("ls", "--kind", "fxgraph")[:4])
+    r = cli.json("purge", "--key", a, "--key", b, "--dry-run")
+    assert {a, b} <= {e["key"] for e in r["entries"]}
+    r = cli.json("purge", "--graph", c, "--graph", d, "--dry-run")
+    assert {c, d} <= {e["key"] for e in r["entries"]}
+
+
 def test_purge_asks_first(aged_gpu, cli_for):
     cli = cli_for(aged_gpu)
     cli("scan")

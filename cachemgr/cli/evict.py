@@ -361,8 +361,20 @@ class _Reach:
 @click.option("--all", "all_", is_flag=True, help="Every entry (pins stay unless --include-pinned).")
 @click.option("--older-than", type=DURATION, help="Entries not accessed for this long.")
 @click.option("--kind", type=click.Choice(KINDS), help="Entries of this kind.")
-@click.option("--key", type=KEY, metavar="KEY", help="One entry, or every entry of a graph (any key form).")
-@click.option("--graph", type=KEY, metavar="KEY", help="Every entry of this graph (any key form of it).")
+@click.option(
+    "--key",
+    type=KEY,
+    metavar="KEY",
+    multiple=True,
+    help="One entry, or every entry of a graph (any key form; repeatable).",
+)
+@click.option(
+    "--graph",
+    type=KEY,
+    metavar="KEY",
+    multiple=True,
+    help="Every entry of this graph (any key form of it; repeatable).",
+)
 @model_option
 @click.option("--torch-version", metavar="V", help="Entries compiled by this torch version.")
 @click.option(
@@ -402,7 +414,8 @@ def purge(
     wide,
     as_json,
 ) -> None:
-    """Delete chosen entries (with what only they reference). Several choices: entries matching all.
+    """Delete chosen entries (with what only they reference). Several choices: entries matching all;
+    --key and --graph given more than once: entries of any of them.
 
     Says how much it would free and asks first, unless --yes or --dry-run.
 
@@ -437,17 +450,11 @@ def _purge_tests(app, older_than, kind, key, graph, model, torch_version, stale,
     if kind:
         tests.append(lambda i, r, g: r.kind == kind)
     if key:
-        named = {e.key for e in app.store.resolve(key).entries}
+        named = {e.key for k in key for e in app.store.resolve(k).entries}
         tests.append(lambda i, r, g: r.key in named)
     if graph:
-        try:
-            gk = app.store.resolve(graph).graph
-        except NotFound:
-            raise NotFound(
-                f"no entry of graph {graph!r} in the index of {app.settings.cache_dir} "
-                "(see: cachemgr ls --kind fxgraph)"
-            ) from None
-        tests.append(lambda i, r, g: gk in (r.graph_key, r.ref))
+        gks = {_graph_named(app, k) for k in graph}
+        tests.append(lambda i, r, g: r.graph_key in gks or r.ref in gks)
     if model:
         graphs = app.store.model_graphs(model)
         tests.append(
@@ -476,6 +483,15 @@ def _purge_tests(app, older_than, kind, key, graph, model, torch_version, stale,
     if corrupt:
         tests.append(lambda i, r, g: r.corrupt is not None)
     return tests
+
+
+def _graph_named(app, spec: str) -> str:
+    try:
+        return app.store.resolve(spec).graph
+    except NotFound:
+        raise NotFound(
+            f"no entry of graph {spec!r} in the index of {app.settings.cache_dir} (see: cachemgr ls --kind fxgraph)"
+        ) from None
 
 
 def _purge(app, root, s, tests, orphans, include_pinned, dry_run, yes, quiet, wide, as_json) -> None:
