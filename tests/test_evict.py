@@ -181,6 +181,22 @@ def test_min_free(aged_gpu, cli_for, db_url):
     assert conn.execute("SELECT COUNT(*) FROM component_set_items").fetchone() == (0,)
 
 
+def test_a_free_space_floor_that_cannot_be_reached_is_said(aged_gpu, cli_for):
+    """`--min-free` past what emptying the cache frees planned everything and said nothing of the
+    floor (`"unreachable": null`), as max_size and max_files say theirs; an empty cache is not
+    "within the limits" then."""
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    plan = cli.json("evict", "--min-free", "1000000TiB", "--dry-run")
+    assert plan["evicted"] > 0 and plan["unreachable"].startswith("cannot reach min_free 1000000TiB (")
+    out = cli("evict", "--min-free", "1000000TiB", "--dry-run").stdout
+    assert out.splitlines()[-1].startswith("cannot reach min_free 1000000TiB (") and "would be free" in out
+    assert cli.json("evict", "--min-free", "0%", "--dry-run")["unreachable"] is None
+    cli("purge", "--all", "--yes")
+    out = cli("evict", "--min-free", "1000000TiB").stdout
+    assert out.startswith("cannot reach min_free 1000000TiB (") and "within the limits" not in out
+
+
 def test_no_limit_is_a_usage_error(aged_cpu, cli_for):
     r = cli_for(aged_cpu).proc("evict")
     assert (

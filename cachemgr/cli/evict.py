@@ -142,14 +142,23 @@ def _model_rows(app, rows, model: str) -> set[str]:
     return {rows.key[i] for i in mine}
 
 
-def _unreachable(p, limits) -> str | None:
-    """What the plan leaves over a cap it cannot meet (everything else it would take is kept)."""
+def _unreachable(p, limits, disk) -> str | None:
+    """What the plan leaves over a cap it cannot meet, or short of the free-space floor (everything
+    else it would take is kept); `disk`: the file system as the plan found it."""
+    from cachemgr.evict.policy import needs
+
     left_bytes = p.total_bytes - p.expected_freed_bytes
     left_files = p.total_files - p.expected_freed_files
     if limits.max_size is not None and left_bytes > limits.max_size:
         return f"cannot get under max_size {human_size(limits.max_size)}: {human_size(left_bytes)} would remain"
     if limits.max_files is not None and left_files > limits.max_files:
         return f"cannot get under max_files {limits.max_files:,}: {left_files:,} files would remain"
+    short_free = needs(limits, p.total_bytes, p.total_files, disk)[2]
+    if short_free > p.expected_freed_bytes:
+        return (
+            f"cannot reach min_free {limits.min_free} ({human_size(disk.free_bytes + short_free)} free): "
+            f"{human_size(disk.free_bytes + p.expected_freed_bytes)} would be free"
+        )
     return None
 
 
@@ -216,10 +225,11 @@ def plan_eviction(app, root, s, limits, now: float, model: str | None = None):
 
 
 def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, as_json: bool) -> None:
-    from cachemgr.evict import carry_out
+    from cachemgr.evict import carry_out, disk_state
 
     now = time.time()
     p, rows = plan_eviction(app, root, s, limits, now, model)
+    unreachable = _unreachable(p, limits, disk_state(root))  # (measured before anything is deleted)
     loud = not (as_json or quiet)
     if loud:
         if not p.units and p.skipped:
@@ -228,7 +238,7 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
                 f"the limits, but the entries it would take are kept "
                 f"({held_text([why for _, why in p.skipped], limits.grace)})"
             )
-        elif not p.units:
+        elif not p.units and unreachable is None:
             say(
                 f"nothing to evict: {human_size(p.total_bytes)} in {p.total_files:,} files is within the limits"
                 + (f" (only {model}'s entries were candidates)" if model else "")
@@ -236,14 +246,14 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
         _print_plan(app, p, rows, "evict", wide)
     r = carry_out(app.db, app.cache_id, root, p, rows, limits.grace, dry_run, now)
     if as_json:
-        emit_json({**r.as_dict(), "unreachable": _unreachable(p, limits)})
+        emit_json({**r.as_dict(), "unreachable": unreachable})
     elif quiet:
         _print_keys(app, rows, [k for k, *_ in r.entries], wide)
     else:
         if p.units:
             _print_result(r, s.cache_dir, limits.grace)
-        if (why := _unreachable(p, limits)) is not None:
-            say(why + (f" ({held_text([w for _, w in p.skipped], limits.grace)})" if p.skipped else ""))
+        if unreachable is not None:
+            say(unreachable + (f" ({held_text([w for _, w in p.skipped], limits.grace)})" if p.skipped else ""))
 
 
 # -- what eviction would do with one entry (show) --------------------------------------------------
