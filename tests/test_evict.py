@@ -776,6 +776,15 @@ def test_purge_key_and_graph_given_twice_purge_both(aged_gpu, cli_for):
     assert {c, d} <= {e["key"] for e in r["entries"]}
 
 
+def test_a_purge_with_nothing_to_purge_is_no_dry_run(aged_gpu, cli_for):
+    """`purge --all --yes --json` of an empty cache said `"dry_run": true`: it ran for real."""
+    cli = cli_for(aged_gpu)
+    assert cli.json("purge", "--all", "--yes")["dry_run"] is False
+    r = cli.json("purge", "--all", "--yes")
+    assert r["planned"] == 0 and r["dry_run"] is False
+    assert cli.json("purge", "--all", "--dry-run")["dry_run"] is True
+
+
 def test_purge_asks_first(aged_gpu, cli_for):
     cli = cli_for(aged_gpu)
     cli("scan")

@@ -516,7 +516,7 @@ def _purge(app, root, s, tests, orphans, include_pinned, dry_run, yes, quiet, wi
     p = purge_plan(rows, chosen, now, s.grace, include_pinned)
     if not p.units:
         if as_json:
-            emit_json(carry_out(app.db, app.cache_id, root, p, rows, s.grace, True, now).as_dict())
+            emit_json(carry_out(app.db, app.cache_id, root, p, rows, s.grace, dry_run, now).as_dict())
         elif not quiet:
             say(
                 "nothing to purge"
