@@ -785,15 +785,47 @@ def test_a_purge_with_nothing_to_purge_is_no_dry_run(aged_gpu, cli_for):
     assert cli.json("purge", "--all", "--dry-run")["dry_run"] is True
 
 
+def on_a_terminal(cli, answer: str, *args: str) -> subprocess.CompletedProcess:
+    """`cachemgr ARGS` with a terminal (a pty) for stdin, `answer` typed ahead into it."""
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        os.write(master, answer.encode())
+        return subprocess.run(
+            [sys.executable, "-m", "cachemgr", *cli.base(), *args],
+            stdin=slave,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=subprocess_env(),
+        )
+    finally:
+        os.close(slave)
+        os.close(master)
+
+
 def test_purge_asks_first(aged_gpu, cli_for):
     cli = cli_for(aged_gpu)
     cli("scan")
     before = disk(aged_gpu)
-    r = cli("purge", "--all", input="n\n", code=130)
-    assert "delete" in r.stderr and "?" in r.stderr and disk(aged_gpu) == before
-    cli("purge", "--all", input="y\n")
-    assert disk(aged_gpu) == {}
+    r = on_a_terminal(cli, "n\n", "purge", "--all")
+    assert r.returncode == 130 and "delete" in r.stderr and "?" in r.stderr and disk(aged_gpu) == before
+    r = on_a_terminal(cli, "y\n", "purge", "--all")
+    assert r.returncode == 0 and disk(aged_gpu) == {}, r.stderr
     assert "say what to purge" in cli.proc("purge").stderr
+
+
+def test_purge_without_a_terminal_to_ask_on_is_a_usage_error(aged_gpu, cli_for):
+    """Without --yes and with stdin no terminal (a pipe, /dev/null, cron), purge printed its plan,
+    then "aborted" (exit 130), and with --json printed nothing: it cannot ask, so it says so first."""
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    before = disk(aged_gpu)
+    for args in (["--all"], ["--all", "--json"]):
+        r = cli("purge", *args, code=2)
+        assert r.stdout == "" and r.stderr == "cachemgr: error: stdin is not a terminal: pass --yes (or --dry-run)\n"
+    assert disk(aged_gpu) == before
 
 
 def test_purge_corrupt(aged_cpu, cli_for):

@@ -103,7 +103,7 @@ def test_ambiguous_and_unknown(world):
     assert lines[1] == "cachemgr: the candidates are:" and len(lines) == 2 + 10 + 1 and lines[-1] == "  ..."
     shorts = {e["short"] for e in json.loads(cli.proc("ls", "--json").stdout)}
     assert all(line.split()[0] in shorts for line in lines[2:-1])
-    for args in (["show"], ["pin"], ["purge", "--key"], ["ls", "--graph"], ["explain", "--graph"]):
+    for args in (["show"], ["pin"], ["purge", "--dry-run", "--key"], ["ls", "--graph"], ["explain", "--graph"]):
         r = cli.proc(*args, "fzzzzzzzzzzzzz")
         assert r.returncode == 3 and "no entry 'fzzzzzzzzzzzzz'" in r.stderr and r.stderr.count("\n") == 1, args
         r = cli.proc(*args, "triton/0/")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -445,6 +446,8 @@ def purge(
         raise UsageError("--keep-torch only says what --stale keeps: give --stale too")
     if quiet and not (yes or dry_run):
         raise UsageError("--quiet cannot ask before deleting: give --yes or --dry-run too")
+    if not (yes or dry_run) and not sys.stdin.isatty():
+        raise UsageError("stdin is not a terminal: pass --yes (or --dry-run)")
     s = app.with_flags(grace=grace, keep_torch=keep_torch)
     with _locked_and_scanned(app) as root:
         tests = _purge_tests(app, older_than, kind, key, graph, model, torch_version, stale, corrupt, s.keep_torch)
