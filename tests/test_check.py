@@ -440,6 +440,7 @@ def test_import_checks_first(fixture_cache, tmp_path, db_url):
     _rewrite(ours, partial, drop_graph)
     r = target.proc("import", str(partial), timeout=900, env=ENV)
     assert r.returncode == 9 and "is partial: 1 thing(s) its entries name are not in it" in r.stderr, r.stderr
+    assert "(cachemgr import --allow-partial imports it anyway)" in r.stderr  # (prewarm --bundle has no such flag)
     r = target.proc("import", str(partial), "--allow-partial", "--json", timeout=900, env=ENV)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)

@@ -46,6 +46,14 @@ def test_bad_input_is_one_line(fixture_cache, cli_for, args, code, message):
     assert len(lines) == 1 and lines[0].startswith("cachemgr: error:") and message in lines[0], r.stderr
 
 
+def test_errors_name_only_options_the_command_has(fixture_cache, cli_for):
+    """`evict --model nope` said "or use --graph KEY", an option evict lacks; ls has it."""
+    cli = cli_for(fixture_cache())
+    cli("scan")
+    assert "--graph" not in cli("evict", "--max-age", "1d", "--model", "nope", code=3).stderr
+    assert "or use --graph KEY)" in cli("ls", "--model", "nope", code=3).stderr
+
+
 def test_missing_cache_dir(tmp_path, cli_for):
     r = cli_for(tmp_path / "nope").proc("scan")
     assert r.returncode == 4 and r.stderr.strip() == (

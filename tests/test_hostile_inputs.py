@@ -1019,7 +1019,8 @@ def test_prewarm_target_redis_without_a_redis_is_a_usage_error(tmp_path, db_url)
         "redis",
         env=PREWARM_ENV,
     )
-    one_error_line(r, 2, "prewarm --target redis: no Redis is configured")
+    line = one_error_line(r, 2, "prewarm --target redis: no Redis is configured", "set redis_url")
+    assert "--redis" not in line  # (an option of `remote`, not of prewarm)
 
 
 def test_many_large_shape_rows_are_listed_in_bounded_memory(tmp_path, db_url):

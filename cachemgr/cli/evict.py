@@ -469,7 +469,7 @@ def _purge_tests(app, older_than, kind, key, graph, model, torch_version, stale,
         gks = {_graph_named(app, k) for k in graph}
         tests.append(lambda i, r, g: r.graph_key in gks or r.ref in gks)
     if model:
-        graphs = app.store.model_graphs(model)
+        graphs = app.store.model_graphs(model, "--graph KEY")
         tests.append(
             lambda i, r, g: (
                 (r.kind == Kind.FXGRAPH and r.graph_key in graphs)

@@ -158,7 +158,7 @@ def _remote(app):
     from cachemgr.fleet.remote import Remote, configured_url
 
     url = click.get_current_context().meta.get("redis_url") or app.settings.redis_url
-    return Remote(configured_url(url, what="remote"))
+    return Remote(configured_url(url, what="remote", flag="--redis URL"))
 
 
 def _say_skipped(skipped) -> None:

@@ -398,7 +398,7 @@ def graph_filter(app, store, graph: str | None, model: str | None) -> frozenset[
     if graph:
         return frozenset({store.resolve(graph).graph})
     if model:
-        return frozenset(store.model_graphs(model))
+        return frozenset(store.model_graphs(model, "--graph KEY"))
     return None
 
 

@@ -155,11 +155,13 @@ def check_key(raw: bytes) -> tuple[str | None, str | None]:
 # -- connecting -----------------------------------------------------------------------------
 
 
-def configured_url(url: str | None, environ: Mapping[str, str] = os.environ, what: str = "remote") -> str:
-    """The Redis Inductor would use: the given URL (--redis, or redis_url from the config,
-    CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL), else TORCHINDUCTOR_REDIS_HOST/_PORT when
-    either is set (db 0, as Inductor reads them). None of these, or a URL that is not one
-    (`check_url`): a UsageError, never a guess."""
+def configured_url(
+    url: str | None, environ: Mapping[str, str] = os.environ, what: str = "remote", flag: str | None = None
+) -> str:
+    """The Redis Inductor would use: the given URL (`flag` of the command `what`, or redis_url
+    from the config, CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL), else
+    TORCHINDUCTOR_REDIS_HOST/_PORT when either is set (db 0, as Inductor reads them). None of
+    these, or a URL that is not one (`check_url`): a UsageError, never a guess."""
     if url:
         return check_url(url)
     if environ.get("TORCHINDUCTOR_REDIS_URL"):
@@ -168,8 +170,8 @@ def configured_url(url: str | None, environ: Mapping[str, str] = os.environ, wha
     if host or port:
         return f"redis://{host or 'localhost'}:{port or '6379'}/0"
     raise UsageError(
-        f"{what}: no Redis is configured: give --redis URL, or set redis_url in the config, "
-        "CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL"
+        f"{what}: no Redis is configured: " + (f"give {flag}, or " if flag else "") + "set redis_url in the "
+        "config, CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL"
     )
 
 
@@ -778,7 +780,7 @@ def push_items(store: Store, model: str | None = None, graph: str | None = None)
             seeds = {row[3] for row in rows if row[3] == graph}
             what = f"graph {graph!r}"
         elif model is not None:  # (it is: not both are None)
-            graphs = store.model_graphs(model)
+            graphs = store.model_graphs(model, "--graph KEY")
             seeds = {row[3] for row in rows if row[2] == "fxgraph" and row[3] in graphs}
             what = f"model {model!r}"
         if not seeds:

@@ -868,8 +868,9 @@ class Store:
     def models(self) -> list[str]:
         return [m for (m,) in self.driver.rows("SELECT DISTINCT model FROM shapes ORDER BY model", {})]
 
-    def model_graphs(self, model: str) -> set[str]:
-        """Graph keys of a model, through the input signatures cachemgr.record wrote to `shapes`.
+    def model_graphs(self, model: str, instead: str | None = None) -> set[str]:
+        """Graph keys of a model, through the input signatures cachemgr.record wrote to `shapes`;
+        `instead`: the option of the asking command that names graphs without a model ('--graph KEY').
 
         A recorded signature names the model's call inputs ('(f32[8,16])'); an fxgraph entry's
         signature names the graph's inputs, parameters included ('f32[32, 16](16, 1)cpu; f32[8, 16]...').
@@ -884,7 +885,8 @@ class Store:
                 + (
                     f" ({known} other models are recorded: cachemgr shapes lists them)"
                     if known
-                    else " (the shapes table is empty: record the model with cachemgr.record, or use --graph KEY)"
+                    else " (the shapes table is empty: record the model with cachemgr.record"
+                    + (f", or use {instead})" if instead else ")")
                 )
             )
         found = _graphs_with(

@@ -1040,7 +1040,7 @@ def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: di
                 "ok": False,
                 "error": f"bundle {path} is partial: {n} thing(s) its entries name are not "
                 f"in it (first: {doc['missing'][0]}): refusing to import it "
-                "(--allow-partial imports it anyway)",
+                "(cachemgr import --allow-partial imports it anyway)",
             }
         if spec.get("check_only"):
             return {**base, "ok": True, "loaded": False}
