@@ -62,6 +62,17 @@ def test_missing_cache_dir(tmp_path, cli_for):
     )
 
 
+def test_export_of_a_missing_cache_dir_is_exit_4(tmp_path, cli_for):
+    """export made the missing directory, started torch and failed with exit 8 ("nothing to
+    export"); like every command that reads a cache it is exit 4, before torch starts."""
+    r = cli_for(tmp_path / "nope").proc("export", "--out", str(tmp_path / "b.bundle"))
+    assert r.returncode == 4 and r.stderr == (
+        f"cachemgr: error: cache directory {tmp_path / 'nope'} does not "
+        "exist (set --cache-dir or TORCHINDUCTOR_CACHE_DIR)\n"
+    )
+    assert not (tmp_path / "nope").exists() and not (tmp_path / "b.bundle").exists()
+
+
 def test_bad_db_url(fixture_cache, cli_for):
     r = cli_for(fixture_cache(), db="postgresql+psycopg://nobody@127.0.0.1:1/none").proc("scan")
     assert r.returncode == 5 and "Traceback" not in r.stderr

@@ -26,9 +26,11 @@ PREWARM_EXIT_CODES = """
 EXPORT_EXIT_CODES = """
     \b
     Exit codes:
-        0  the bundle was written                  3  a model named does not exist
-        2  bad command line or manifest file,      8  a model failed to replay, or writing failed
-           or --out in a missing folder
+        0  the bundle was written
+        2  bad command line or manifest file, or --out in a missing folder
+        3  a model named does not exist
+        4  the cache dir does not exist (without --manifest) or cannot be read
+        8  a model failed to replay, or writing failed
     """
 IMPORT_EXIT_CODES = """
     \b
@@ -456,11 +458,11 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
         raise UsageError(f"export --out {out}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"export --out {out}: folder {folder} is not writable")
-    jobs: worker.Jobs = [("cpu", [])]
-    if manifest_path:
-        from cachemgr.prewarm import manifest as mf
+    if not manifest_path:  # the whole cache, as it is (a replay fills a new one, as prewarm does)
+        from cachemgr.index.result import check_root
 
-        m = mf.load(manifest_path).select(model)
+        check_root(app.settings.cache_dir)
+    jobs: worker.Jobs = [("cpu", [])]
     env = worker_env(app)
     if manifest_path:
         from cachemgr.prewarm import manifest as mf
