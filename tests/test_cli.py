@@ -73,6 +73,12 @@ def test_export_of_a_missing_cache_dir_is_exit_4(tmp_path, cli_for):
     assert not (tmp_path / "nope").exists() and not (tmp_path / "b.bundle").exists()
 
 
+def test_check_of_a_missing_cache_dir_is_exit_4(tmp_path, cli_for):
+    for r in (cli_for(tmp_path / "nope").proc("check"), cli_for(tmp_path).proc("check", "--cache-dir", "nope")):
+        assert r.returncode == 4 and r.stderr.startswith("cachemgr: error: cache directory "), r.stderr  # (was 2)
+        assert "nope does not exist" in r.stderr
+
+
 def test_bad_db_url(fixture_cache, cli_for):
     r = cli_for(fixture_cache(), db="postgresql+psycopg://nobody@127.0.0.1:1/none").proc("scan")
     assert r.returncode == 5 and "Traceback" not in r.stderr

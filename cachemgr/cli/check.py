@@ -6,7 +6,6 @@ process (cachemgr.prewarm.worker), the comparison in cachemgr.check.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import defaultdict
 from dataclasses import replace
@@ -216,9 +215,9 @@ def check_cmd(
             source = bundle_path
         else:
             from cachemgr.cli.inspect import scanned_store
+            from cachemgr.index.result import check_root
 
-            if not os.path.isdir(target.settings.cache_dir):
-                raise UsageError(f"no cache directory {target.settings.cache_dir}")
+            check_root(target.settings.cache_dir)
             store = scanned_store(target)
             graphs = check.graphs_from_store(store)
             source = target.settings.cache_dir
