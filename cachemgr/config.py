@@ -180,10 +180,19 @@ def _nonempty(v: Any) -> str:
     return v
 
 
+DB_SCHEMES = ("sqlite", "postgresql", "postgresql+psycopg")  # the index's databases, and their drivers
+
+
 def _db_url(v: Any) -> str:
     v = _nonempty(v)
     if "\x00" in urllib.parse.unquote(v):  # (a %00 becomes one in the file name or the password)
         raise ValueError("must not contain a NUL byte (%00)")
+    scheme, sep, _ = v.partition("://")
+    if not sep or scheme not in DB_SCHEMES:  # (a UsageError: the URL, which may hold a password, is not shown)
+        raise UsageError(
+            (f"{scheme[:40] + sep!r} is not a database cachemgr supports" if sep else "not a database URL")
+            + ": give sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+        )
     return v
 
 

@@ -79,6 +79,23 @@ def test_check_of_a_missing_cache_dir_is_exit_4(tmp_path, cli_for):
         assert "nope does not exist" in r.stderr
 
 
+@pytest.mark.parametrize(
+    "url,message",
+    [
+        ("notaurl", "not a database URL"),
+        ("mysql://u:secret@x/y", "'mysql://' is not a database cachemgr supports"),
+        ("postgres://x/y", "'postgres://' is not a database cachemgr supports"),
+    ],
+)
+def test_a_database_cachemgr_does_not_support_is_a_usage_error(fixture_cache, cli_for, url, message):
+    """Such a URL got as far as SQLAlchemy: exit 5, "No module named 'MySQLdb'". The URL itself,
+    which may hold a password, is not repeated."""
+    r = cli_for(fixture_cache(), db=url).proc("stats")
+    assert r.returncode == 2 and r.stderr == (
+        f"cachemgr: error: db from flag: {message}: give sqlite:///PATH or postgresql+psycopg://USER@HOST/DB\n"
+    )
+
+
 def test_bad_db_url(fixture_cache, cli_for):
     r = cli_for(fixture_cache(), db="postgresql+psycopg://nobody@127.0.0.1:1/none").proc("scan")
     assert r.returncode == 5 and "Traceback" not in r.stderr
