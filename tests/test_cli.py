@@ -22,6 +22,8 @@ import pytest
         (["purge", "--keep-torch", "2.11.0", "--all"], 2, "give --stale too"),
         (["prewarm", "--manifest", "m.toml", "--timeout", "0"], 2, "'--timeout'"),
         (["ls", "--older-than", "soon"], 2, "invalid duration 'soon'"),
+        (["ls", "--limit", "9" * 23], 2, "is not a count from 1 to 9223372036854775807"),  # (was exit 5)
+        (["ls", "--limit", "0"], 2, "0 is not a count from 1"),
         (["ls", "--kind", "bogus"], 2, "'bogus' is not one of"),
         (["stats", "--window", "1y"], 2, "invalid duration"),
         (["show", "nosuchkey"], 3, "no entry 'nosuchkey'"),

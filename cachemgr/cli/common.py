@@ -141,7 +141,22 @@ class KeyType(click.ParamType):
         return [CompletionItem(s, help=e.kind) for e in entries if (s := shorts[e.key]).startswith(incomplete)][:200]
 
 
-SIZE, DURATION, KEY = SizeType(), DurationType(), KeyType()
+class CountType(click.ParamType):
+    """A count a query takes (a LIMIT): a whole number from 1 to a database's largest integer."""
+
+    name = "N"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a whole number", param, ctx)
+        if not 1 <= n < 2**63:
+            self.fail(f"{value} is not a count from 1 to {2**63 - 1}", param, ctx)
+        return n
+
+
+SIZE, DURATION, KEY, COUNT = SizeType(), DurationType(), KeyType(), CountType()
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for programs instead of a table.")
 quiet_option = click.option(

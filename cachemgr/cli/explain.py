@@ -7,6 +7,7 @@ import textwrap
 import click
 
 from cachemgr.cli.common import (
+    COUNT,
     DURATION,
     KEY,
     age,
@@ -154,7 +155,7 @@ def diff_cmd(app, key_a: str, key_b: str, as_json: bool) -> None:
 @click.option("--summary", is_flag=True, help="Only one line per cause across the cache.")
 @click.option(
     "--limit",
-    type=click.IntRange(min=1),
+    type=COUNT,
     default=20,
     show_default=True,
     help="Show at most this many compiles, the most recent (the summary counts all).",

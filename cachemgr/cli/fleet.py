@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import click
 
-from cachemgr.cli.common import DURATION, SIZE, Col, age, emit_json, human_size, json_option, pass_app, table
+from cachemgr.cli.common import COUNT, DURATION, SIZE, Col, age, emit_json, human_size, json_option, pass_app, table
 from cachemgr.errors import UsageError
 
 
@@ -23,12 +23,12 @@ def fleet() -> None:
 @fleet.command()
 @click.option(
     "--min-hosts",
-    type=click.IntRange(min=1),
+    type=COUNT,
     default=2,
     show_default=True,
     help="List graphs held by at least this many hosts.",
 )
-@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="At most this many graphs.")
+@click.option("--limit", type=COUNT, default=20, show_default=True, help="At most this many graphs.")
 @click.option("--window", type=DURATION, default="1d", show_default=True, help="Window for the hit events.")
 @json_option
 @pass_app

@@ -9,6 +9,7 @@ from dataclasses import replace
 import click
 
 from cachemgr.cli.common import (
+    COUNT,
     DURATION,
     KEY,
     SIZE,
@@ -427,7 +428,7 @@ def entry_note(e) -> str:
     show_default=True,
     help="size: largest first; age: least recently used first; cost: longest compile first; name: by key.",
 )
-@click.option("--limit", type=click.IntRange(min=1), help="At most this many entries.")
+@click.option("--limit", type=COUNT, help="At most this many entries.")
 @click.option("--host", "on_host", metavar="H", help="Entries of host H (every cache it has in a shared index).")
 @quiet_option
 @wide_option
