@@ -29,6 +29,8 @@ import pytest
         (["show", "nosuchkey"], 3, "no entry 'nosuchkey'"),
         (["pin", "nosuchkey"], 3, "no entry 'nosuchkey'"),
         (["unpin", "nosuchkey"], 3, "'nosuchkey' is not pinned"),
+        (["pin", "--reason", "x"], 2, "--reason needs a KEY (pin without one lists the pins)"),  # (it listed them)
+        (["pin", "--force"], 2, "--force needs a KEY"),
         (["ls", "--graph", "fnosuchgraph"], 3, "no entry 'fnosuchgraph'"),
         (["ls", "--graph", "f", "--model", "m"], 2, "give --graph or --model, not both"),
         (["explain", "--model", "nosuch"], 3, "no recorded shapes for model 'nosuch'"),
@@ -54,6 +56,14 @@ def test_errors_name_only_options_the_command_has(fixture_cache, cli_for):
     cli("scan")
     assert "--graph" not in cli("evict", "--max-age", "1d", "--model", "nope", code=3).stderr
     assert "or use --graph KEY)" in cli("ls", "--model", "nope", code=3).stderr
+
+
+def test_pin_quiet_prints_nothing_but_the_listed_keys(fixture_cache, cli_for):
+    cli = cli_for(fixture_cache())
+    cli("scan")
+    short = cli.json("ls", "--kind", "fxgraph")[0]["short"]
+    assert cli("pin", short, "-q").stdout == "" and cli("pin", short, "-q", "--reason", "r").stdout == ""
+    assert cli("pin", "-q").stdout == short + "\n"
 
 
 def test_missing_cache_dir(tmp_path, cli_for):

@@ -571,7 +571,7 @@ def _torch_in_use(app, rows, now: float, keep_torch: list[str]) -> fingerprint.K
 @click.argument("key", type=KEY, required=False)
 @click.option("--reason", metavar="TEXT", help="Why it must stay (shown by cachemgr pin and ls --pinned --json).")
 @click.option("--force", is_flag=True, help="Pin a key the index does not hold (yet).")
-@quiet_option
+@click.option("-q", "--quiet", is_flag=True, help="With KEY: print nothing. Without: the pinned keys only, one a line.")
 @wide_option
 @json_option
 @pass_app
@@ -587,6 +587,10 @@ def pin(app, key: str | None, reason: str | None, force: bool, quiet: bool, wide
         cachemgr pin                       # every pin, with the entries it keeps
         cachemgr ls --model ranker -q | xargs -n1 cachemgr pin
     """
+    if key is None and (reason is not None or force):
+        raise UsageError(
+            f"{'--reason' if reason is not None else '--force'} needs a KEY (pin without one lists the pins)"
+        )
     store = app.store
     if key is None:
         _list_pins(store, quiet, wide, as_json)
@@ -613,6 +617,8 @@ def pin(app, key: str | None, reason: str | None, force: bool, quiet: bool, wide
                 "previous_reason": before.reason if before else None,
             }
         )
+    elif quiet:
+        pass
     elif before is None:
         click.echo(
             f"pinned {shown}"
