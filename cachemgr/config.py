@@ -442,6 +442,8 @@ def read_toml(path: str, what: str, error: type[UsageError]) -> dict[str, Any]:
 
 
 def _read_toml(path: str) -> dict[str, Any]:
+    if path == os.devnull:  # the conventional "no config file" (a character device, not read)
+        return {}
     doc = read_toml(path, "config file", ConfigError)
     flat = dict(doc.pop("cachemgr", {})) if isinstance(doc.get("cachemgr"), dict) else {}
     both = sorted(set(flat) & set(doc))

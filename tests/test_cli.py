@@ -185,6 +185,15 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
     assert config.load(environ={"CACHEMGR_DB": "postgresql+psycopg:///test"}).db == "postgresql+psycopg:///test"
 
 
+def test_dev_null_is_the_empty_config_file(fixture_cache, cli_for):
+    """/dev/null, the conventional "no config", was refused: "not a regular file" (exit 2)."""
+    cli = cli_for(fixture_cache())
+    for args, env in ((["config", "show"], {"CACHEMGR_CONFIG": os.devnull}), (["--config", os.devnull, "stats"], {})):
+        r = cli.proc(*args, env=env)
+        assert r.returncode == 0 and r.stderr in ("", f"cachemgr: {cli.cache_dir} was never scanned; scanning it now\n")
+    assert "# config file: /dev/null" in cli.proc("config", "show", env={"CACHEMGR_CONFIG": os.devnull}).stdout
+
+
 def test_units():
     from cachemgr.errors import UsageError
     from cachemgr.units import parse_duration, parse_size
