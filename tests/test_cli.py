@@ -20,6 +20,7 @@ import pytest
         (["daemon", "--scan-interval", "0"], 2, "must be at least 1s"),
         (["--host", "", "stats"], 2, "must not be empty"),
         (["purge", "--keep-torch", "2.11.0", "--all"], 2, "give --stale too"),
+        (["purge", "--keep-torch", "2.11.0"], 2, "give --stale too"),  # (was "say what to purge")
         (["prewarm", "--manifest", "m.toml", "--timeout", "0"], 2, "'--timeout'"),
         (["ls", "--older-than", "soon"], 2, "invalid duration 'soon'"),
         (["ls", "--limit", "9" * 23], 2, "is not a count from 1 to 9223372036854775807"),  # (was exit 5)

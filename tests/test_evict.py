@@ -776,6 +776,11 @@ def test_purge_key_and_graph_given_twice_purge_both(aged_gpu, cli_for):
     assert {c, d} <= {e["key"] for e in r["entries"]}
 
 
+def test_purge_says_purged(aged_gpu, cli_for):
+    out = cli_for(aged_gpu)("purge", "--kind", "autotune", "--yes").stdout
+    assert out.splitlines()[-1].startswith("purged ") and "evicted" not in out
+
+
 def test_a_purge_with_nothing_to_purge_is_no_dry_run(aged_gpu, cli_for):
     """`purge --all --yes --json` of an empty cache said `"dry_run": true`: it ran for real."""
     cli = cli_for(aged_gpu)

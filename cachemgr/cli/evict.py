@@ -102,12 +102,13 @@ def _print_plan(app, p, rows, verb: str, wide: bool) -> None:
         click.echo(f"... and {p.planned - SHOWN:,} more (--json lists them all)")
 
 
-def _print_result(r, cache_dir: str, grace: float) -> None:
+def _print_result(r, cache_dir: str, grace: float, done: str) -> None:
+    """What a run did (`done`: evicted, purged) or, dry, would do."""
     if r.dry_run:
         say(f"dry run: would free {human_size(r.freed_bytes)} in {plural(r.evicted, 'entry')}; nothing deleted")
     else:
         say(
-            f"evicted {plural(r.evicted, 'entry')}, freed {human_size(r.freed_bytes)}; "
+            f"{done} {plural(r.evicted, 'entry')}, freed {human_size(r.freed_bytes)}; "
             f"{human_size(r.remaining_bytes)} left in {cache_dir}"
         )
     if r.skipped:
@@ -252,7 +253,7 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
         _print_keys(app, rows, [k for k, *_ in r.entries], wide)
     else:
         if p.units:
-            _print_result(r, s.cache_dir, limits.grace)
+            _print_result(r, s.cache_dir, limits.grace, "evicted")
         if unreachable is not None:
             say(unreachable + (f" ({held_text([w for _, w in p.skipped], limits.grace)})" if p.skipped else ""))
 
@@ -437,13 +438,13 @@ def purge(
         cachemgr purge --stale --keep-torch 2.11.0+cu130 --yes
         cachemgr purge --all --yes --json
     """
+    if keep_torch and not stale:
+        raise UsageError("--keep-torch only says what --stale keeps: give --stale too")
     if not any((all_, older_than is not None, kind, key, graph, model, torch_version, stale, orphans, corrupt)):
         raise UsageError(
             "say what to purge: --all, --older-than, --kind, --key, --graph, --model, "
             "--torch-version, --stale, --orphans or --corrupt"
         )
-    if keep_torch and not stale:
-        raise UsageError("--keep-torch only says what --stale keeps: give --stale too")
     if quiet and not (yes or dry_run):
         raise UsageError("--quiet cannot ask before deleting: give --yes or --dry-run too")
     if not (yes or dry_run) and not sys.stdin.isatty():
@@ -543,7 +544,7 @@ def _purge(app, root, s, tests, orphans, include_pinned, dry_run, yes, quiet, wi
     elif quiet:
         _print_keys(app, rows, [k for k, *_ in r.entries], wide)
     else:
-        _print_result(r, s.cache_dir, s.grace)
+        _print_result(r, s.cache_dir, s.grace, "purged")
 
 
 def _torch_in_use(app, rows, now: float, keep_torch: list[str]) -> fingerprint.Keep:
