@@ -142,6 +142,16 @@ def ref_of(key: str, kind: str) -> str | None:
     return None
 
 
+def fxgraph_entry_key(graph_key: str, content: bytes) -> str:
+    """The entry torch's loader writes for an fxgraph artifact (FxGraphCache._write_to_local_cache):
+    the file under its graph's folder named by the lowercase base32 of its bytes' SHA-256."""
+    import base64
+    import hashlib
+
+    name = base64.b32encode(hashlib.sha256(content).digest())[:51].decode().lower()
+    return f"fxgraph/{graph_key[1:3]}/{graph_key}/{name}"
+
+
 def home_dir(key: str, kind: str) -> str:
     """The directory whose listing holds an entry: a kernel directory is its own home."""
     return key if kind == Kind.TRITON else key.rpartition("/")[0]

@@ -447,6 +447,23 @@ def test_import_checks_first(fixture_cache, tmp_path, db_url):
     assert doc["loaded"] and doc["check"]["graphs"] == 7 and len(doc["check"]["missing"]) == 1
 
 
+def test_what_import_writes_counts_as_loaded_not_compiled(fixture_cache, tmp_path, db_url):
+    """stats and explain counted the graphs a bundle's import wrote as compiles ("8 compiles (4
+    recompiles)"): import indexes them and marks them loaded. The target's index is its own (one
+    that read the exporting cache knows the bytes: a copy is loaded anyway). An import into a
+    cache that holds the same files already marks none of them."""
+    ours = tmp_path / "ours.bundle"
+    _export(fixture_cache("torch-2.13.0-cpu"), ours, db_url)
+    (tmp_path / "target").mkdir()
+    target = Cli(tmp_path / "empty", f"sqlite:///{tmp_path / 'target' / 'index.db'}")
+    for _ in range(2):
+        r = target.proc("import", str(ours), timeout=900, env=ENV)
+        assert r.returncode == 0, r.stderr
+        activity = json.loads(target.proc("stats", "--json").stdout)["activity"]
+        assert (activity["loaded"], activity["compiles"], activity["recompiles"]) == (8, 0, 0)
+    assert "no compiles in the last 1d (8 entries loaded)" in target.proc("explain", "--summary").stdout
+
+
 def test_a_bundle_is_never_let_write_outside_the_cache(fixture_cache, tmp_path, db_url):
     """torch's loader joins each artifact's key onto the cache directory and checks nothing: a
     bundle (another host's) with a key of '../x' or '/x' wrote there, one without graphs even

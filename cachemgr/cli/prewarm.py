@@ -395,6 +395,7 @@ def prewarm(
             check=spec,
         )
     learn(app, result)
+    _index_loaded(app, result.imported)
     results = [result]
     failures = [msg for _, msg in errors] + result.failures()
     if result.imported is not None and not result.imported.get("ok"):
@@ -510,6 +511,16 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
         raise PrewarmError("; ".join(failures))
 
 
+def _index_loaded(app, imported: dict | None) -> None:
+    """Index what a bundle's load wrote (the worker's `imported`): the graphs it added are loaded,
+    not compiled, as stats and explain count them."""
+    if imported and imported.get("loaded"):
+        from cachemgr.cli.inspect import run_scan
+
+        run_scan(app, quiet_progress=True)
+        app.store.mark_loaded(imported.pop("written_graphs", []))
+
+
 def _cache_to_write(cache_dir: str, bundle: bool) -> None:
     """The cache directory torch will write into, made if missing (exit 4 where it cannot be).
     One a bundle goes into must hold Inductor's own layout (exit 7 otherwise): torch writes a
@@ -590,6 +601,7 @@ def import_(
             os.rmdir(app.settings.cache_dir)
     learn(app, result)
     imp = result.imported or {"ok": False, "error": "the import worker reported nothing"}
+    _index_loaded(app, imp)
     if as_json:
         emit_json(imp)
     else:

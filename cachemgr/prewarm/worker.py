@@ -1012,7 +1012,9 @@ def check_bundle(path: str, b, arts, torch, adapter, fingerprint: dict | None, s
 
 def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: dict) -> dict:
     """Check the bundle first; load it (torch.compiler.load_cache_artifacts) unless none of its
-    graphs would hit here, or it is partial (and `allow_partial` is not set), or `check_only`."""
+    graphs would hit here, or it is partial (and `allow_partial` is not set), or `check_only`.
+    `written_graphs`: the fxgraph entries the load added (files that were not there before)."""
+    from cachemgr import layout
     from cachemgr.prewarm import bundle
 
     try:
@@ -1044,10 +1046,14 @@ def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: di
             }
         if spec.get("check_only"):
             return {**base, "ok": True, "loaded": False}
+        root = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        graphs = (layout.fxgraph_entry_key(key, content) for key, content in arts.get("inductor", []))
+        fresh = [k for k in graphs if not os.path.lexists(os.path.join(root, k))]  # what the load writes
         info = torch.compiler.load_cache_artifacts(b.payload)
         if info is None:
             return {**base, "ok": False, "error": f"bundle {path}: torch could not read its artifacts"}
-        return {**base, "ok": True, "loaded": True, "artifacts": {k: len(v) for k, v in info.artifacts.items()}}
+        artifacts = {k: len(v) for k, v in info.artifacts.items()}
+        return {**base, "ok": True, "loaded": True, "artifacts": artifacts, "written_graphs": fresh}
     except Exception as e:  # noqa: BLE001 - reported to the parent as the import's failure
         return {"ok": False, "error": str(e) if hasattr(e, "exit_code") else _first_line(e)}
 
