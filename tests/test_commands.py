@@ -7,6 +7,8 @@ import importlib
 import subprocess
 import sys
 
+import click
+
 from cachemgr.cli import COMMAND_MODULES, cli
 from tests.conftest import subprocess_env
 
@@ -39,3 +41,24 @@ def test_stats_loads_only_the_inspection_commands(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "['cachemgr.cli.common', 'cachemgr.cli.inspect']"
+
+
+def _helps(cmd: click.Command, ctx: click.Context):
+    """(command path, --help text) of a command and every subcommand under it."""
+    yield ctx.command_path, cmd.get_help(ctx)
+    if isinstance(cmd, click.Group):
+        for name in cmd.list_commands(ctx):
+            sub = cmd.get_command(ctx, name)
+            assert sub is not None
+            yield from _helps(sub, click.Context(sub, info_name=name, parent=ctx))
+
+
+def test_help_fits_80_columns_and_says_the_exit_codes():
+    """Exit-code tables, examples and a --kind listing every kind ran to 95 columns."""
+    helps = dict(_helps(cli, click.Context(cli, info_name="cachemgr", terminal_width=80)))
+    assert len(helps) > 20
+    for path, text in helps.items():
+        assert not [line for line in text.splitlines() if len(line) > 80], path
+    coded = ("scan", "stats", "ls", "show", "evict", "purge", "pin", "unpin", "check", "diff", "explain")
+    for name in (*coded, "daemon", "prewarm", "export", "import"):
+        assert "\n  Exit codes:\n      0 " in helps[f"cachemgr {name}"], name

@@ -81,7 +81,7 @@ def cli(ctx: click.Context, cache_dir: str | None, db: str | None, host: str | N
         cachemgr scan                      # index the cache
         cachemgr stats                     # what is in it
         cachemgr ls --kind fxgraph --sort cost --limit 10
-        cachemgr show fgv4ud3t             # one entry in full, by the short key ls printed
+        cachemgr show fgv4ud3t             # one entry in full, by its short key
     """
     ctx.obj = App(config_file, {"cache_dir": cache_dir, "db": db, "host": host})
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from cachemgr.cli.common import emit_json, json_option, pass_app, plural, short, terminal_width
+from cachemgr.cli.common import emit_json, exit_codes, json_option, pass_app, plural, short, terminal_width
 from cachemgr.errors import PrewarmError, UsageError
 
 if TYPE_CHECKING:
@@ -157,6 +157,15 @@ def render(report, width: int | None, shorts: dict[str, str] | None = None, show
 @click.option("--all", "show_all", is_flag=True, help="List the graphs that will hit too.")
 @json_option
 @pass_app
+@exit_codes(
+    0,
+    2,
+    3,
+    4,
+    5,
+    (8, "this host's side could not be computed (its torch worker failed)"),
+    (9, "--bundle names a file that is no bundle"),
+)
 def check_cmd(
     app,
     bundle_path: str | None,

@@ -170,6 +170,36 @@ model_option = click.option(
 )
 
 
+# What an exit code means for every command that can end with it (cachemgr.errors); a command
+# gives its own words where it says more.
+EXIT_MEANINGS = {
+    0: "done",
+    1: "a worker deleting files died (the next run empties what it moved)",
+    2: "bad command line, variable or config file",
+    3: "a key, model or file it names does not exist",
+    4: "the cache dir is missing, not a directory, or unreadable",
+    5: "the index database cannot be opened or used",
+    7: "the cache dir does not look like an Inductor cache",
+    130: "interrupted (Ctrl-C)",
+}
+
+
+def exit_codes(*codes: int | tuple[int, str]) -> Callable[[Callable], Callable]:
+    """Decorates a command's function (below @pass_app) to end its --help with its exit codes:
+    each a code of EXIT_MEANINGS, or (code, meaning) in the command's own words (a newline in
+    them goes on under the meaning); a meaning of at most 68 characters keeps help in 80 columns."""
+    pairs = [c if isinstance(c, tuple) else (c, EXIT_MEANINGS[c]) for c in codes]
+    width = max(len(str(c)) for c, _ in pairs)
+    lines = [f"        {c:<{width}}  {m}".replace("\n", "\n" + " " * (10 + width)) for c, m in pairs]
+    text = "\n\n    \b\n    Exit codes:\n" + "\n".join(lines) + "\n"
+
+    def add(f: Callable) -> Callable:
+        f.__doc__ = (f.__doc__ or "").rstrip() + text
+        return f
+
+    return add
+
+
 def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=False, default=str))
 

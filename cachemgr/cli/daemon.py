@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from cachemgr.cli.common import DURATION, SIZE, emit_json, json_option, pass_app
+from cachemgr.cli.common import DURATION, SIZE, emit_json, exit_codes, json_option, pass_app
 from cachemgr.config import BY_NAME
 from cachemgr.units import format_duration, format_size
 
@@ -25,6 +25,13 @@ from cachemgr.units import format_duration, format_size
 @click.option("--metrics", metavar="HOST:PORT", help="Serve Prometheus metrics here (or a bare port on 127.0.0.1).")
 @click.option("-v", "--verbose", is_flag=True, help="Log every applied batch (debug level).")
 @pass_app
+@exit_codes(
+    (0, "stopped by SIGTERM or SIGINT"),
+    (2, "a bad flag, variable or config value"),
+    (5, "the index database cannot be opened"),
+    7,
+    (10, "another daemon already serves this cache dir or index (named by PID)"),
+)
 def daemon(app, verbose: bool, **flags) -> None:
     """Keep the index current and the cache within its limits, as a service.
 
@@ -37,14 +44,6 @@ def daemon(app, verbose: bool, **flags) -> None:
     Example:
         cachemgr --cache-dir /var/cache/inductor daemon --max-size 200GiB
         systemctl reload cachemgr          # re-read /etc/cachemgr/config.toml
-
-    \b
-    Exit codes:
-        0   stopped by SIGTERM or SIGINT
-        2   a bad flag, variable or config value
-        5   the index database cannot be opened
-        7   the cache dir does not look like an Inductor cache
-        10  another daemon already serves this cache dir or index (its PID is named)
     """
     import logging
 

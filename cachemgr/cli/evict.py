@@ -22,6 +22,7 @@ from cachemgr.cli.common import (
     age,
     clean,
     emit_json,
+    exit_codes,
     human_size,
     json_option,
     model_option,
@@ -181,6 +182,7 @@ def _unreachable(p, limits, disk) -> str | None:
 @wide_option
 @json_option
 @pass_app
+@exit_codes(0, 1, 2, 3, 4, 5, 7, 130)
 def evict(app, max_size, max_age, max_files, min_free, policy, model, grace, dry_run, quiet, wide, as_json) -> None:
     """Evict entries until the cache is within its limits.
 
@@ -372,7 +374,7 @@ class _Reach:
 @click.command()
 @click.option("--all", "all_", is_flag=True, help="Every entry (pins stay unless --include-pinned).")
 @click.option("--older-than", type=DURATION, help="Entries not accessed for this long.")
-@click.option("--kind", type=click.Choice(KINDS), help="Entries of this kind.")
+@click.option("--kind", type=click.Choice(KINDS), metavar="KIND", help=f"Entries of this kind: {', '.join(KINDS)}.")
 @click.option(
     "--key",
     type=KEY,
@@ -405,6 +407,7 @@ class _Reach:
 @wide_option
 @json_option
 @pass_app
+@exit_codes(0, 1, 2, 3, 4, 5, 7, (130, "interrupted (Ctrl-C), or declined at the prompt"))
 def purge(
     app,
     all_,
@@ -576,6 +579,7 @@ def _torch_in_use(app, rows, now: float, keep_torch: list[str]) -> fingerprint.K
 @wide_option
 @json_option
 @pass_app
+@exit_codes(0, 2, 3, 5)
 def pin(app, key: str | None, reason: str | None, force: bool, quiet: bool, wide: bool, as_json: bool) -> None:
     """Keep an entry, or every entry of a graph, from eviction and purge. Without KEY: list the pins.
 
@@ -688,6 +692,7 @@ def _pin_named(store, spec: str) -> str:
 @click.command()
 @click.argument("key", type=KEY)
 @pass_app
+@exit_codes(0, 2, 3, 5)
 def unpin(app, key: str) -> None:
     """Let eviction take a pinned key again. KEY: any form of it a command prints (after `--`
     where it begins with '-').

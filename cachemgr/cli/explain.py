@@ -13,6 +13,7 @@ from cachemgr.cli.common import (
     age,
     clean,
     emit_json,
+    exit_codes,
     json_option,
     model_option,
     pass_app,
@@ -93,6 +94,7 @@ def _explainer(app):
 @click.argument("key_b", type=KEY)
 @json_option
 @pass_app
+@exit_codes(0, 2, 3, 4, 5)
 def diff_cmd(app, key_a: str, key_b: str, as_json: bool) -> None:
     """The hash components that differ between two fxgraph entries.
 
@@ -162,6 +164,7 @@ def diff_cmd(app, key_a: str, key_b: str, as_json: bool) -> None:
 )
 @json_option
 @pass_app
+@exit_codes(0, 2, 3, 4, 5)
 def explain(app, since: float, graph: str | None, model: str | None, summary: bool, limit: int, as_json: bool) -> None:
     """Why recent compiles missed the cache: which hash component changed.
 

@@ -219,7 +219,8 @@ def push(app, model: str | None, graph: str | None, force: bool, no_scan: bool, 
     \b
     Example:
         cachemgr remote push
-        cachemgr remote push --graph fgv4ud3tijkbzc4tbcqhirql64dqih532zwb4egaukwwkig3de4n
+        cachemgr remote push \\
+            --graph fgv4ud3tijkbzc4tbcqhirql64dqih532zwb4egaukwwkig3de4n
         cachemgr remote push --model ranker --json
     """
     from cachemgr.fleet.remote import push_items

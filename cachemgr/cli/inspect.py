@@ -17,6 +17,7 @@ from cachemgr.cli.common import (
     age,
     clean,
     emit_json,
+    exit_codes,
     fields_block,
     human_size,
     ingest_spool,
@@ -95,6 +96,7 @@ def scanned_store(app):
 )
 @json_option
 @pass_app
+@exit_codes(0, 2, 4, 5)
 def scan(app, full: bool, as_json: bool) -> None:
     """Reconcile the index with the cache directory and print what changed.
 
@@ -107,7 +109,7 @@ def scan(app, full: bool, as_json: bool) -> None:
     Example:
         cachemgr --cache-dir /var/cache/inductor scan
         cachemgr scan --json | jq .added
-        cachemgr scan --full             # stat every file, trust no directory mtime
+        cachemgr scan --full             # stat every file (trusts no mtime)
     """
     r = run_scan(app, full=full)
     if as_json:
@@ -149,6 +151,7 @@ def scan(app, full: bool, as_json: bool) -> None:
 )
 @json_option
 @pass_app
+@exit_codes(0, 2, 4, 5)
 def stats(app, window: float, by: str, fleet: bool, as_json: bool) -> None:
     """How full the cache is against its limits, where its index lives, and recent activity.
 
@@ -414,7 +417,9 @@ def entry_note(e) -> str:
 
 
 @click.command(name="ls")
-@click.option("--kind", type=click.Choice(KINDS), help="Only entries of this kind.")
+@click.option(
+    "--kind", type=click.Choice(KINDS), metavar="KIND", help=f"Only entries of this kind: {', '.join(KINDS)}."
+)
 @click.option("--older-than", type=DURATION, help="Only entries not accessed for this long (14d, 6h, 30m).")
 @click.option("--larger-than", type=SIZE, help="Only entries larger than this (500MB, 1GiB).")
 @click.option("--graph", type=KEY, metavar="KEY", help="Only the entries of this graph (any key form of it).")
@@ -434,6 +439,7 @@ def entry_note(e) -> str:
 @wide_option
 @json_option
 @pass_app
+@exit_codes(0, 2, 3, 4, 5)
 def ls(
     app, kind, older_than, larger_than, graph, model, pinned, corrupt, sort, limit, on_host, quiet, wide, as_json
 ) -> None:
@@ -448,7 +454,7 @@ def ls(
         cachemgr ls --kind fxgraph --sort cost --limit 10
         cachemgr ls --older-than 14d --larger-than 100MB --json
         cachemgr ls --model ranker -q | xargs -n1 cachemgr pin
-        cachemgr --db postgresql+psycopg://root@127.0.0.1/test ls --host gpu-07 --limit 20
+        cachemgr --db postgresql+psycopg://db/cachemgr ls --host gpu-07 --limit 20
     """
     from cachemgr.index import Filters
 
@@ -547,6 +553,7 @@ def _host_entries(app, host: str, f) -> list[tuple]:
 @wide_option
 @json_option
 @pass_app
+@exit_codes(0, 2, 3, 4, 5)
 def show(app, key: str, wide: bool, as_json: bool) -> None:
     """One entry in full, with the files that belong to it, what losing it costs and what
     eviction would do with it now.

@@ -13,42 +13,8 @@ from contextlib import contextmanager, suppress
 
 import click
 
-from cachemgr.cli.common import Col, emit_json, ingest_spool, json_option, pass_app, table
+from cachemgr.cli.common import Col, emit_json, exit_codes, ingest_spool, json_option, pass_app, table
 from cachemgr.errors import PrewarmError, UsageError
-
-PREWARM_EXIT_CODES = """
-    \b
-    Exit codes:
-        0  every shape compiled (and, with --verify, a fresh process saw only hits)
-        2  bad command line or manifest file       8  a shape or model failed, or verify missed
-        3  a model or bundle named does not exist  9  the bundle does not match this host
-    """
-EXPORT_EXIT_CODES = """
-    \b
-    Exit codes:
-        0  the bundle was written
-        2  bad command line or manifest file, or --out in a missing folder
-        3  a model named does not exist
-        4  the cache dir does not exist (without --manifest) or cannot be read
-        8  a model failed to replay, or writing failed
-    """
-IMPORT_EXIT_CODES = """
-    \b
-    Exit codes:
-        0  the bundle was loaded (--check-only:    3  no such bundle file
-           it would be)                            9  not a bundle; none of its graphs would hit
-        2  bad command line                           here; partial (without --allow-partial);
-        4  the cache dir cannot be made               or a key not a name inside the cache
-        7  the cache dir is not an Inductor cache
-    """
-
-
-def _exit_codes(text: str):
-    def add(f):
-        f.__doc__ = (f.__doc__ or "").rstrip() + "\n" + text
-        return f
-
-    return add
 
 
 def _recorded(app, model: str | None = None) -> list[dict]:
@@ -319,7 +285,16 @@ def _print_run(result, title: str) -> None:
 )
 @json_option
 @pass_app
-@_exit_codes(PREWARM_EXIT_CODES)
+@exit_codes(
+    (0, "every shape compiled (with --verify: a fresh process saw only hits)"),
+    (2, "bad command line, manifest or config file"),
+    (3, "a model or bundle named does not exist"),
+    (4, "the cache dir cannot be made"),
+    5,
+    (7, "the cache dir a bundle goes into is not an Inductor cache"),
+    (8, "a shape or model failed, or verify missed"),
+    (9, "the bundle does not match this host"),
+)
 def prewarm(
     app,
     manifest_path: str,
@@ -346,7 +321,7 @@ def prewarm(
     \b
     Example:
         cachemgr prewarm --manifest /etc/cachemgr/models.toml --verify
-        cachemgr prewarm --manifest m.toml --devices cuda:0,cuda:1 --timeout 900 --json
+        cachemgr prewarm --manifest m.toml --devices cuda:0,cuda:1 --timeout 900
         cachemgr prewarm --manifest m.toml --bundle /seed/cache.bundle --verify
     """
     from cachemgr.prewarm import manifest as mf
@@ -440,7 +415,14 @@ def prewarm(
 )
 @json_option
 @pass_app
-@_exit_codes(EXPORT_EXIT_CODES)
+@exit_codes(
+    (0, "the bundle was written"),
+    (2, "bad command line or manifest file, or --out in a missing folder"),
+    (3, "a model named does not exist"),
+    (4, "the cache dir does not exist (without --manifest) or cannot be read"),
+    5,
+    (8, "a model failed to replay, or writing failed"),
+)
 def export_(app, out: str, model: str | None, manifest_path: str | None, as_json: bool) -> None:
     """Write a portable bundle (torch.compiler.save_cache_artifacts) with a header naming torch,
     Triton and the GPU architecture, for `cachemgr import` on another host or image.
@@ -551,7 +533,19 @@ def _cache_to_write(cache_dir: str, bundle: bool) -> None:
 @click.option("--devices", metavar="LIST", help="Where the workload runs here (cuda:0,cuda:1 or cpu).")
 @json_option
 @pass_app
-@_exit_codes(IMPORT_EXIT_CODES)
+@exit_codes(
+    (0, "the bundle was loaded (--check-only: it would be)"),
+    (2, "bad command line"),
+    (3, "no such bundle file"),
+    (4, "the cache dir cannot be made"),
+    5,
+    (7, "the cache dir is not an Inductor cache"),
+    (
+        9,
+        "not a bundle; none of its graphs would hit here; partial (without\n"
+        "--allow-partial); or a key not a name inside the cache",
+    ),
+)
 def import_(
     app,
     bundle_path: str,
