@@ -776,6 +776,31 @@ def test_purge_key_and_graph_given_twice_purge_both(aged_gpu, cli_for):
     assert {c, d} <= {e["key"] for e in r["entries"]}
 
 
+def test_purge_kind_model_and_torch_version_given_twice_purge_both(aged_gpu, cli_for, db_url):
+    """As --key: each choice named more than once takes entries of any of them, not the last."""
+    cli = cli_for(aged_gpu)
+    cli("scan")
+
+    def planned(*args: str) -> set[str]:
+        return {e["key"] for e in cli.json("purge", *args, "--dry-run")["entries"]}
+
+    r = cli.json("purge", "--kind", "triton", "--kind", "autotune", "--dry-run")
+    assert {e["kind"] for e in r["entries"]} == {"triton", "autotune"}
+    ours = planned("--torch-version", "2.11.0+cu130")
+    assert ours and planned("--torch-version", "2.11.0+cu130", "--torch-version", "9.9") == ours
+    firsts = {e["signature"].split(";")[0].split("(")[0] for e in cli.json("ls", "--kind", "fxgraph")}
+    signatures = sorted(s for s in firsts if s.startswith("f32["))  # (the mlp's, the resnet's: not dynamic)
+    with sqlite3.connect(db_path(db_url)) as c:  # two models, as cachemgr.record writes them
+        for model, sig in (("a", signatures[0]), ("b", signatures[1])):
+            c.execute(
+                "INSERT INTO shapes (model, signature_hash, signature, spec, options, count, first_seen, last_seen) "
+                "VALUES (?, ?, ?, '[]', '{}', 1, 0, 0)",
+                (model, model, sig),
+            )
+    a, b = planned("--model", "a"), planned("--model", "b")
+    assert a and b and a != b and planned("--model", "a", "--model", "b") == a | b
+
+
 def test_purge_says_purged(aged_gpu, cli_for):
     out = cli_for(aged_gpu)("purge", "--kind", "autotune", "--yes").stdout
     assert out.splitlines()[-1].startswith("purged ") and "evicted" not in out

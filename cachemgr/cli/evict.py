@@ -374,7 +374,13 @@ class _Reach:
 @click.command()
 @click.option("--all", "all_", is_flag=True, help="Every entry (pins stay unless --include-pinned).")
 @click.option("--older-than", type=DURATION, help="Entries not accessed for this long.")
-@click.option("--kind", type=click.Choice(KINDS), metavar="KIND", help=f"Entries of this kind: {', '.join(KINDS)}.")
+@click.option(
+    "--kind",
+    type=click.Choice(KINDS),
+    metavar="KIND",
+    multiple=True,
+    help=f"Entries of this kind (repeatable): {', '.join(KINDS)}.",
+)
 @click.option(
     "--key",
     type=KEY,
@@ -389,8 +395,12 @@ class _Reach:
     multiple=True,
     help="Every entry of this graph (any key form of it; repeatable).",
 )
-@model_option
-@click.option("--torch-version", metavar="V", help="Entries compiled by this torch version.")
+@click.option(
+    "--model", metavar="NAME", multiple=True, help="The graphs of this model (recorded by cachemgr.record; repeatable)."
+)
+@click.option(
+    "--torch-version", metavar="V", multiple=True, help="Entries compiled by this torch version (repeatable)."
+)
 @click.option(
     "--stale",
     is_flag=True,
@@ -430,7 +440,7 @@ def purge(
     as_json,
 ) -> None:
     """Delete chosen entries (with what only they reference). Several choices: entries matching all;
-    --key and --graph given more than once: entries of any of them.
+    a choice given more than once (--kind, --key, --graph, --model, --torch-version): any of them.
 
     Says how much it would free and asks first, unless --yes or --dry-run.
 
@@ -465,7 +475,7 @@ def _purge_tests(app, older_than, kind, key, graph, model, torch_version, stale,
     if older_than is not None:
         tests.append(lambda i, r, g: r.touched < now - older_than)
     if kind:
-        tests.append(lambda i, r, g: r.kind == kind)
+        tests.append(lambda i, r, g: r.kind in kind)
     if key:
         named = {e.key for k in key for e in app.store.resolve(k).entries}
         tests.append(lambda i, r, g: r.key in named)
@@ -473,7 +483,7 @@ def _purge_tests(app, older_than, kind, key, graph, model, torch_version, stale,
         gks = {_graph_named(app, k) for k in graph}
         tests.append(lambda i, r, g: r.graph_key in gks or r.ref in gks)
     if model:
-        graphs = app.store.model_graphs(model, "--graph KEY")
+        graphs = {gk for m in model for gk in app.store.model_graphs(m, "--graph KEY")}
         tests.append(
             lambda i, r, g: (
                 (r.kind == Kind.FXGRAPH and r.graph_key in graphs)
@@ -483,8 +493,9 @@ def _purge_tests(app, older_than, kind, key, graph, model, torch_version, stale,
     if torch_version:
         known = app.store.fingerprint_names()
         tests.append(
-            lambda i, r, g: fingerprint.version_matches(
-                r.torch_version or known.get(r.torch_version_hash or ""), torch_version
+            lambda i, r, g: any(
+                fingerprint.version_matches(r.torch_version or known.get(r.torch_version_hash or ""), v)
+                for v in torch_version
             )
         )
     if stale:
