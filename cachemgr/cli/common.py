@@ -174,7 +174,7 @@ model_option = click.option(
 # gives its own words where it says more.
 EXIT_MEANINGS = {
     0: "done",
-    1: "a worker deleting files died (the next run empties what it moved)",
+    1: "short of memory or descriptors, or an eviction worker died",
     2: "bad command line, variable or config file",
     3: "a key, model or file it names does not exist",
     4: "the cache dir is missing, not a directory, or unreadable",
