@@ -440,6 +440,9 @@ class _Walker:
                     try:
                         if d.is_dir(follow_symlinks=False):  # (only names are kept: a folder may hold 100,000)
                             subdirs.append(name if name.isprintable() and "%" not in name else key_of(name))
+                        elif kernel is not None:  # one entry's files: added as listed, never held (a
+                            if d.is_file(follow_symlinks=False):  # hostile kernel folder may hold 200,000)
+                                self._add(kernel, prefix, d, keep)
                         elif d.is_file(follow_symlinks=False):
                             files.append(d)
                         # (a symlink, FIFO, socket or device: never an entry, never opened)
@@ -452,23 +455,30 @@ class _Walker:
             name = d.name
             if not (name.isprintable() and "%" not in name):
                 name = key_of(name)
+            c = classify(prefix + name)
+            if c is None:
+                continue
             try:
                 st = d.stat(follow_symlinks=False)
             except OSError:
                 continue  # vanished between listing and stat: an eviction or a rename
-            e = kernel
+            e = entries.get(c.key)
             if e is None:
-                c = classify(prefix + name)
-                if c is None:
-                    continue
-                e = entries.get(c.key)
-                if e is None:
-                    e = entries[c.key] = DiskEntry(c.kind, c.key, c.ref)
-                if c.kind == Kind.CODE and name.endswith(".cpp"):
-                    e.has_source = True
+                e = entries[c.key] = DiskEntry(c.kind, c.key, c.ref)
+            if c.kind == Kind.CODE and name.endswith(".cpp"):
+                e.has_source = True
             e.add(prefix + name, st, keep)
         subdirs.sort()
         return subdirs
+
+    @staticmethod
+    def _add(kernel: DiskEntry, prefix: str, d: os.DirEntry, keep: bool) -> None:
+        name = d.name
+        try:
+            st = d.stat(follow_symlinks=False)
+        except OSError:
+            return  # vanished between listing and stat
+        kernel.add(prefix + (name if name.isprintable() and "%" not in name else key_of(name)), st, keep)
 
 
 # -- one entry's files ------------------------------------------------------------------------------
@@ -482,7 +492,7 @@ def entry_files(root: safefs.Root, key: str, kind: str) -> list[tuple[str, os.st
     try:
         if kind == Kind.TRITON:
             for d in walk_dirs(root, key).entries.values():
-                for p in d.paths:
+                for p in sorted(d.paths):
                     out.append((p, root.lstat(fs_path(p))))
             return out
         if kind == Kind.CODE:

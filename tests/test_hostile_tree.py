@@ -633,3 +633,29 @@ def test_a_process_short_of_descriptors_fails_in_one_line(fixture_cache, tmp_pat
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (fds, fds)),
     )
     assert (r.returncode, r.stderr.splitlines()) == (1, ["cachemgr: error: out of file descriptors (ulimit -n)"])
+
+
+@pytest.mark.slow  # real processes, 100,000 files
+def test_a_kernel_folder_of_a_hundred_thousand_files_is_scanned_and_looked_at_in_bounded_memory(gpu_cache, tmp_path):
+    """One hostile Triton kernel folder of 100,000 files (one entry): scan and eviction's look sum
+    its files as they list them. Each run's peak RSS is within 24 MiB of the same run on the cache
+    without it (held per file, as before, it cost about 75 MiB more for scan and for evict)."""
+    from conftest import subprocess_env
+    from test_hostile_inputs import _rss_of
+
+    def peaks(cache: Path, db: str) -> list[int]:
+        out = []
+        for args in (("scan",), ("evict", "--dry-run", "--max-size", "0", "--grace", "0s")):
+            argv = [sys.executable, "-m", "cachemgr", "--cache-dir", str(cache), "--db", db, *args]
+            code, rss, stderr = _rss_of(argv, subprocess_env())
+            assert code == 0, stderr
+            out.append(rss)
+        return out
+
+    base = peaks(gpu_cache, f"sqlite:///{tmp_path / 'base.db'}")
+    kernel = next(gpu_cache.glob("triton/*/*/")).parent / ("K" * 52)
+    kernel.mkdir()
+    for i in range(100_000):
+        (kernel / f"f{i}.json").touch()
+    for rss, before in zip(peaks(gpu_cache, f"sqlite:///{tmp_path / 'big.db'}"), base, strict=True):
+        assert rss - before < 24, f"peak RSS {rss} MiB, {before} MiB without the folder"

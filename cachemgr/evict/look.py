@@ -56,20 +56,24 @@ class Took:
 
 @dataclass(slots=True)
 class _Files:
-    """One entry's files as they are now, or a reason to keep it."""
+    """One entry's files as they are now (summed as they are seen: a kernel folder may hold
+    200,000), or a reason to keep it."""
 
-    paths: list[os.stat_result] = field(default_factory=list)  # lstat of each regular file
+    newest: float = 0.0  # the latest access or write of any of them
+    nbytes: int = 0
+    nfiles: int = 0
     move: list[tuple[str, safefs.Identity]] = field(default_factory=list)  # what goes: files, or a kernel dir whole
     problem: Held | None = None
     inodes: frozenset[int] | None = None  # of the files in a directory moved whole, as looked at
 
-    @property
-    def newest(self) -> float:
-        return max((max(st.st_atime, st.st_mtime) for st in self.paths), default=0.0)
+    def add(self, st: os.stat_result) -> None:
+        self.newest = max(self.newest, st.st_atime, st.st_mtime)
+        self.nbytes += st.st_size
+        self.nfiles += 1
 
     @property
     def size(self) -> tuple[int, int]:
-        return sum(st.st_size for st in self.paths), len(self.paths)
+        return self.nbytes, self.nfiles
 
 
 def lock_is_held(root: safefs.Root, key: str) -> bool:
@@ -133,7 +137,7 @@ class Looker:
     def _look_and_take(self, u: Look, fresh: dict[int, float], dry_run: bool) -> Took | str:
         files = [self.files_of(kind, key) for _, kind, key, _ in u.entries]
         why = self._keep(u, files, fresh)
-        if why is None and not any(f.paths for f in files):
+        if why is None and not any(f.nfiles for f in files):
             why = Held.GONE  # another process deleted it first: nothing of ours to count
         if why:
             return why
@@ -215,7 +219,7 @@ class Looker:
                 except FileNotFoundError:
                     continue
                 if stat.S_ISREG(st.st_mode):  # a symlink stays, and so does what it points at
-                    f.paths.append(st)
+                    f.add(st)
                     f.move.append((rel, safefs.identity(st)))
         except safefs.Refused:
             f.problem = Held.UNSAFE
@@ -232,6 +236,7 @@ class Looker:
             fd = os.open(name, safefs.O_DIR, dir_fd=self.root.dir_fd(parent))
         except FileNotFoundError:
             return f
+        inodes = set()
         try:
             st = os.fstat(fd)
             with os.scandir(fd) as it:
@@ -243,11 +248,12 @@ class Looker:
                     if not stat.S_ISREG(s.st_mode):
                         f.problem = Held.UNSAFE
                         return f
-                    f.paths.append(s)
+                    f.add(s)
+                    inodes.add(s.st_ino)
         finally:
             os.close(fd)
         f.move = [(key, safefs.identity(st))]
-        f.inodes = frozenset(s.st_ino for s in f.paths)
+        f.inodes = frozenset(inodes)
         return f
 
     def _same_files(self, name: str, inodes: frozenset[int]) -> bool:
