@@ -659,3 +659,30 @@ def test_a_kernel_folder_of_a_hundred_thousand_files_is_scanned_and_looked_at_in
         (kernel / f"f{i}.json").touch()
     for rss, before in zip(peaks(gpu_cache, f"sqlite:///{tmp_path / 'big.db'}"), base, strict=True):
         assert rss - before < 24, f"peak RSS {rss} MiB, {before} MiB without the folder"
+
+
+def test_an_index_on_a_file_system_out_of_inodes_says_so(fixture_cache, tmp_path):
+    """The index's file system has space but no free inodes: SQLite cannot make its -wal and -shm
+    files ('unable to open database file'), and the reserve cannot help. One line, exit 5, that
+    says why."""
+    from conftest import subprocess_env
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=64", "tmpfs", str(mnt)], check=True)
+    try:
+        cache = fixture_cache("torch-2.13.0-cpu")
+        argv = [sys.executable, "-m", "cachemgr", "--cache-dir", str(cache), "--db", f"sqlite:///{mnt / 'i.db'}"]
+        assert subprocess.run([*argv, "scan"], env=subprocess_env(), capture_output=True).returncode == 0
+        for i in range(64):  # every inode left
+            try:
+                (mnt / f"f{i}").touch()
+            except OSError:
+                break
+        r = subprocess.run([*argv, "stats"], env=subprocess_env(), capture_output=True, text=True)
+        assert r.returncode == 5 and len(r.stderr.splitlines()) == 1, r.stderr
+        assert f"(the file system of {mnt} has no free inodes)" in r.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

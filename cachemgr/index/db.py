@@ -80,7 +80,9 @@ class Database:
         except OperationalError as e:
             if "no such table" in str(e):  # SQLite; PostgreSQL's missing table is a ProgrammingError
                 return None  # ("role/database ... does not exist" is a connection failure: not here)
-            raise DatabaseError(f"cannot open the index {redact(self.url)}: {_first_line(e)}") from e
+            raise DatabaseError(
+                f"cannot open the index {redact(self.url)}: {_first_line(e)}{schema.no_room(self.reserve)}"
+            ) from e
         except SQLAlchemyError as e:
             if "UndefinedTable" in type(getattr(e, "orig", e)).__name__:
                 return None

@@ -115,6 +115,23 @@ def disk_full(e: BaseException) -> bool:
     return "disk i/o error" in text or "disk is full" in text or "no space left" in text
 
 
+def no_room(reserve: Path | None) -> str:
+    """Why SQLite may not open or write a file beside `reserve` (the index's own): its file system
+    has no free inodes (the reserve cannot help: -wal and -shm are new files), or no free space;
+    '' if neither, or not known."""
+    if reserve is None:
+        return ""
+    try:
+        st = os.statvfs(reserve.parent)
+    except OSError:
+        return ""
+    if st.f_files and not st.f_ffree:
+        return f" (the file system of {reserve.parent} has no free inodes)"
+    if not st.f_bfree:
+        return f" (the file system of {reserve.parent} is full)"
+    return ""
+
+
 def release_reserve(reserve: Path) -> bool:
     try:
         reserve.unlink()
