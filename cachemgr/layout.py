@@ -602,7 +602,9 @@ def foreign_opened(root: str, r: safefs.Root) -> str | None:
         if r.id == safefs.identity(os.stat("/")):
             return f"{root} is the file system root"
         names = sorted(n for n in os.listdir(r.fd) if n != TRASH_DIR)
-    except OSError:
+    except OSError as e:
+        if e.errno in _SHORT:
+            raise
         return None
     whys = [_not_inductors(r, n) for n in names]
     odd = [why for why in whys if why and why is not _TOLERATED]
@@ -631,8 +633,10 @@ def _not_inductors(r: safefs.Root, name: str) -> str | None:
         return f"{shown} is not a folder Inductor makes"
     try:
         children = [n for n in r.listdir(name) if not is_transient(n)]
-    except OSError:
-        return f"{shown}/ cannot be read"
+    except OSError as e:
+        if e.errno in _SHORT:
+            raise  # (this process is short of descriptors: no fault of the folder's)
+        return f"{shown}/ cannot be read ({e.strerror})"
     if _TWO_CHAR.fullmatch(name):
         if any(
             (c := classify(f"{name}/{key_of(n)}")) is not None and c.kind in (Kind.CODE, Kind.AUTOTUNE)

@@ -615,17 +615,28 @@ def test_an_entry_naming_more_kernels_than_one_entry_may_keeps_the_first(monkeyp
     assert len(set(p.refs)) == 50  # the first fifty distinct ones
 
 
+@pytest.mark.parametrize("command", [["scan"], ["evict", "--max-size", "0", "--dry-run"]], ids=["scan", "evict"])
 @pytest.mark.parametrize("fds", [8, 12, 20])
-def test_a_process_short_of_descriptors_fails_in_one_line(fixture_cache, tmp_path, fds):
+def test_a_process_short_of_descriptors_fails_in_one_line(fixture_cache, tmp_path, fds, command):
     """`ulimit -n` too low for a scan: one line and exit 1, not exit 70 (spawning a worker), nor
-    exit 0 with directories reported unreadable and an index missing what is in them."""
+    exit 0 with directories reported unreadable and an index missing what is in them, nor (evict)
+    exit 7 saying a folder of the cache cannot be read, as if the cache were not Inductor's."""
     import resource
 
     from conftest import subprocess_env
 
     cache = fixture_cache("mixed-2.5.1-2.13.0-cpu")
     r = subprocess.run(
-        [sys.executable, "-m", "cachemgr", "--cache-dir", str(cache), "--db", f"sqlite:///{tmp_path / 'i.db'}", "scan"],
+        [
+            sys.executable,
+            "-m",
+            "cachemgr",
+            "--cache-dir",
+            str(cache),
+            "--db",
+            f"sqlite:///{tmp_path / 'i.db'}",
+            *command,
+        ],
         capture_output=True,
         text=True,
         env=subprocess_env(),
