@@ -36,6 +36,7 @@ import pytest
         (["ls", "--graph", "f", "--model", "m"], 2, "give --graph or --model, not both"),
         (["explain", "--model", "nosuch"], 3, "no recorded shapes for model 'nosuch'"),
         (["purge", "--model", "nosuch", "--yes"], 3, "no recorded shapes for model 'nosuch'"),
+        (["shapes", "--model", "nosuch"], 3, "no recorded shapes for model 'nosuch'"),  # (was exit 0)
         (["purge", "--all", "-q"], 2, "give --yes or --dry-run too"),
         (["stats", "--fleet", "--by", "model"], 2, "--by model is per cache"),
         (["frobnicate"], 2, "No such command"),

@@ -66,6 +66,7 @@ def _check_line(doc: dict) -> str:
 @click.option("--model", metavar="NAME", help="Only this model's shapes.")
 @json_option
 @pass_app
+@exit_codes(0, 2, (3, "the model named has no recorded shapes"), 5)
 def shapes(app, model: str | None, as_json: bool) -> None:
     """List the input signatures cachemgr.record captured, per model, in first-seen order.
 
@@ -78,6 +79,7 @@ def shapes(app, model: str | None, as_json: bool) -> None:
         cachemgr shapes --model ranker --json | jq '.[].signature'
     """
     from cachemgr.cli.common import age, emit_json_list, streamed_table
+    from cachemgr.index.store import Store
     from cachemgr.prewarm.spool import each_shape
 
     # The rows are read from the index as they are printed, never all held: how many there are
@@ -85,6 +87,9 @@ def shapes(app, model: str | None, as_json: bool) -> None:
     # widths either (piped, its cells are printed whole: options alone take up to 64 KiB): it is
     # read twice, once for the widths and once to print, its ages both times as of `now`.
     ingest_spool(app)
+    store = Store.of_index(app.db)
+    if model and model not in store.models():
+        raise store.no_model(model)
     if as_json:
         emit_json_list(each_shape(app.db, model))
         return

@@ -868,6 +868,19 @@ class Store:
     def models(self) -> list[str]:
         return [m for (m,) in self.driver.rows("SELECT DISTINCT model FROM shapes ORDER BY model", {})]
 
+    def no_model(self, model: str, instead: str | None = None) -> NotFound:
+        """The error for a model with no recorded shapes, naming what is recorded instead."""
+        known = len(self.models())
+        return NotFound(
+            f"no recorded shapes for model {model!r}"
+            + (
+                f" ({known} other models are recorded: cachemgr shapes lists them)"
+                if known
+                else " (the shapes table is empty: record the model with cachemgr.record"
+                + (f", or use {instead})" if instead else ")")
+            )
+        )
+
     def model_graphs(self, model: str, instead: str | None = None) -> set[str]:
         """Graph keys of a model, through the input signatures cachemgr.record wrote to `shapes`;
         `instead`: the option of the asking command that names graphs without a model ('--graph KEY').
@@ -879,16 +892,7 @@ class Store:
         """
         signatures = [s["signature"] for s in self.each_shape(model)]
         if not signatures:
-            known = len(self.models())
-            raise NotFound(
-                f"no recorded shapes for model {model!r}"
-                + (
-                    f" ({known} other models are recorded: cachemgr shapes lists them)"
-                    if known
-                    else " (the shapes table is empty: record the model with cachemgr.record"
-                    + (f", or use {instead})" if instead else ")")
-                )
-            )
+            raise self.no_model(model, instead)
         found = _graphs_with(
             signatures,
             self._rows(
