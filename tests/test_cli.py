@@ -68,6 +68,14 @@ def test_pin_quiet_prints_nothing_but_the_listed_keys(fixture_cache, cli_for):
     assert cli("pin", "-q").stdout == short + "\n"
 
 
+def test_pin_scans_a_cache_never_scanned(fixture_cache, cli_for, tmp_path):
+    """pin on a fresh index said "no entry" where every other command scans first."""
+    cache = fixture_cache()
+    short = cli_for(cache, db=f"sqlite:///{tmp_path / 'other.db'}").json("ls", "--kind", "fxgraph")[0]["short"]
+    r = cli_for(cache)("pin", short)
+    assert r.stdout == f"pinned {short}\n" and "was never scanned; scanning it now" in r.stderr
+
+
 def test_missing_cache_dir(tmp_path, cli_for):
     r = cli_for(tmp_path / "nope").proc("scan")
     assert r.returncode == 4 and r.stderr.strip() == (

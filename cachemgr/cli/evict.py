@@ -611,14 +611,17 @@ def pin(app, key: str | None, reason: str | None, force: bool, quiet: bool, wide
     if key is None:
         _list_pins(store, quiet, wide, as_json)
         return
+    if os.path.isdir(app.settings.cache_dir):  # as every command: a cache never scanned is scanned
+        from cachemgr.cli.inspect import scanned_store
+
+        scanned_store(app)
     try:
         match = store.resolve(key)
         target = match.ref if match.ref is not None else match.entries[0].key
     except NotFound:
         if not force:
             raise NotFound(
-                f"no entry {key!r} in the index of {app.settings.cache_dir} "
-                "(run: cachemgr scan; or pin it anyway with --force)"
+                f"no entry {key!r} in the index of {app.settings.cache_dir} (pin it anyway with --force)"
             ) from None
         target = key
     before = store.add_pin(target, reason)
