@@ -76,6 +76,15 @@ def test_pin_scans_a_cache_never_scanned(fixture_cache, cli_for, tmp_path):
     assert r.stdout == f"pinned {short}\n" and "was never scanned; scanning it now" in r.stderr
 
 
+def test_check_refuses_a_cuda_device_this_host_lacks_as_prewarm_does(fixture_cache, cli_for):
+    """check --devices cuda:0 on a host without CUDA went ahead and predicted hits there."""
+    r = cli_for(fixture_cache()).proc("check", "--devices", "cuda:0", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert (r.returncode, r.stderr) == (
+        2,
+        "cachemgr: error: --devices cuda:0: this host has no CUDA device (CUDA_VISIBLE_DEVICES='' hides them all)\n",
+    )
+
+
 def test_missing_cache_dir(tmp_path, cli_for):
     r = cli_for(tmp_path / "nope").proc("scan")
     assert r.returncode == 4 and r.stderr.strip() == (

@@ -124,16 +124,23 @@ def shapes(app, model: str | None, as_json: bool) -> None:
 
 
 def _devices(value: str | None) -> list[str] | None:
+    """--devices of prewarm, import and check: each a device name, and one this host has (a CUDA
+    device where there is none is refused before torch starts)."""
     if value is None:
         return None
     devs = [d.strip() for d in value.split(",") if d.strip()]
     import re
+
+    from cachemgr.prewarm.worker import cuda_problem
 
     if not devs:
         raise click.BadParameter("name at least one device (cpu, cuda or cuda:N)", param_hint="--devices")
     for d in devs:
         if not re.match(r"^(cpu|cuda(:\d+)?)$", d):
             raise click.BadParameter(f"{d!r}: devices are cpu, cuda or cuda:N", param_hint="--devices")
+        problem = cuda_problem(d)
+        if problem:
+            raise UsageError(f"--devices {d}: {problem}")
     return devs
 
 
@@ -334,10 +341,6 @@ def prewarm(
 
     m = mf.load(manifest_path).select(model)
     devs = _devices(devices)
-    for d in devs or ():
-        problem = worker.cuda_problem(d)
-        if problem:
-            raise UsageError(f"--devices {d}: {problem}")
     env = worker_env(app, target)
     if bundle_path:
         from cachemgr.prewarm import bundle
