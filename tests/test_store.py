@@ -142,6 +142,14 @@ def test_unique_prefix():
     assert unique_prefix("abc", ["abc", "abcdefghijkl"]) == "abc"  # a prefix of another: whole
 
 
+def test_a_short_key_never_ends_inside_an_escape():
+    """Keys of odd names were cut mid-escape: `fr6kjgbd/bad%FF%F`, `f%2541%F`."""
+    assert unique_prefix("bad%FF%FEx", ["4ob6gdf6xl", "bad%FF%FEx"]) == "bad%FF%FE"
+    assert unique_prefix("f%2541%FFx", ["f%2541%FFx", "f%2541%FFy"]) == "f%2541%FFx"
+    assert unique_prefix("f%2541%FFabc", ["f%2541%FFabc", "fb"]) == "f%2541%FF"
+    assert unique_prefix("abc%41%42", ["abc%41%42", "abc%41%43"]) == "abc%41%42"
+
+
 def test_pins(fixture_cache, cli_for, db_url):
     root = fixture_cache()
     db, store, _ = scanned(cli_for, root, db_url)

@@ -1239,7 +1239,8 @@ def _newest(entries: Iterable[Entry]) -> tuple[Entry, ...]:
 
 def unique_prefix(name: str, names: Sequence[str], minimum: int = SHORT_MIN) -> str:
     """The shortest prefix of `name` (at least `minimum` characters) that no other of the sorted
-    `names` starts with; the whole name when it is itself a prefix of another."""
+    `names` starts with; the whole name when it is itself a prefix of another. It never ends
+    inside a %XX escape (layout.key_of: every '%' of a key begins one)."""
     i = bisect.bisect_left(names, name)
     common = 0
     for j in (i - 1, i, i + 1):
@@ -1249,7 +1250,9 @@ def unique_prefix(name: str, names: Sequence[str], minimum: int = SHORT_MIN) -> 
             while n < min(len(name), len(other)) and name[n] == other[n]:
                 n += 1
             common = max(common, n)
-    return name[: max(minimum, common + 1)]
+    end = max(minimum, common + 1)
+    escape = name.rfind("%", 0, end)
+    return name[: max(end, escape + 3) if escape >= 0 else end]
 
 
 def _graphs_with(signatures: Iterable[str | None], entries: Iterable[tuple[str | None, str | None]]) -> set[str]:
