@@ -174,9 +174,10 @@ def test_evict_and_purge_plans(gpu, monkeypatch, width):
 def test_show_explain_diff_and_candidates(gpu, monkeypatch, width):
     monkeypatch.setenv("COLUMNS", str(width))
     fx = gpu.json("ls", "--kind", "fxgraph", "--sort", "cost")
-    lines = gpu("show", fx[0]["short"]).stdout.splitlines()
-    assert lines[0] == f"key           {fx[0]['key']}"  # a whole key, even wider than the terminal
-    fits("\n".join(lines[1:]), width)
+    lines = fits(gpu("show", fx[0]["short"]).stdout, width)  # the key line too (117 columns, was whole)
+    head, _, tail = lines[0].removeprefix("key           ").partition("…")
+    assert fx[0]["key"].startswith(head) and fx[0]["key"].endswith(tail) and lines[1].endswith(fx[0]["short"])
+    assert gpu("show", fx[0]["short"], "--wide").stdout.splitlines()[0] == f"key           {fx[0]['key']}"
     assert f"compile time  {fx[0]['compile_seconds']:.2f}s" in lines
     out = fits(gpu("explain", "--since", "3650d").stdout, width)
     assert {e["short"] for e in fx} <= {line.split()[0] for line in out if line and not line.startswith(" ")}
@@ -230,6 +231,17 @@ def test_wide_cuts_nothing(gpu, monkeypatch):
         c = cells(line)
         e = rows[c[0]]
         assert "…" not in line and (not e["signature"] or line.endswith(e["signature"]))
+
+
+def test_check_wide_cuts_nothing(fixture_cache, cli_for, monkeypatch):
+    """check cut its causes at 80 columns ("(induct…") and had no --wide to see them whole."""
+    monkeypatch.setenv("COLUMNS", "80")
+    cli = cli_for(fixture_cache("torch-2.13.0-cpu"))
+    graphs = {e["graph_key"] for e in cli.json("ls", "--kind", "fxgraph")}
+    lines = cli("check", "--wide").stdout.splitlines()
+    assert not [line for line in lines if "…" in line]
+    (unknown,) = [line.split(None, 2) for line in lines if line.split()[1:2] == ["unknown"]]
+    assert unknown[0] in graphs and unknown[2].endswith("does not know (inductor_config[epilogue_fusion])")
 
 
 @pytest.mark.parametrize("width", WIDTHS)

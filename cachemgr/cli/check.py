@@ -13,7 +13,16 @@ from typing import TYPE_CHECKING
 
 import click
 
-from cachemgr.cli.common import emit_json, exit_codes, json_option, pass_app, plural, short, terminal_width
+from cachemgr.cli.common import (
+    emit_json,
+    exit_codes,
+    json_option,
+    pass_app,
+    plural,
+    short,
+    terminal_width,
+    wide_option,
+)
 from cachemgr.errors import PrewarmError, UsageError
 
 if TYPE_CHECKING:
@@ -155,6 +164,7 @@ def render(report, width: int | None, shorts: dict[str, str] | None = None, show
     help="Where the workload runs here (cuda:0,cuda:1 or cpu); default: every device of this host.",
 )
 @click.option("--all", "show_all", is_flag=True, help="List the graphs that will hit too.")
+@wide_option
 @json_option
 @pass_app
 @exit_codes(
@@ -173,6 +183,7 @@ def check_cmd(
     manifest_path: str | None,
     devices: str | None,
     show_all: bool,
+    wide: bool,
     as_json: bool,
 ) -> None:
     """Predict which graphs of a cache (or bundle) this host will reuse, before it compiles.
@@ -233,6 +244,8 @@ def check_cmd(
             keys = {g.graph_key for g in graphs if g.graph_key}
             by_graph = store.short_graph_keys(keys) if keys else {}
             shorts = {g.key: by_graph.get(g.graph_key or "", "") for g in graphs}
+        if wide:
+            shorts = {g.key: g.graph_key or g.key for g in graphs}
         host = host_of(target, check_spec(target, manifest, devs), worker_env(target))
         report = check.check(graphs, host, source)
     finally:
@@ -244,7 +257,7 @@ def check_cmd(
             doc["complete"], doc["missing"] = not missing, missing
         emit_json(doc)
         return
-    width = terminal_width()  # None (a pipe, a file): nothing is cut
+    width = None if wide else terminal_width()  # None (--wide, a pipe, a file): nothing is cut
     for line in render(report, width, shorts, show_all):
         click.echo(line)
     if missing:

@@ -664,7 +664,7 @@ def _show_lines(e, d: dict, wide: bool) -> list[str]:
         users = d["referenced_by_short"]
         more = f" and {len(users) - 6} more (--wide)" if len(users) > 6 else ""
         pairs.append(("used by", ", ".join(users[:6]) + more))
-    return fields_block(pairs, wrap=not wide, whole=("key", "graph key", "file", "needs", "used by"))
+    return fields_block(pairs, wrap=not wide, whole=("graph key", "file", "needs", "used by"))
 
 
 def _fate_text(fate: dict) -> str:
