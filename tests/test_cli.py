@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 
 import pytest
@@ -83,6 +84,19 @@ def test_check_refuses_a_cuda_device_this_host_lacks_as_prewarm_does(fixture_cac
         2,
         "cachemgr: error: --devices cuda:0: this host has no CUDA device (CUDA_VISIBLE_DEVICES='' hides them all)\n",
     )
+
+
+def test_show_json_is_one_object_however_many_entries_a_key_names(fixture_cache, cli_for):
+    """show --json was an object for one entry and an array for a graph of several."""
+    root = fixture_cache()
+    fx = sorted(root.glob("fxgraph/*/*/*"))[0]
+    shutil.copy2(fx, fx.with_name("zz" + fx.name[2:]))  # one graph, two guard sets
+    cli = cli_for(root)
+    cli("scan")
+    one = cli.json("show", str(fx.relative_to(root)))
+    assert one["key"] == str(fx.relative_to(root)) and one == {**one["entries"][0], "entries": one["entries"]}
+    both = cli.json("show", fx.parent.name)
+    assert len(both["entries"]) == 2 and {**both["entries"][0], "entries": both["entries"]} == both
 
 
 def test_missing_cache_dir(tmp_path, cli_for):

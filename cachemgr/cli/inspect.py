@@ -570,6 +570,9 @@ def show(app, key: str, wide: bool, as_json: bool) -> None:
     Nothing is locked, scanned or deleted to tell. --json: `loss` and `eviction` {verdict,
     reason, by, by_short (the entry whose keep rule holds it, when another)}.
 
+    --json prints one object for any KEY: the entry's fields (a graph's newest entry where KEY
+    names several) and `entries`, every entry KEY names (newest first), each such fields.
+
     \b
     Example:
         cachemgr show fgv4ud3t
@@ -583,8 +586,8 @@ def show(app, key: str, wide: bool, as_json: bool) -> None:
     shorts = store.short_keys(match.entries)
     fates = entry_fates(app, [e.key for e in match.entries])
     docs = [_detail(app, store, e, shorts[e.key], fates[e.key]) for e in match.entries]
-    if as_json:
-        emit_json(docs[0] if len(docs) == 1 else docs)
+    if as_json:  # one shape, however many entries KEY names
+        emit_json({**docs[0], "entries": docs})
         return
     if match.ref is not None and len(docs) > 1:
         click.echo(f"{clean(key)} names {plural(len(docs), 'entry')} of {match.ref}:\n")
