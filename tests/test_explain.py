@@ -368,3 +368,17 @@ def test_a_copied_entry_is_loaded_not_compiled(fixture_cache, cli_for):
     assert doc["compiles"] == 0 and doc["loaded"] == 1
     assert "1 entries loaded" in twin("explain", "--since", "3650d").stdout
     assert cli.json("stats", "--window", "3650d")["activity"] == before  # the first cache's compiles stay
+
+
+def test_explain_counts_the_nearest_as_diff_does(fixture_cache, cli_for):
+    """explain said '634 components shared, 7 differ' where diff of the same two entries said
+    '634 components shared, 2 differ (+3 as a consequence)'."""
+    cli = cli_for(fixture_cache("torch-2.13.0-cpu"))
+    cli("scan")
+    doc = cli.json("explain", "--since", "3650d")
+    text = cli("explain", "--since", "3650d").stdout
+    pairs = [(m["short"], m["nearest"][0]["short"]) for m in doc["misses"] if m["verdict"] == "recompile"]
+    assert pairs
+    for key, nearest in pairs:
+        counts = cli("diff", nearest, key).stdout.splitlines()[2]
+        assert f": {nearest}, {counts}\n" in text, (key, counts)  # "nearest:" or "same graph code:"

@@ -135,11 +135,7 @@ def diff_cmd(app, key_a: str, key_b: str, as_json: bool) -> None:
         click.echo("same hash components: the two entries are one key compiled for different guard sets")
         return
     else:
-        n = sum(1 for c in d.changes if not c.derived)
-        click.echo(
-            f"{d.shared} components shared, {n} differ{'s' if n == 1 else ''}"
-            + (f" (+{len(d.changes) - n} as a consequence)" if n < len(d.changes) else "")
-        )
+        click.echo(_counts(d))
     for line in render_diff(d, width, indent=""):
         click.echo(line)
 
@@ -246,6 +242,14 @@ def explain(app, since: float, graph: str | None, model: str | None, summary: bo
             click.echo(line)
 
 
+def _counts(d) -> str:
+    """'634 components shared, 2 differ (+3 as a consequence)': what diff and explain say of a Diff."""
+    n = sum(1 for c in d.changes if not c.derived)
+    return f"{d.shared} components shared, {n} differ{'s' if n == 1 else ''}" + (
+        f" (+{len(d.changes) - n} as a consequence)" if n < len(d.changes) else ""
+    )
+
+
 def render_miss(m, shorts: dict[str, str], width: int) -> list[str]:
     secs = "" if m.event.seconds is None else f", {m.event.seconds:.2f} s to compile"
     out = [short(f"{shorts.get(m.key, m.key)}  compiled {age(m.event.ts)} ago{secs}", width)]
@@ -265,16 +269,10 @@ def render_miss(m, shorts: dict[str, str], width: int) -> list[str]:
         out.append(short(f"  same graph key as {shorts.get(best.entry.key, best.entry.key)}", width))
     else:
         how = "same graph code" if best.same_code else "nearest"
-        out.append(
-            short(
-                f"  {how}: {shorts.get(best.entry.key, best.entry.key)} ({best.shared} components "
-                f"shared, {best.differ} differ)",
-                width,
-            )
-        )
+        out.append(short(f"  {how}: {shorts.get(best.entry.key, best.entry.key)}, {_counts(m.diff)}", width))
     if len(m.nearest) > 1:
         others = ", ".join(f"{shorts.get(c.entry.key, c.entry.key)} ({c.differ})" for c in m.nearest[1:])
-        out.append(short(f"  next nearest (differ): {others}", width))
+        out.append(short(f"  next nearest (components differing by name): {others}", width))
     if m.verdict == "guards":
         out.extend(
             _wrap(
