@@ -99,6 +99,19 @@ def test_show_json_is_one_object_however_many_entries_a_key_names(fixture_cache,
     assert len(both["entries"]) == 2 and {**both["entries"][0], "entries": both["entries"]} == both
 
 
+def test_fleet_report_counts_only_fxgraph_entries_per_torch_version(fixture_cache, cli_for):
+    """torch 2.5's AOT entries carry a version (by their field set): fleet report counted them as
+    fxgraph entries (14 where ls --kind fxgraph lists 8), and their bytes twice."""
+    cli = cli_for(fixture_cache("mixed-2.5.1-2.13.0-cpu"))
+    cli("scan")
+    rows = cli.json("ls")
+    versions = cli.json("fleet", "report")["torch_versions"]
+    assert {v["torch_version"] for v in versions} == {"2.5.*", "2.13.0+cpu"}
+    for v in versions:
+        fx = [e for e in rows if e["kind"] == "fxgraph" and e["torch_version"] == v["torch_version"]]
+        assert (v["fxgraph_entries"], v["fxgraph_bytes"]) == (len(fx), sum(e["bytes"] for e in fx))
+
+
 def test_missing_cache_dir(tmp_path, cli_for):
     r = cli_for(tmp_path / "nope").proc("scan")
     assert r.returncode == 4 and r.stderr.strip() == (

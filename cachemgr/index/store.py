@@ -1159,7 +1159,8 @@ class Store:
                 (v, int(n), whole(size), int(nh))
                 for v, n, size, nh in self._rows(
                     "SELECT e.torch_version, COUNT(*), SUM(e.bytes), COUNT(DISTINCT c.host) FROM entries e "
-                    "JOIN caches c ON c.id = e.cache_id WHERE e.torch_version IS NOT NULL GROUP BY e.torch_version"
+                    "JOIN caches c ON c.id = e.cache_id WHERE e.kind = 'fxgraph' AND e.torch_version IS NOT NULL "
+                    "GROUP BY e.torch_version"
                 )
             ),
             key=lambda r: str(r[0]),
