@@ -112,6 +112,21 @@ def test_fleet_report_counts_only_fxgraph_entries_per_torch_version(fixture_cach
         assert (v["fxgraph_entries"], v["fxgraph_bytes"]) == (len(fx), sum(e["bytes"] for e in fx))
 
 
+def test_a_dead_worker_is_not_reported_with_torch_s_numpy_warning(tmp_path, cli_for):
+    """torch without NumPy warns at import; a worker that then died was reported with the
+    warning's last line ('cpu = _conversion_method_template(...)') as its cause."""
+    mods = tmp_path / "mods"
+    (mods / "numpy").mkdir(parents=True)
+    (mods / "numpy" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\")\n")
+    (mods / "dies.py").write_text("import os\n\n\ndef factory():\n    os.kill(os.getpid(), 9)\n")
+    (tmp_path / "m.toml").write_text('[[model]]\nname = "m"\nfactory = "dies:factory"\nshapes = [["f32[2]"]]\n')
+    r = cli_for(tmp_path / "cache").proc(
+        "prewarm", "--manifest", str(tmp_path / "m.toml"), env={"PYTHONPATH": f"{mods}{os.pathsep}{os.getcwd()}"}
+    )
+    assert r.returncode == 8 and "NumPy" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert r.stderr.splitlines()[-1].endswith("worker died (killed by signal 9))"), r.stderr
+
+
 def test_missing_cache_dir(tmp_path, cli_for):
     r = cli_for(tmp_path / "nope").proc("scan")
     assert r.returncode == 4 and r.stderr.strip() == (

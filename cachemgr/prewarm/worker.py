@@ -650,6 +650,11 @@ class _Out:
 
 
 def child_main() -> None:
+    import warnings
+
+    # torch without NumPy warns so at import, in two lines of stderr: noise, which the CLI would
+    # report as the cause when this worker dies (it names the last line of a dead worker's stderr)
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     if sys.argv[1:] == ["--probe"]:  # this torch's defaults, in the environment it was started with
         import torch
 
