@@ -127,6 +127,25 @@ def test_a_dead_worker_is_not_reported_with_torch_s_numpy_warning(tmp_path, cli_
     assert r.stderr.splitlines()[-1].endswith("worker died (killed by signal 9))"), r.stderr
 
 
+def test_what_a_pin_keeps_names_the_pinned_entry(fixture_cache, cli_for, monkeypatch):
+    """A pinned C++ build keeps the graph that needs it (a group goes whole): purge said '1 pinned'
+    and show named the group's AOT entry as what keeps it, neither pinned nor in ls --pinned."""
+    cli = cli_for(fixture_cache())
+    cli("scan")
+    build = next(e for e in cli.json("ls", "--kind", "code") if e["alias"])  # a C++ build: src-...
+    graph = cli.json("show", build["key"])["referenced_by"][0]
+    cli("pin", build["key"])
+    (pinned,) = cli.json("ls", "--pinned")
+    assert pinned["key"] == build["key"]
+    said = cli("purge", "--key", graph, "--dry-run", "--grace", "0").stdout
+    assert said == f"nothing to purge (1 matching entry kept: 1 pinned, by the pin of {pinned['short']})\n"
+    monkeypatch.setenv("CACHEMGR_MAX_SIZE", "1KiB")
+    monkeypatch.setenv("CACHEMGR_GRACE", "0s")
+    fate = {"verdict": "kept", "reason": "pinned", "by": pinned["key"], "by_short": pinned["short"]}
+    assert cli.json("show", graph)["eviction"] == fate
+    assert f"eviction      kept: pinned (by the pin of {pinned['short']})\n" in cli("show", graph).stdout
+
+
 def test_missing_cache_dir(tmp_path, cli_for):
     r = cli_for(tmp_path / "nope").proc("scan")
     assert r.returncode == 4 and r.stderr.strip() == (

@@ -158,7 +158,7 @@ def test_evict_and_purge_plans(gpu, monkeypatch, width):
         lines = fits(gpu(*args).stdout, width)
         start = next(i for i, x in enumerate(lines) if x.startswith("key"))
         assert cells(lines[start]) == ["key", "kind", "bytes", "why"]
-        body = [x for x in lines[start + 1 :] if not x.startswith(("...", "dry run", "kept", "cannot"))]
+        body = [x for x in lines[start + 1 :] if not x.startswith(("...", "dry run", "kept", "cannot", "  "))]
         assert len(body) == 20
         for line in body:
             key, kind, size, why = cells(line)

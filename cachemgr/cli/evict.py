@@ -38,6 +38,7 @@ from cachemgr.layout import KINDS
 from cachemgr.vocab import Fate, Held, Kind, Policy
 
 SHOWN = 20  # plan lines printed for people; --json has them all
+SHOWN_PINS = 6  # pinned entries named where a plan says why it kept what it wanted
 RECENT_HITS = 7 * 86400  # purge --stale: torch versions hit this recently are still in use
 
 grace_option = click.option(
@@ -67,6 +68,29 @@ def _locked_and_scanned(app):
         if not same:
             raise CacheDirError(f"{app.settings.cache_dir} was replaced during the scan: nothing deleted")
         yield root
+
+
+def _pin_holding(g, head: int) -> int:
+    """The pinned entry whose pin keeps the deletion group of `head` whole: it, or an entry it
+    needs, is in the group (a group goes whole or not at all)."""
+    from cachemgr.evict.policy import PINNED
+
+    group = set(g.closure([head]))
+    return next((q for q, f in enumerate(g.rows.flags) if f & PINNED and g.descendants([q]) & group), head)
+
+
+def _kept_text(app, p, rows, grace: float) -> str:
+    """held_text of the entries a plan wanted but kept, naming the pinned entries that keep them
+    (what `ls --pinned` lists: a group is kept whole for a pinned entry of it, or one it needs)."""
+    text = held_text([why for _, why in p.skipped], grace)
+    pinned = [k for k, why in p.skipped if why == Held.PINNED]
+    if not pinned:
+        return text
+    g = rows.graph()
+    holders = list(dict.fromkeys(rows.key[_pin_holding(g, rows.key.index(k))] for k in pinned))
+    names = list(_shorts(app, rows, holders[:SHOWN_PINS], False).values())
+    more = f" and {len(holders) - SHOWN_PINS} more" if len(holders) > SHOWN_PINS else ""
+    return f"{text}, by the pin{'s' if len(holders) > 1 else ''} of {', '.join(names)}{more}"
 
 
 def held_text(reasons: Sequence[str], grace: float) -> str:
@@ -239,8 +263,7 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
         if not p.units and p.skipped:
             say(
                 f"nothing can be evicted now: {human_size(p.total_bytes)} in {p.total_files:,} files is over "
-                f"the limits, but the entries it would take are kept "
-                f"({held_text([why for _, why in p.skipped], limits.grace)})"
+                f"the limits, but the entries it would take are kept ({_kept_text(app, p, rows, limits.grace)})"
             )
         elif not p.units and unreachable is None:
             say(
@@ -257,7 +280,7 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
         if p.units:
             _print_result(r, s.cache_dir, limits.grace, "evicted")
         if unreachable is not None:
-            say(unreachable + (f" ({held_text([w for _, w in p.skipped], limits.grace)})" if p.skipped else ""))
+            say(unreachable + (f" ({_kept_text(app, p, rows, limits.grace)})" if p.skipped else ""))
 
 
 # -- what eviction would do with one entry (show) --------------------------------------------------
@@ -321,8 +344,6 @@ def entry_fates(app, keys: Sequence[str]) -> dict[str, EntryFate]:
             out[k] = EntryFate(Fate.KEPT, held[head], None if head == k else head)
         elif k in head_of:  # the rest of its unit would go: its own files are gone already
             out[k] = EntryFate(Fate.NOT_PLANNED, "its files are gone already (a scan drops its row)")
-        elif k in wanted_but_kept:
-            out[k] = EntryFate(Fate.KEPT, wanted_but_kept[k])
         else:
             if graph is None:
                 graph = _Reach(rows)
@@ -343,19 +364,29 @@ class _Reach:
         if i is None:
             return EntryFate(Fate.NOT_PLANNED, "not in the index now")
         keys = self.keys
+        if key in kept:
+            return self._kept(i, i, kept[key])
         needing = [a for a in self._needing(i) if keys[a] in kept]
         for a in needing:
             if i in self.g.closure([a]):  # it would go with that group, which is kept
-                return EntryFate(Fate.KEPT, kept[keys[a]], keys[a])
+                return self._kept(i, a, kept[keys[a]])
         if not p.units and not p.skipped:
             return EntryFate(Fate.NOT_PLANNED, "the cache is within its limits")
         if met:
             return EntryFate(Fate.NOT_PLANNED, "the limits are met without it")
         if needing:  # shared with a kept entry: it stays while that does
-            return EntryFate(Fate.KEPT, kept[keys[needing[0]]], keys[needing[0]])
+            return self._kept(i, needing[0], kept[keys[needing[0]]])
         if self.g.parents.count(i):
             return EntryFate(Fate.NOT_PLANNED, "an entry that needs it stays")
         return EntryFate(Fate.NOT_PLANNED, "taking it frees nothing the limits ask for")
+
+    def _kept(self, i: int, head: int, why: str) -> EntryFate:
+        """Entry i, kept with the group of `head` for `why`: `by` is that head, or for a pin the
+        pinned entry that holds the group."""
+        by = head
+        if why == Held.PINNED:
+            by = _pin_holding(self.g, head)
+        return EntryFate(Fate.KEPT, why, None if by == i else self.keys[by])
 
     def _needing(self, i: int) -> list[int]:
         """Every entry that needs entry `i`, directly or through others: the nearest first."""
@@ -540,7 +571,7 @@ def _purge(app, root, s, tests, orphans, include_pinned, dry_run, yes, quiet, wi
                 "nothing to purge"
                 + (
                     f" ({plural(len(p.skipped), 'matching entry', 'matching entries')} "
-                    f"kept: {held_text([w for _, w in p.skipped], s.grace)})"
+                    f"kept: {_kept_text(app, p, rows, s.grace)})"
                     if p.skipped
                     else ""
                 )

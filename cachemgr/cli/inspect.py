@@ -35,7 +35,7 @@ from cachemgr.cli.common import (
 from cachemgr.errors import UsageError
 from cachemgr.layout import KINDS
 from cachemgr.units import format_duration
-from cachemgr.vocab import LOSS, PICKLED, Kind
+from cachemgr.vocab import LOSS, PICKLED, Held, Kind
 
 
 def run_scan(app, quiet_progress: bool = False, full: bool = False):
@@ -568,7 +568,8 @@ def show(app, key: str, wide: bool, as_json: bool) -> None:
     CACHEMGR_* environment): "would be evicted now: <reason>", "kept: <reason>" (pinned, used
     within the grace period, a lock held, ...) or "not planned: <why>" when no limit takes it.
     Nothing is locked, scanned or deleted to tell. --json: `loss` and `eviction` {verdict,
-    reason, by, by_short (the entry whose keep rule holds it, when another)}.
+    reason, by, by_short (the entry whose keep rule holds it, when another: for "pinned", the
+    pinned entry whose pin keeps its group)}.
 
     --json prints one object for any KEY: the entry's fields (a graph's newest entry where KEY
     names several) and `entries`, every entry KEY names (newest first), each such fields.
@@ -671,8 +672,11 @@ def _show_lines(e, d: dict, wide: bool) -> list[str]:
 
 
 def _fate_text(fate: dict) -> str:
-    """'would be evicted now: size', 'kept: grace (with f3sutfpk, which needs it)', ..."""
+    """'would be evicted now: size', 'kept: grace (with f3sutfpk, which needs it)', 'kept: pinned
+    (by the pin of c3tty2wz)', ..."""
     by = fate["by_short"]
+    if by and fate["reason"] == Held.PINNED:
+        return f"{fate['verdict']}: {fate['reason']} (by the pin of {by})"
     return f"{fate['verdict']}: {fate['reason']}" + (f" (with {by}, which needs it)" if by else "")
 
 
