@@ -16,10 +16,10 @@ This module knows no Inductor paths (cachemgr.layout does); it only makes them s
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
-import shutil
 import stat
 import threading
 from collections import OrderedDict
@@ -232,7 +232,7 @@ class Root:
         reachable = same and self._reachable(split(rel)[0])
         if not reachable:
             try:
-                os.rename(dst_name, name, src_dir_fd=dst_fd, dst_dir_fd=pfd)
+                rename_back(dst_fd, dst_name, pfd, name)
             except OSError:
                 pass  # its place was taken meanwhile: it stays where it went (the trash, emptied later)
             if same:
@@ -244,6 +244,29 @@ class Root:
         `inodes`: a directory of files, of which only those go; refused if others are there)."""
         pfd, name, st = self.check(rel, expect, reachable=True)
         remove_at(pfd, name, st, inodes)
+
+
+_RENAME_NOREPLACE = 1  # <linux/fs.h>
+_renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # (None: glibc < 2.28)
+if _renameat2 is not None:
+    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+
+
+def rename_back(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> None:
+    """Rename `src` to `dst` unless `dst` exists (an undo: what took the name meanwhile is
+    someone's, never replaced). OSError (EEXIST) if it does."""
+    if _renameat2 is not None:
+        if _renameat2(src_dir_fd, os.fsencode(src), dst_dir_fd, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        e = ctypes.get_errno()
+        if e not in (errno.ENOSYS, errno.EINVAL):  # (EINVAL: a file system without RENAME_NOREPLACE)
+            raise OSError(e, os.strerror(e), dst)
+    try:  # a file: a hard link never replaces; a directory is never linked (EPERM), and a
+        os.link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=False)
+    except PermissionError:  # rename never replaces one that holds anything
+        os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+    else:
+        os.unlink(src, dir_fd=src_dir_fd)
 
 
 def _close_all(dirs: OrderedDict[str, tuple[int, Identity]]) -> None:
@@ -271,9 +294,10 @@ def open_dir(root: str, rel: str) -> int:
 
 def remove_at(dir_fd: int, name: str, st: os.stat_result | None = None, inodes: frozenset[int] | None = None) -> None:
     """Remove `name` in directory `dir_fd`: unlink a file or symlink (never what it points at),
-    or remove a directory tree without following any symlink inside it. Without `st`, whatever
-    `name` is now goes (an unlink first: one call for a file). With `inodes`, only the files of
-    a directory that are among them go: the directory stays, refused, if anything else is in it."""
+    or a directory of files (one level: a folder inside it stays, and so does the directory).
+    Without `st`, whatever `name` is now goes (an unlink first: one call for a file). With
+    `inodes`, only the files of a directory that are among them go: the directory stays,
+    refused, if anything else is in it."""
     if st is None:
         try:
             os.unlink(name, dir_fd=dir_fd)
@@ -295,7 +319,11 @@ def remove_at(dir_fd: int, name: str, st: os.stat_result | None = None, inodes: 
             try:
                 os.unlink(n, dir_fd=fd)
             except IsADirectoryError:
-                shutil.rmtree(n, dir_fd=fd)  # descriptor-based on Linux: a symlink inside is unlinked, not followed
+                # Never descended into: what cachemgr deletes (a file, a kernel directory of files)
+                # holds no folder, so one in it was put there since, by whoever can write there;
+                # emptying it as root could delete what its owner could not. It stays (and so does
+                # the directory: the rmdir below fails).
+                pass
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dir_fd)

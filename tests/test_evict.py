@@ -1391,3 +1391,54 @@ def test_a_commit_on_a_full_index_disk_gives_back_the_reserve_and_goes_through(a
     r = evict(db, cid, str(aged_cpu), Limits(max_size=0, grace=0))
     assert r.evicted and calls[:2] == [True, False]  # retried once the reserve was given back
     assert db.reserve.exists()
+
+
+def test_a_locked_index_at_commit_puts_the_batch_back(aged_gpu, db_url, monkeypatch):
+    """A batch's commit fails for a reason that is no full disk (another process holds the
+    index's write lock past the timeout): nothing of it is deleted from the trash to make room.
+    The batch comes back whole, and index and disk agree."""
+    import sqlite3
+
+    from cachemgr.evict import Limits, evict, execute
+    from cachemgr.index.scan import reconcile
+
+    db, cid = _indexed(aged_gpu, db_url)
+
+    def locked(self, taken, events):
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(execute.Executor, "_write", locked)
+    before = disk(aged_gpu)
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
+    assert disk(aged_gpu) == before
+    check = reconcile(db, cid, str(aged_gpu), full=True)
+    assert not (check.added or check.changed or check.removed), check.as_dict()
+
+
+def test_a_folder_moved_away_while_its_entry_is_looked_at_keeps_its_unit(aged_gpu, db_url, monkeypatch):
+    """An fxgraph entry's folder is moved aside while eviction looks at it, and back: the entry
+    is not 'gone' (its rows deleted with its unit's, its file left on disk with no row, found
+    only by a full scan). Its unit stays whole, and index and disk agree after."""
+    from cachemgr.evict import Limits, evict, look
+    from cachemgr.index.scan import reconcile
+
+    db, cid = _indexed(aged_gpu, db_url)
+    files_of, moved = look.Looker.files_of, []
+
+    def looked_at_while_moved(self, kind, key):
+        if kind != "fxgraph" or (moved and key != moved[0]):
+            return files_of(self, kind, key)
+        folder = aged_gpu / layout.fs_path(key).rsplit("/", 2)[0]
+        os.rename(folder, folder.with_name("aside"))
+        moved[:] = [key]
+        try:
+            return files_of(self, kind, key)
+        finally:
+            os.rename(folder.with_name("aside"), folder)
+
+    monkeypatch.setattr(look.Looker, "files_of", looked_at_while_moved)
+    r = evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
+    assert r.evicted and moved and (aged_gpu / layout.fs_path(moved[0])).exists()
+    check = reconcile(db, cid, str(aged_gpu), full=True)
+    assert not (check.added or check.changed or check.removed), check.as_dict()

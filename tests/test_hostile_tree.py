@@ -697,3 +697,47 @@ def test_an_index_on_a_file_system_out_of_inodes_says_so(fixture_cache, tmp_path
         assert f"(the file system of {mnt} has no free inodes)" in r.stderr
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_emptying_the_trash_never_descends_into_a_folder_put_there(tmp_path):
+    """What eviction deletes is a file or a kernel directory of files: a folder found inside one
+    in the trash was put there since, by whoever can write there (a kernel directory another user
+    can write to, filled through a descriptor they kept). Emptying it as root would delete what
+    that user could not: it stays, and so does the directory holding it."""
+    from cachemgr import safefs
+
+    trash = tmp_path / "trash"
+    (trash / "kernel" / "planted" / "deep").mkdir(parents=True)
+    (trash / "kernel" / "a.cubin").write_bytes(b"x")
+    (trash / "kernel" / "planted" / "deep" / "rootfile").write_bytes(b"keep")
+    fd = os.open(trash, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(OSError):
+            safefs.remove_at(fd, "kernel")
+    finally:
+        os.close(fd)
+    assert not (trash / "kernel" / "a.cubin").exists()
+    assert (trash / "kernel" / "planted" / "deep" / "rootfile").read_bytes() == b"keep"
+
+
+def test_an_undone_rename_never_replaces_what_took_the_name(tmp_path, monkeypatch):
+    """A rename into the trash is undone when its folder left the root meanwhile; if a new file
+    took the old name by then (someone's), it is not replaced: the one moved stays in the trash."""
+    from cachemgr import safefs
+
+    root = tmp_path / "c"
+    (root / "ab").mkdir(parents=True)
+    (root / "ab" / "cfile.py").write_text("old")
+    (root / "trash").mkdir()
+    with safefs.Root(str(root)) as r:
+        expect = safefs.identity(r.lstat("ab/cfile.py"))
+
+        def taken_meanwhile(self, rel):
+            (root / "ab" / "cfile.py").write_text("someone's")
+            return False
+
+        monkeypatch.setattr(safefs.Root, "_reachable", taken_meanwhile)
+        with pytest.raises(safefs.Refused):
+            r.move("ab/cfile.py", expect, r.dir_fd("trash"), "1-0")
+    assert (root / "ab" / "cfile.py").read_text() == "someone's"
+    assert (root / "trash" / "1-0").read_text() == "old"

@@ -202,8 +202,13 @@ class Executor:
                     raise KeyboardInterrupt  # between batches: the one in flight is settled below
             if not dry_run:
                 self._drop_empty_dirs(rows)
-                with self.db.engine.begin() as conn:  # when eviction last ran, whatever it took
-                    conn.execute(update(CACHES).where(CACHES.c.id == self.cache_id).values(last_eviction=time.time()))
+                try:  # when eviction last ran, whatever it took (each batch's commit said so already)
+                    with self.db.engine.begin() as conn:
+                        conn.execute(
+                            update(CACHES).where(CACHES.c.id == self.cache_id).values(last_eviction=time.time())
+                        )
+                except SQLAlchemyError:
+                    pass  # (a locked index: everything is committed, the run stands)
             self.completed = True  # (an interrupt seen during the last batch is raised below)
         finally:
             try:  # (a second Ctrl-C may interrupt this too: the handler is put back whatever happens)
@@ -273,13 +278,16 @@ class Executor:
             self._write(taken, events)
         except driver_errors("OperationalError", OperationalError) as e:  # (delete_entries runs the driver's SQL too)
             # The index may live on the very disk that is full: free the space first (what the
-            # batch moved, and the index's reserve), then retry.
+            # batch moved, and the index's reserve), then retry. Any other failure (a locked
+            # index) frees nothing: the batch goes back (run's rescue).
+            if not schema.disk_full(e):
+                raise
             trashed = any(t.took.trashed for t in taken)
             if trashed:
                 for t in taken:
                     remove_quietly(self.trash, [name for _, name in t.took.trashed])
                     t.took.trashed, t.took.deleted = [], True
-            reserve = self.db.reserve is not None and schema.disk_full(e) and schema.release_reserve(self.db.reserve)
+            reserve = self.db.reserve is not None and schema.release_reserve(self.db.reserve)
             if not (trashed or reserve):
                 raise
             self._write(taken, events)

@@ -191,10 +191,7 @@ class Looker:
         if by_stem is None:  # two threads may both list it: each gives out its own, the same names
             wanted = self.code_stems.get(folder, set())
             by_stem = {}
-            try:
-                names = self.root.listdir(layout.fs_path(folder))
-            except OSError:
-                names = []
+            names = self.root.listdir(layout.fs_path(folder))  # (OSError: files_of keeps the entry)
             for n in names:
                 n = layout.key_of(n)
                 s = n.partition(".")[0]
@@ -214,15 +211,19 @@ class Looker:
             else:
                 rels = [key]
             for rel in rels:
+                parent, name = safefs.split(layout.fs_path(rel))
+                pfd = self.root.dir_fd(parent)  # (its folder gone: moved away meanwhile, below)
                 try:
-                    st = self.root.lstat(layout.fs_path(rel))
+                    st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
                 except FileNotFoundError:
-                    continue
+                    continue  # the file alone is gone: deleted by another process
                 if stat.S_ISREG(st.st_mode):  # a symlink stays, and so does what it points at
                     f.add(st)
                     f.move.append((rel, safefs.identity(st)))
         except safefs.Refused:
             f.problem = Held.UNSAFE
+        except FileNotFoundError:  # a folder on its way moved away meanwhile (and may come back): it
+            f.problem = Held.CHANGED  # stays, and keeps its unit whole; a scan drops it if it is gone
         except OSError as e:
             f.problem = Held.UNSAFE if e.errno in (errno.ELOOP, errno.ENOTDIR) else Held.FAILED
         return f
@@ -232,8 +233,9 @@ class Looker:
         finished regular files (a temporary file: a write in progress; a symlink: refused)."""
         f = _Files()
         parent, name = safefs.split(layout.fs_path(key))
+        pfd = self.root.dir_fd(parent)  # (its folder gone: files_of keeps it, changed)
         try:  # O_NOFOLLOW | O_DIRECTORY: a symlink (ELOOP) or a file (ENOTDIR) is refused by files_of
-            fd = os.open(name, safefs.O_DIR, dir_fd=self.root.dir_fd(parent))
+            fd = os.open(name, safefs.O_DIR, dir_fd=pfd)
         except FileNotFoundError:
             return f
         inodes = set()
@@ -313,9 +315,10 @@ class Looker:
         took.trashed = []
 
     def _put_back(self, key: str, name: str) -> None:
+        assert self.trash is not None  # (only what went into the trash comes back)
         parent, base = safefs.split(layout.fs_path(key))
         try:
-            os.rename(name, base, src_dir_fd=self.trash, dst_dir_fd=self.root.dir_fd(parent))
+            safefs.rename_back(self.trash, name, self.root.dir_fd(parent), base)
         except OSError:
             pass  # its place was taken meanwhile: it stays in the trash, the next scan drops its row
 
