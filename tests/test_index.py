@@ -1024,3 +1024,30 @@ def test_a_damaged_kept_parse_result_is_read_again_and_replaced(gpu_cache, tmp_p
     for row, kept_refs, parts in kept:  # repaired: each as this reader writes it
         assert isinstance(json.loads(row), dict) and isinstance(json.loads(parts), dict)
         assert all(len(x) == 2 and all(isinstance(v, str) for v in x) for x in json.loads(kept_refs))
+
+
+def test_a_folder_swapped_with_a_symlink_and_back_is_indexed_again_by_the_daemon_s_batches(gpu_cache, db_url):
+    """`triton/0` is exchanged with a symlink (its entries leave the index), then back: the name
+    comes in one batch as a file (the symlink's events) and as a directory. Its subtree is walked
+    again, not passed over as the 'other' entry a file of that name would be."""
+    import shutil
+
+    from cachemgr.index import live, scan
+    from cachemgr.index.db import Database
+    from cachemgr.index.store import Store
+
+    db = Database(db_url)
+    cid = db.cache_id("testhost", str(gpu_cache))
+    scan.reconcile(db, cid, str(gpu_cache))
+    store = Store.of(db, "testhost", str(gpu_cache))
+    kernels = {e.key for e in store.entries() if e.key.startswith("triton/0/")}
+    outside = gpu_cache.parent / "elsewhere"
+    outside.mkdir()
+    shutil.move(gpu_cache / "triton" / "0", gpu_cache / "triton" / "0.away")
+    (gpu_cache / "triton" / "0").symlink_to(outside)
+    live.apply_batch(db, cid, str(gpu_cache), paths=["triton/0"], dirs=["triton/0"])
+    assert not {e.key for e in store.entries()} & kernels
+    (gpu_cache / "triton" / "0").unlink()
+    shutil.move(gpu_cache / "triton" / "0.away", gpu_cache / "triton" / "0")
+    live.apply_batch(db, cid, str(gpu_cache), paths=["triton/0"], dirs=["triton/0"])
+    assert kernels and {e.key for e in store.entries()} >= kernels

@@ -254,6 +254,49 @@ def test_a_directory_swapped_for_a_symlink_never_puts_watches_outside_the_root(t
         r.stop()
 
 
+def test_a_directory_moved_out_and_back_before_its_move_settles_stays_watched(tmp_path, tree):
+    """`mv fxgraph/xx /backup; mv /backup/xx fxgraph/` within the pairing delay: it comes back
+    as a directory already watched. It is attached again, not left to be dropped (with every
+    watch below it) when its move out expires: what is written in it later is seen."""
+    root = tmp_path / "c"
+    (root / "fxgraph" / "xx" / "g").mkdir(parents=True)
+    t = tree(root)
+    for i in range(2):
+        os.rename(root / "fxgraph" / "xx", tmp_path / "xx")
+        time.sleep(0.1)
+        os.rename(tmp_path / "xx", root / "fxgraph" / "xx")
+        time.sleep(inotify.MOVE_PAIRING + 0.5)
+        assert {"fxgraph/xx", "fxgraph/xx/g"} <= t.watched()
+        (root / "fxgraph" / "xx" / "g" / f"entry{i}").write_bytes(b"x")
+        assert t.saw(("p", f"fxgraph/xx/g/entry{i}"))
+
+
+def test_a_key_directory_moved_out_of_the_root_no_longer_counts_reads(tmp_path):
+    """A key directory moved out of the root (a backup): the tree lets it go, and tells the read
+    watcher, whose reads there would be counted as hits of the entries still in the cache."""
+    root = tmp_path / "c"
+    key_dir = root / "fxgraph" / "ab" / "fkey"
+    key_dir.mkdir(parents=True)
+    (key_dir / "entry").write_bytes(b"x")
+    hits: queue.SimpleQueue[str] = queue.SimpleQueue()
+    r = ReadWatcher(str(root), hits.put, lambda: None)
+    w = TreeWatcher(
+        str(root), lambda k, rel: None, lambda rel: None, lambda: None, lambda: None, lambda: None, r.unwatch
+    )
+    r.start()
+    w.start()
+    try:
+        r.watch(["fxgraph/ab/fkey"])
+        os.rename(key_dir, tmp_path / "backup")
+        until(lambda: "fxgraph/ab/fkey" not in r.by_dir)  # once its move out is settled
+        (tmp_path / "backup" / "entry").read_bytes()
+        time.sleep(0.5)
+        assert hits.empty()
+    finally:
+        w.stop()
+        r.stop()
+
+
 def _inotify_instances() -> set[int]:
     """This process's open inotify descriptors."""
     out = set()

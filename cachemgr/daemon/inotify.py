@@ -207,6 +207,8 @@ class TreeWatcher:
     `on_overflow()`: the kernel queue overflowed, events were lost: call `resync`, then rescan.
     `on_limit()`: a directory could not be watched (ENOSPC); `unwatched` counts them.
     `on_root_lost()`: the root itself was removed or moved.
+    `on_drop(rel)`: a directory is no longer watched (removed, or moved out of the root); called
+    with the tree locked, so it must not call back into the tree.
     """
 
     def __init__(
@@ -217,8 +219,9 @@ class TreeWatcher:
         on_overflow: Callable[[], None],
         on_limit: Callable[[], None],
         on_root_lost: Callable[[], None],
+        on_drop: Callable[[str], None] = lambda rel: None,
     ) -> None:
-        self.root, self.put, self.on_dir = root, put, on_dir
+        self.root, self.put, self.on_dir, self.on_drop = root, put, on_dir, on_drop
         self.on_overflow, self.on_limit, self.on_root_lost = on_overflow, on_limit, on_root_lost
         self.lock = threading.Lock()  # the tree: the reader thread's events, the consumer's resync
         self.by_wd: dict[int, _Dir] = {}
@@ -336,10 +339,15 @@ class TreeWatcher:
                 self.on_limit()
             return None  # gone already, not a directory (any more), or not readable
         child = self.by_wd.get(wd)
-        if child is not None and child.parent is parent and child.name == name:
+        if child is not None and parent.children and parent.children.get(name) is child:
             return child  # watched already (a resync, or a create seen after a walk found it)
         if child is not None:
-            self._detach(child)  # the same directory under another name: a move whose events were lost
+            # the same directory under another name (a move whose events were lost), or back in
+            # its place from outside the root before its move out was settled: attached here,
+            # and no longer dropped with what left the root
+            self._detach(child)
+            for cookie in [c for c, (d, _) in self.moving.items() if d is child]:
+                del self.moving[cookie]
         else:
             child = _Dir(wd, parent, name)
             self.by_wd[wd] = child
@@ -384,11 +392,13 @@ class TreeWatcher:
             del p.children[node.name]
 
     def _drop(self, node: _Dir) -> None:
-        """Stop watching a directory and everything below it (gone, or moved out of the root)."""
+        """Stop watching a directory and everything below it (gone, or moved out of the root);
+        `on_drop` is told of each (its path as it was)."""
         for d in node.walk():
             if self.by_wd.get(d.wd) is d:
                 del self.by_wd[d.wd]
                 self.ino.rm_watch(d.wd)
+                self.on_drop(d.rel())
 
     def _forget(self, node: _Dir) -> None:
         """Its watch is gone (IN_IGNORED): the directory was removed."""

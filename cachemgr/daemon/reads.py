@@ -58,6 +58,15 @@ class ReadWatcher:
                     del self.by_dir[old]  # the same directory, moved: one watch, the new name
                 self.by_wd[wd], self.by_dir[rel] = rel, wd
 
+    def unwatch(self, rel: str) -> None:
+        """Stop counting reads in this directory (the tree watcher let it go: moved out of the
+        root, its reads are no cache hits; removed, its watch goes anyway)."""
+        with self.lock:
+            wd = self.by_dir.pop(rel, None)
+            if wd is not None and self.by_wd.get(wd) == rel:
+                del self.by_wd[wd]
+                self.reader.ino.rm_watch(wd)
+
     def alive(self) -> bool:
         return self.reader.alive()
 

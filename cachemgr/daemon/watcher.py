@@ -102,6 +102,7 @@ class Watcher:
                 self._overflowed,
                 self._out_of_watches,
                 self.on_root_lost,
+                self.reads.unwatch,
             )
             self.reads.start()
             self.tree.start()

@@ -81,7 +81,10 @@ def _apply_batch(
     with safefs.Root(root) as r:
         disk = {k: d for k, c in classified.items() if (d := layout.stat_entry(r, c)) is not None}
         for sub in subtrees:
-            if sub not in classified:  # a kernel directory whose files were listed is stat'ed already
+            # A kernel directory whose files were listed is stat'ed already. Any other name that
+            # came as a file and a directory both (a folder swapped with a symlink, and back) is
+            # walked: as a file it was an 'other' entry, and its subtree went unread.
+            if not (sub in classified and classified[sub].kind == Kind.TRITON):
                 disk.update((d.key, d) for d in layout.walk(r, sub))
     # A directory that is itself an entry (a Triton kernel) needs an exact lookup; others a prefix.
     exact = {sub for sub in subtrees if layout.is_kernel_dir(sub)}
