@@ -99,7 +99,9 @@ class Root:
         """Close the cached directory descriptors of every thread (no thread may be using them)."""
         with self._caches_lock:
             for cache in self._caches:
-                _close_all(cache)
+                for fd, _ in cache.values():
+                    os.close(fd)
+                cache.clear()
 
     @property
     def _dirs(self) -> OrderedDict[str, tuple[int, Identity]]:
@@ -134,10 +136,10 @@ class Root:
     def reachable_dir_fd(self, rel: str) -> int:
         """dir_fd(rel), checked to be the directory its name names now: a directory moved out of
         the cache while its descriptor was kept (`mv cache/fxgraph /backup` mid-eviction) is
-        refused, and this thread's descriptors forgotten."""
+        refused. (The descriptor is kept: what was taken from that directory goes back into it,
+        wherever it is now, and every later delete through it is checked again.)"""
         fd = self.dir_fd(rel)
         if not self._reachable(rel):
-            _close_all(self._dirs)
             raise Refused("moved or replaced while eviction ran", rel)
         return fd
 
@@ -235,8 +237,6 @@ class Root:
                 rename_back(dst_fd, dst_name, pfd, name)
             except OSError:
                 pass  # its place was taken meanwhile: it stays where it went (the trash, emptied later)
-            if same:
-                _close_all(self._dirs)
             raise Refused("changed since it was looked at" if not same else "moved or replaced while eviction ran", rel)
 
     def delete(self, rel: str, expect: Identity, inodes: frozenset[int] | None = None) -> None:
@@ -267,12 +267,6 @@ def rename_back(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> None:
         os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
     else:
         os.unlink(src, dir_fd=src_dir_fd)
-
-
-def _close_all(dirs: OrderedDict[str, tuple[int, Identity]]) -> None:
-    for fd, _ in dirs.values():
-        os.close(fd)
-    dirs.clear()
 
 
 def open_dir(root: str, rel: str) -> int:

@@ -741,3 +741,41 @@ def test_an_undone_rename_never_replaces_what_took_the_name(tmp_path, monkeypatc
             r.move("ab/cfile.py", expect, r.dir_fd("trash"), "1-0")
     assert (root / "ab" / "cfile.py").read_text() == "someone's"
     assert (root / "trash" / "1-0").read_text() == "old"
+
+
+def test_a_unit_refused_part_way_puts_back_what_it_moved_even_into_a_folder_moved_since(tmp_path, monkeypatch):
+    """A unit of two files: the first is renamed into the trash, the second's folder has left the
+    root (refused), and meanwhile the first one's folder was moved aside with a symlink put in its
+    place. The first file goes back into its own folder, wherever that is now: not left in the
+    trash (emptied by the next run) because its folder's name is a symlink."""
+    from cachemgr import safefs
+    from cachemgr.evict import look
+
+    root = tmp_path / "c"
+    for d in ("da", "db", ".cachemgr-trash"):
+        (root / d).mkdir(parents=True)
+    (root / "da" / "a").write_text("a")
+    (root / "db" / "b").write_text("b")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    real = safefs.Root._reachable
+
+    def swap_then_refuse(self, rel):
+        if rel != "db":
+            return real(self, rel)
+        os.rename(root / "da", root / "da.moved")
+        (root / "da").symlink_to(elsewhere)
+        return False
+
+    monkeypatch.setattr(safefs.Root, "_reachable", swap_then_refuse)
+    with safefs.Root(str(root)) as r:
+        trash = os.open(".cachemgr-trash", safefs.O_DIR, dir_fd=r.fd)
+        try:
+            looker = look.Looker(r, trash, {}, 0.0)
+            files = [look._Files(move=[(k, safefs.identity(r.lstat(k)))]) for k in ("da/a", "db/b")]
+            took = look.Took([(1, 1), (1, 1)])
+            assert looker.take(took, files) == "changed since planned"
+        finally:
+            os.close(trash)
+    assert (root / "da.moved" / "a").read_text() == "a" and (root / "db" / "b").read_text() == "b"
+    assert os.listdir(root / ".cachemgr-trash") == [] and os.listdir(elsewhere) == []
