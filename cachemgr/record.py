@@ -262,7 +262,8 @@ def _write_whole(fd: int, line: bytes) -> None:
     try:
         written = os.write(fd, line)
     except OSError:
-        written = -1
+        os.ftruncate(fd, start)  # (a failed write may have left part of the line)
+        raise
     if written != len(line):
         os.ftruncate(fd, start)
         raise OSError(errno.ENOSPC, "no room for a whole line")

@@ -240,8 +240,8 @@ class Root:
             raise Refused("changed since it was looked at" if not same else "moved or replaced while eviction ran", rel)
 
     def delete(self, rel: str, expect: Identity, inodes: frozenset[int] | None = None) -> None:
-        """Delete `rel` in place: a file by unlink, a directory by a descriptor-based rmtree (with
-        `inodes`: a directory of files, of which only those go; refused if others are there)."""
+        """Delete `rel` in place: a file by unlink, a directory of files by remove_at (with
+        `inodes`: only those files go; refused if others are there)."""
         pfd, name, st = self.check(rel, expect, reachable=True)
         remove_at(pfd, name, st, inodes)
 
@@ -261,12 +261,11 @@ def rename_back(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> None:
         e = ctypes.get_errno()
         if e not in (errno.ENOSYS, errno.EINVAL):  # (EINVAL: a file system without RENAME_NOREPLACE)
             raise OSError(e, os.strerror(e), dst)
-    try:  # a file: a hard link never replaces; a directory is never linked (EPERM), and a
-        os.link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=False)
-    except PermissionError:  # rename never replaces one that holds anything
-        os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
-    else:
-        os.unlink(src, dir_fd=src_dir_fd)
+    if stat.S_ISDIR(os.stat(src, dir_fd=src_dir_fd, follow_symlinks=False).st_mode):
+        os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)  # (never over one holding anything)
+        return
+    os.link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=False)  # never replaces
+    os.unlink(src, dir_fd=src_dir_fd)
 
 
 def open_dir(root: str, rel: str) -> int:

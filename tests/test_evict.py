@@ -855,7 +855,31 @@ def test_purge_without_a_terminal_to_ask_on_is_a_usage_error(aged_gpu, cli_for):
     for args in (["--all"], ["--all", "--json"]):
         r = cli("purge", *args, code=2)
         assert r.stdout == "" and r.stderr == "cachemgr: error: stdin is not a terminal: pass --yes (or --dry-run)\n"
+    closed = subprocess.run(  # no stdin at all (`<&-`): Python's sys.stdin is None
+        [sys.executable, "-m", "cachemgr", *cli.base(), "purge", "--all"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        preexec_fn=lambda: os.close(0),
+    )
+    assert (closed.returncode, closed.stderr) == (
+        2,
+        "cachemgr: error: stdin is not a terminal: pass --yes (or --dry-run)\n",
+    )
     assert disk(aged_gpu) == before
+
+
+def test_a_purge_of_nothing_reported_as_json_touches_nothing(aged_gpu, cli_for):
+    """`purge --json --yes` with nothing to purge reports a run (dry_run false) without carrying
+    one out: what a dead run left in the trash stays for the next real run, as without --json."""
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    (aged_gpu / layout.TRASH_DIR).mkdir(exist_ok=True)
+    (aged_gpu / layout.TRASH_DIR / "1-0").write_bytes(b"left by a dead run")
+    r = cli.json("purge", "--older-than", "3650d", "--yes")
+    assert r["dry_run"] is False and r["evicted"] == 0
+    assert (aged_gpu / layout.TRASH_DIR / "1-0").exists()
 
 
 def test_purge_corrupt(aged_cpu, cli_for):

@@ -297,6 +297,40 @@ def test_a_key_directory_moved_out_of_the_root_no_longer_counts_reads(tmp_path):
         r.stop()
 
 
+def test_a_late_drop_of_a_key_directory_keeps_counting_reads_of_the_one_now_in_its_place(tmp_path):
+    """The tree settles a move out of the root a second later, by path: a key directory put at
+    that path meanwhile (restored from a backup) is the one watched for reads after it."""
+    root = tmp_path / "c"
+    key_dir = root / "fxgraph" / "ab" / "fkey"
+    key_dir.mkdir(parents=True)
+    hits: queue.SimpleQueue[str] = queue.SimpleQueue()
+    r = ReadWatcher(str(root), hits.put, lambda: None)
+    r.start()
+    try:
+        r.watch(["fxgraph/ab/fkey"])
+        os.rename(key_dir, tmp_path / "old")
+        key_dir.mkdir()
+        (key_dir / "entry").write_bytes(b"x")
+        r.unwatch("fxgraph/ab/fkey")  # the tree dropping the one that left
+        (key_dir / "entry").read_bytes()
+        assert hits.get(timeout=10) == "fxgraph/ab/fkey/entry"
+    finally:
+        r.stop()
+
+
+def test_without_proc_each_directory_gets_its_own_watch(tmp_path, tree, monkeypatch):
+    """Where /proc is not mounted, a watch goes by the directory's full path (a parent's
+    descriptor in hand or not): every nested directory is watched, each by its own watch."""
+    monkeypatch.setattr(inotify, "_PROC_FDS", False)
+    root = tmp_path / "c"
+    (root / "fxgraph" / "ab" / "fkey").mkdir(parents=True)
+    (root / "ab").mkdir()
+    t = tree(root)
+    assert t.watched() == {"", "fxgraph", "fxgraph/ab", "fxgraph/ab/fkey", "ab"}
+    watched = _watched_inodes(t.w.ino)
+    assert {(root / d).stat().st_ino for d in ("fxgraph/ab", "fxgraph/ab/fkey", "ab")} <= watched
+
+
 def _inotify_instances() -> set[int]:
     """This process's open inotify descriptors."""
     out = set()

@@ -70,13 +70,23 @@ def _locked_and_scanned(app):
         yield root
 
 
-def _pin_holding(g, head: int) -> int:
-    """The pinned entry whose pin keeps the deletion group of `head` whole: it, or an entry it
-    needs, is in the group (a group goes whole or not at all)."""
+def _pin_holders(g) -> dict[int, int]:
+    """Each entry a pin keeps, and the pinned entry that keeps it: the pinned one itself, and
+    what it needs (its descendants). Each pinned entry's closure is walked once."""
     from cachemgr.evict.policy import PINNED
 
-    group = set(g.closure([head]))
-    return next((q for q, f in enumerate(g.rows.flags) if f & PINNED and g.descendants([q]) & group), head)
+    held: dict[int, int] = {}
+    for q, f in enumerate(g.rows.flags):
+        if f & PINNED:
+            for d in g.descendants([q]):
+                held.setdefault(d, q)
+    return held
+
+
+def _pin_holding(g, head: int, held: dict[int, int]) -> int:
+    """The pinned entry whose pin keeps the deletion group of `head` whole: it, or an entry it
+    needs, is in the group (a group goes whole or not at all)."""
+    return next((held[m] for m in g.closure([head]) if m in held), head)
 
 
 def _kept_text(app, p, rows, grace: float) -> str:
@@ -87,7 +97,9 @@ def _kept_text(app, p, rows, grace: float) -> str:
     if not pinned:
         return text
     g = rows.graph()
-    holders = list(dict.fromkeys(rows.key[_pin_holding(g, rows.key.index(k))] for k in pinned))
+    held = _pin_holders(g)
+    at = {k: i for i, k in enumerate(rows.key)}
+    holders = list(dict.fromkeys(rows.key[_pin_holding(g, at[k], held)] for k in pinned))
     names = list(_shorts(app, rows, holders[:SHOWN_PINS], False).values())
     more = f" and {len(holders) - SHOWN_PINS} more" if len(holders) > SHOWN_PINS else ""
     return f"{text}, by the pin{'s' if len(holders) > 1 else ''} of {', '.join(names)}{more}"
@@ -385,7 +397,7 @@ class _Reach:
         pinned entry that holds the group."""
         by = head
         if why == Held.PINNED:
-            by = _pin_holding(self.g, head)
+            by = _pin_holding(self.g, head, _pin_holders(self.g))  # (show: one entry, once)
         return EntryFate(Fate.KEPT, why, None if by == i else self.keys[by])
 
     def _needing(self, i: int) -> list[int]:
@@ -491,7 +503,7 @@ def purge(
         )
     if quiet and not (yes or dry_run):
         raise UsageError("--quiet cannot ask before deleting: give --yes or --dry-run too")
-    if not (yes or dry_run) and not sys.stdin.isatty():
+    if not (yes or dry_run) and not (sys.stdin and sys.stdin.isatty()):  # (None: stdin closed)
         raise UsageError("stdin is not a terminal: pass --yes (or --dry-run)")
     s = app.with_flags(grace=grace, keep_torch=keep_torch)
     with _locked_and_scanned(app) as root:
@@ -565,7 +577,10 @@ def _purge(app, root, s, tests, orphans, include_pinned, dry_run, yes, quiet, wi
     p = purge_plan(rows, chosen, now, s.grace, include_pinned)
     if not p.units:
         if as_json:
-            emit_json(carry_out(app.db, app.cache_id, root, p, rows, s.grace, dry_run, now).as_dict())
+            # (an empty plan carried out dry: a real run would still empty the trash and stamp
+            # last_eviction, which the text path does not do either)
+            empty = carry_out(app.db, app.cache_id, root, p, rows, s.grace, True, now)
+            emit_json({**empty.as_dict(), "dry_run": dry_run})
         elif not quiet:
             say(
                 "nothing to purge"
@@ -621,7 +636,7 @@ def _torch_in_use(app, rows, now: float, keep_torch: list[str]) -> fingerprint.K
 @wide_option
 @json_option
 @pass_app
-@exit_codes(0, 2, 3, 5)
+@exit_codes(0, 2, 3, 4, 5)
 def pin(app, key: str | None, reason: str | None, force: bool, quiet: bool, wide: bool, as_json: bool) -> None:
     """Keep an entry, or every entry of a graph, from eviction and purge. Without KEY: list the pins.
 

@@ -73,11 +73,14 @@ class Inotify:
 
     def watch_dir(self, root: str, rel: str, mask: int, at: int | None = None) -> int:
         """Watch directory `rel` below `root` ('' the root itself), reached one component at a
-        time without following a symlink (`at`: the descriptor of its parent, opened so; then
-        `rel` is a name in it). A watch by path would follow a symlink in every component but the
-        last: one swapped in would put watches, and listings, outside the root. The watch goes
-        through the descriptor's /proc name, which names the very directory opened."""
-        fd = safefs.open_dir(root, rel) if at is None else os.open(rel, safefs.O_DIR, dir_fd=at)
+        time without following a symlink (`at`: the descriptor of its parent, opened so). A
+        watch by path would follow a symlink in every component but the last: one swapped in
+        would put watches, and listings, outside the root. The watch goes through the
+        descriptor's /proc name, which names the very directory opened."""
+        if at is None:
+            fd = safefs.open_dir(root, rel)
+        else:
+            fd = os.open(rel.rpartition("/")[2], safefs.O_DIR, dir_fd=at)
         try:
             return self.add_watch(f"/proc/self/fd/{fd}" if _PROC_FDS else os.path.join(root, rel), mask)
         finally:
@@ -331,7 +334,7 @@ class TreeWatcher:
         """The node of parent/name, watched (a new watch if it had none); None if it cannot be.
         `at`: the parent's descriptor, where the caller has it open."""
         try:
-            rel = name if at is not None or parent.parent is None else f"{parent.rel()}/{name}"
+            rel = f"{parent.rel()}/{name}" if parent.parent is not None else name
             wd = self.ino.watch_dir(self.root, rel, TREE_MASK, at=at)
         except OSError as e:
             if e.errno == errno.ENOSPC:

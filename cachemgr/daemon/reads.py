@@ -59,13 +59,17 @@ class ReadWatcher:
                 self.by_wd[wd], self.by_dir[rel] = rel, wd
 
     def unwatch(self, rel: str) -> None:
-        """Stop counting reads in this directory (the tree watcher let it go: moved out of the
-        root, its reads are no cache hits; removed, its watch goes anyway)."""
+        """Stop counting reads in the directory that was at `rel` (the tree watcher let it go:
+        moved out of the root, its reads are no cache hits). Told late (a move out is settled
+        after a delay), the path may name another directory by then: that one is watched again."""
         with self.lock:
             wd = self.by_dir.pop(rel, None)
-            if wd is not None and self.by_wd.get(wd) == rel:
+            if wd is None:
+                return
+            if self.by_wd.get(wd) == rel:
                 del self.by_wd[wd]
                 self.reader.ino.rm_watch(wd)
+        self.watch([rel])  # (nothing there now, or no directory: nothing is watched)
 
     def alive(self) -> bool:
         return self.reader.alive()

@@ -481,6 +481,8 @@ def _start(
     try:
         root = safefs.Root(path)
     except OSError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            raise  # (short of descriptors: exit 1, as anywhere)
         raise safefs.Refused(f"the cache directory cannot be opened again ({e.strerror})", path) from e
     if root.id != root_id:
         raise safefs.Refused("the cache directory was replaced during eviction", path)
@@ -489,6 +491,8 @@ def _start(
         try:
             trash = os.open(layout.TRASH_DIR, safefs.O_DIR, dir_fd=root.fd)
         except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                raise
             raise safefs.Refused("the trash folder was replaced during eviction", layout.TRASH_DIR) from e
         if safefs.identity(os.fstat(trash)) != trash_id:
             raise safefs.Refused("the trash folder was replaced during eviction", layout.TRASH_DIR)
