@@ -47,7 +47,7 @@ BATCH = 1000  # paths that close a batch early: under a steady stream, entries a
 SYSCTL = "fs.inotify.max_user_watches"
 PARSE_STEP = 500  # pending entries read between two batches of file events
 IDLE = 60.0  # seconds without work after which the parse workers are let go
-CONTROL = ("stop", "scan", "parse", "overflow")  # queue items that are not file events
+CONTROL = ("stop", "scan", "parse", "overflow", "retry")  # queue items that are not file events
 
 # ("p"|"d"|"r", relpath) | ("scan", subtree, full, Future) | ("parse",) | ("overflow",) | ("stop",)
 Item = tuple
@@ -183,6 +183,10 @@ class Watcher:
                 self._overflow_queued = False  # an overflow from now on asks again
                 self._scan("", None, why="after lost events")
                 continue
+            if item[0] == "retry":
+                self._walked = True  # (the watches are whole: what failed was the index)
+                self._scan("", None, why="after a failed batch")
+                continue
             paths: set[str] = set()
             dirs: set[str] = set()
             reads: list[str] = []
@@ -256,7 +260,7 @@ class Watcher:
         each rescan that fails too, until one goes through. (Lost, the daemon stood behind the
         disk until its next scan_interval: an hour, evicting by what it had last seen.)"""
         if self._retry is None or not self._retry.is_alive():
-            self._retry = threading.Timer(RETRY, self.q.put, (("overflow",),))
+            self._retry = threading.Timer(RETRY, self.q.put, (("retry",),))
             self._retry.daemon = True
             self._retry.start()
 

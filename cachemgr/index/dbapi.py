@@ -144,7 +144,7 @@ def driver_errors(name: str, *also: type[Exception]) -> tuple[type[Exception], .
     """`also`, and the DB-API exception class `name` ('IntegrityError', 'OperationalError') of
     each driver this process has loaded: what this module's SQL raises where SQLAlchemy's would
     raise its own (pass SQLAlchemy's as `also`)."""
-    drivers = [sqlite3, sys.modules.get("psycopg"), sys.modules.get("psycopg2")]
+    drivers = [sqlite3, sys.modules.get("psycopg")]
     return (*also, *(getattr(d, name) for d in drivers if d is not None))
 
 
