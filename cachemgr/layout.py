@@ -237,9 +237,6 @@ class Listing:
 RACY = -1  # a directory mtime too recent (or a directory unreadable): the next walk reads it again
 RACY_NS = 2_000_000_000  # file systems with coarse timestamps (1 s) can hide a change within this
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # not there, or not a real directory: nothing to walk
-# The process is short of descriptors or memory: no directory's fault, so no directory is
-# reported unreadable (and kept as last indexed) for it; the command fails, one line.
-_SHORT = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 _NAME = operator.attrgetter("name")
 
 
@@ -298,7 +295,7 @@ def iter_dirs(
         try:
             r = safefs.Root(root)
         except OSError as e:  # a root that is gone has no entries; one out of reach is unreadable
-            if e.errno in _SHORT:
+            if e.errno in safefs.SHORT:
                 raise
             if e.errno not in _GONE:
                 state.unreadable.append("")
@@ -315,7 +312,7 @@ def iter_dirs(
     try:
         fd = os.open(".", safefs.O_DIR, dir_fd=root.dir_fd(fs_path(sub))) if sub else os.dup(root.fd)
     except OSError as e:
-        if e.errno in _SHORT:
+        if e.errno in safefs.SHORT:
             raise
         if e.errno not in _GONE:
             state.unreadable.append(sub)
@@ -409,7 +406,7 @@ class _Walker:
         try:
             fd = os.open(fs_path(name), safefs.O_DIR, dir_fd=parent_fd)
         except OSError as e:
-            if e.errno in _SHORT:
+            if e.errno in safefs.SHORT:
                 raise
             if e.errno not in _GONE:  # gone, or now a symlink / a file: nothing to walk
                 self.out.unreadable.append(key)
@@ -428,7 +425,7 @@ class _Walker:
         try:
             it = os.scandir(fd)
         except OSError as err:
-            if err.errno in _SHORT:
+            if err.errno in safefs.SHORT:
                 raise
             return None
         with it:
@@ -603,7 +600,7 @@ def foreign_opened(root: str, r: safefs.Root) -> str | None:
             return f"{root} is the file system root"
         names = sorted(n for n in os.listdir(r.fd) if n != TRASH_DIR)
     except OSError as e:
-        if e.errno in _SHORT:
+        if e.errno in safefs.SHORT:
             raise
         return None
     whys = [_not_inductors(r, n) for n in names]
@@ -634,7 +631,7 @@ def _not_inductors(r: safefs.Root, name: str) -> str | None:
     try:
         children = [n for n in r.listdir(name) if not is_transient(n)]
     except OSError as e:
-        if e.errno in _SHORT:
+        if e.errno in safefs.SHORT:
             raise  # (this process is short of descriptors: no fault of the folder's)
         return f"{shown}/ cannot be read ({e.strerror})"
     if _TWO_CHAR.fullmatch(name):

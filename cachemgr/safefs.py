@@ -34,6 +34,9 @@ OPEN_DIRS = 64  # directory descriptors a Root keeps open per thread (least rece
 MAX_DEPTH = 32  # deeper paths are not Inductor's: refused, never walked
 
 Identity = tuple[int, int]  # (st_dev, st_ino)
+# The process is short of descriptors or memory: no fault of the path it was opening, so no path
+# is reported unreadable, refused or replaced for it; the command fails, one line (exit 1).
+SHORT = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
 class Refused(OSError):

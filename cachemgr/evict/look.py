@@ -481,7 +481,7 @@ def _start(
     try:
         root = safefs.Root(path)
     except OSError as e:
-        if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+        if e.errno in safefs.SHORT:
             raise  # (short of descriptors: exit 1, as anywhere)
         raise safefs.Refused(f"the cache directory cannot be opened again ({e.strerror})", path) from e
     if root.id != root_id:
@@ -491,7 +491,7 @@ def _start(
         try:
             trash = os.open(layout.TRASH_DIR, safefs.O_DIR, dir_fd=root.fd)
         except OSError as e:
-            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            if e.errno in safefs.SHORT:
                 raise
             raise safefs.Refused("the trash folder was replaced during eviction", layout.TRASH_DIR) from e
         if safefs.identity(os.fstat(trash)) != trash_id:
