@@ -199,3 +199,41 @@ def test_hash_component_lines_cost_what_is_kept_of_them(monkeypatch):
     assert set(got) == {"inductor_config[x]", "gm"}
     assert got["inductor_config[x]"].value == "x" * components.VALUE_CHARS and len(got["gm"].value) == len(big)
     assert handed[0] < 4 * len(big)  # (it was 5,000 copies' worth of each)
+
+
+def _global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def test_stand_in_classes_are_shared_within_bounds_and_no_load_changes_them(monkeypatch):
+    """Stand-in classes are shared by every load of a process (making them was half of a graph
+    entry's unpickling), so: a hostile load cannot change one another load gets (BUILD or SETITEM
+    on the class itself fails), a long name is never kept, and the shared set stops growing at
+    MAX_SHARED however many names entries make up."""
+    from cachemgr.parse import unpickle
+
+    monkeypatch.setattr(unpickle, "_SHARED", {})  # (this process's other tests keep theirs)
+    cfg = _global("torch._inductor.output_code", "CompiledFxGraph")
+    for hostile in (
+        cfg + b"}S'pickled_module'\nS'evil'\nsb.",  # BUILD with a dict, on the class
+        cfg + b"S'pickled_name'\nS'evil'\ns.",  # SETITEM on the class
+        cfg + b"(S'pickled_name'\nS'evil'\nS'state'\nS'evil'\nu.",  # SETITEMS on the class
+    ):
+        try:
+            unpickle.safe_load(hostile)
+        except Exception:  # noqa: BLE001, S110 - whether the load fails is not the point
+            pass
+    obj = unpickle.safe_load(cfg + b")\x81.")  # NEWOBJ of no args
+    assert (type(obj).pickled_module, type(obj).pickled_name) == ("torch._inductor.output_code", "CompiledFxGraph")
+    assert obj.state is None and obj.args == ()
+    assert type(unpickle.safe_load(cfg + b")\x81.")) is type(obj)  # (shared: else this test proves nothing)
+
+    long = "m" * unpickle.MAX_SHARED_NAME
+    a, b = unpickle.safe_load(_global(long, "X") + b")\x81."), unpickle.safe_load(_global(long, "X") + b")\x81.")
+    assert type(a) is not type(b) and (long, "X") not in unpickle._SHARED
+
+    per_load = unpickle.MAX_CLASSES - 1
+    for n in range(2 * unpickle.MAX_SHARED // per_load + 1):
+        names = b"".join(_global(f"fuzz{n}", f"C{i}") + b"0" for i in range(per_load))  # (POP each)
+        unpickle.safe_load(names + b"N.")
+    assert len(unpickle._SHARED) == unpickle.MAX_SHARED

@@ -5,7 +5,7 @@
 nothing but describe itself. Object state comes back as plain dicts, lists and strings.
 
 Bounds, per load (the rest are kept by the parse worker process, cachemgr.parse.pool):
-- at most MAX_CLASSES distinct class names (each stand-in is a new class object);
+- at most MAX_CLASSES distinct class names (stand-in classes, shared by the loads of a process);
 - values taken out of the state are checked for type, size and range (`text`, `seconds`, ...):
   an out-of-range number, a non-list where a list belongs, a lone surrogate or a NUL in a
   string never reaches the index.
@@ -17,35 +17,28 @@ import io
 import math
 import pickle
 import re
-from typing import Any
+from typing import Any, cast
 
 MAX_CLASSES = 2048  # distinct globals in one entry (a CompiledFxGraph names about 40)
 MAX_TEXT = 1 << 20  # characters kept of one string value (the graph code can be long)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class Stub:
+class Stub(BaseException):  # noqa: N818 - never raised: BaseException for its C constructor (below)
     """Stand-in for any class a pickle names. Keeps constructor args and state as plain data.
 
     The args are kept however the pickle builds the object: REDUCE calls the class
     (`cls(*args)`), NEWOBJ and NEWOBJ_EX call `cls.__new__(cls, *args, **kwargs)` without
-    `__init__` (how a str or tuple subclass pickles, e.g. torch's TorchVersion). Both pass
-    through `__new__`. Keyword args (NEWOBJ_EX only) are dropped: no reader needs them. The args
-    are the objects the pickle already built, kept by reference: nothing is copied or grown.
+    `__init__` (how a str or tuple subclass pickles, e.g. torch's TorchVersion). BaseException's
+    own constructor, in C, keeps them as `args` (a Python `__new__` cost a tenth of a graph
+    entry's unpickling); keyword args (NEWOBJ_EX only) are dropped: no reader needs them. The
+    args are the objects the pickle already built, kept by reference: nothing is copied or grown.
     """
 
     pickled_module = ""  # the global the pickle named (set on each stand-in class)
     pickled_name = ""
-    args: tuple = ()
+    args: tuple  # (BaseException's: no class attribute may shadow it)
     state: Any = None
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Stub:
-        obj = super().__new__(cls)
-        obj.args = args
-        return obj
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass  # (REDUCE calls it after __new__, which kept the args)
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
@@ -61,19 +54,34 @@ class Stub:
         pass
 
 
+# Stand-ins are shared by every load of a process: making a class costs more than the rest of
+# unpickling a graph entry (33 classes: 300 of 600 us). Inert and never changed by a load (BUILD on
+# a class calls the unbound __setstate__, a TypeError), so a hostile entry cannot reach another's.
+# Bounded: names of real classes only (short), and at most MAX_SHARED of them.
+_SHARED: dict[tuple[str, str], type[Stub]] = {}
+MAX_SHARED = 4096
+MAX_SHARED_NAME = 256
+
+
+def _stand_in(module: str, name: str) -> type[Stub]:
+    cls = type(str(name)[:200], (Stub,), {"pickled_module": module, "pickled_name": name})
+    if len(_SHARED) < MAX_SHARED and len(module) + len(name) <= MAX_SHARED_NAME:
+        _SHARED[(module, name)] = cls
+    return cast(type[Stub], cls)
+
+
 class SafeUnpickler(pickle.Unpickler):
     def __init__(self, file: Any) -> None:
         super().__init__(file)
         self.stubs: dict[tuple[str, str], type[Stub]] = {}
 
     def find_class(self, module: str, name: str) -> type[Stub]:
-        cls = self.stubs.get((module, name))
+        key = (module, name)
+        cls = self.stubs.get(key)
         if cls is None:
             if len(self.stubs) >= MAX_CLASSES:
                 raise pickle.UnpicklingError(f"names more than {MAX_CLASSES} classes")
-            cls = self.stubs[(module, name)] = type(
-                str(name)[:200], (Stub,), {"pickled_module": module, "pickled_name": name}
-            )
+            cls = self.stubs[key] = _SHARED.get(key) or _stand_in(module, name)
         return cls
 
     def persistent_load(self, pid: Any) -> None:
