@@ -187,7 +187,10 @@ class _Reader:
                 self.root_id: tuple[int, int] | None = r.id
         except OSError:
             self.root_id = None  # each entry is then reported unreadable by its worker
-        self.stream = pool.stream(lambda job, why: failed(why))
+        # Room for a chunk's results while this process writes the last one: with a backlog of a
+        # few jobs per worker, the workers stood idle through every write (75 ms a chunk of
+        # graphs). The results held are no more than a chunk's own (`described`) already are.
+        self.stream = pool.stream(lambda job, why: failed(why), backlog=max(4 * pool.size, PARSE_CHUNK))
         self.ids = itertools.count()
         self.earlier: set[tuple[str, str, int]] = set()  # contents a chunk in flight reads
         self.got: dict[int, object] = {}  # results that came before their chunk was finished
