@@ -1137,6 +1137,21 @@ def test_numbers_of_a_hand_edited_sqlite_index_that_are_no_numbers_fail_no_comma
         assert not conn.execute("SELECT 1 FROM entries WHERE typeof(mtime) = 'text'").fetchall()
 
 
+def test_text_of_a_hand_edited_sqlite_index_that_is_no_utf8_is_one_line_exit_5(fixture_cache, cli_for, db_url):
+    """Text that is not UTF-8 in the index (an edit) stops a command that reads it as a database
+    error: exit 5 and one line, though SQLite's message quotes the column's SQL, newlines and all
+    (it printed the statement's second line on a line of its own)."""
+    import sqlite3
+
+    root = fixture_cache()
+    cli = cli_for(root)
+    cli("scan")
+    with sqlite3.connect(db_url.removeprefix("sqlite:///")) as conn:
+        conn.execute("UPDATE entries SET torch_version = CAST(X'ff00fe80' AS TEXT) WHERE kind = 'fxgraph'")
+    for args in (("ls",), ("ls", "--json")):
+        one_error_line(cli.proc(*args), 5, "index database", "UTF-8")
+
+
 def test_nan_and_infinity_in_a_postgresql_index_fail_no_command(fixture_cache, pg_url):  # noqa: F811 - the fixture
     """A shared index's float columns can hold NaN and Infinity (another host's bug, an edit):
     read as unknown times, never a failed command; eviction takes no entry for a time it cannot

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("cachemgr: interrupted", err=True)
         code = 130
     except CachemgrError as e:
-        click.echo(f"cachemgr: error: {e}", err=True)
+        click.echo(f"cachemgr: error: {_one_line(str(e))}", err=True)
         if isinstance(e, AmbiguousKey):
             _say_ambiguous(e)
         code = e.exit_code
@@ -197,10 +197,18 @@ def main(argv: list[str] | None = None) -> None:
             code = 1
         else:
             click.echo(
-                f"cachemgr: internal error: {type(e).__name__}: {e} (set CACHEMGR_DEBUG=1 for a traceback)", err=True
+                f"cachemgr: internal error: {type(e).__name__}: {_one_line(str(e))} "
+                "(set CACHEMGR_DEBUG=1 for a traceback)",
+                err=True,
             )
             code = 70
     finally:
         if app is not None:
             app.close()
     sys.exit(code)
+
+
+def _one_line(message: str) -> str:
+    """An error as the one line the exit codes promise: a database error can quote a statement's
+    text, newlines and all (a damaged index named a column by its SQL)."""
+    return " ".join(message.split()) if "\n" in message or "\r" in message else message
