@@ -97,16 +97,39 @@ def _canonical_symbols(text: str, names: dict[str, str]) -> str:
 def input_spec(value: str, names: dict[str, str]) -> str:
     """One `example_inputs[i]` component value as 'f32[s0, 32](32, 1)cpu' (a tensor), or the
     symbol or literal of a scalar input."""
+    parts = _SPECS.get(value)
+    if parts is None:
+        if len(_SPECS) >= MAX_SPECS:
+            _SPECS.clear()
+        parts = _SPECS[value] = _spec_parts(value)
+    if len(parts) == 1:
+        return parts[0]
+    return "".join(_canonical_symbols(p, names) if i % 2 else p for i, p in enumerate(parts))
+
+
+# An input's text is read once per distinct value (a model's weights are inputs of each of its
+# graphs, and the debug line that holds one is one string shared by every entry: components.py);
+# only its symbols are renumbered per entry.
+_SPECS: dict[str, tuple[str, ...]] = {}
+MAX_SPECS = 10_000  # (a value is at most 800 characters: components.VALUE_CHARS)
+
+
+def _spec_parts(value: str) -> tuple[str, ...]:
+    """`input_spec`'s text in pieces, the odd ones those that may name symbols; or the whole
+    text alone, when none does."""
     m = _TENSOR_META.search(value)
     if not m:
         scalar = value.strip().strip("()").strip(",").strip("'\"")
-        return _canonical_symbols(scalar, names) if scalar else "?"
-    dtype = short_dtype(m["dtype"])
-    shape = _canonical_symbols(", ".join(s.strip() for s in m["shape"].split(",") if s.strip()), names)
-    stride = _canonical_symbols(", ".join(s.strip() for s in m["stride"].split(",") if s.strip()), names)
-    device = m["dev"] + (f":{m['idx']}" if m["idx"] is not None else "")
-    grad = " grad" if "requires_grad=True" in m["rest"] else ""
-    return f"{dtype}[{shape}]({stride}){device}{grad}"
+        pieces: tuple[str, ...] = ("", scalar, "") if scalar else ("?",)
+    else:
+        shape = ", ".join(s.strip() for s in m["shape"].split(",") if s.strip())
+        stride = ", ".join(s.strip() for s in m["stride"].split(",") if s.strip())
+        device = m["dev"] + (f":{m['idx']}" if m["idx"] is not None else "")
+        grad = " grad" if "requires_grad=True" in m["rest"] else ""
+        pieces = (f"{short_dtype(m['dtype'])}[", shape, "](", stride, f"){device}{grad}")
+    if len(pieces) > 1 and not any(_SYMBOL.search(p) for p in pieces[1::2]):
+        return ("".join(pieces),)
+    return pieces
 
 
 def entry_signature(inputs: list[tuple[int, str]]) -> str | None:

@@ -450,6 +450,25 @@ def test_the_reader_keeps_constructor_args_of_every_construction():
         assert got.args == args
 
 
+def test_symbols_are_numbered_per_entry_however_often_an_input_was_read():
+    """An input's text is read once per distinct value (then kept); its symbols are still numbered
+    in each entry's own order (s77 is s0 in one entry and s1 in the next)."""
+    from cachemgr.signatures import entry_signature
+
+    def tensor(shape: str, stride: str) -> str:
+        return (
+            f"TensorMetadata(dtype=torch.float32, shape=torch.Size([{shape}]), stride=({stride}), "
+            "device=device(type='cuda', index=0), layout=torch.strided, requires_grad=True)"
+        )
+
+    a = [(2, tensor("8", "1")), (0, tensor("s77, 32", "32, 1")), (1, "s5")]
+    b = [(0, "s5"), (1, tensor("s77, 32", "32, 1"))]
+    for _ in range(2):  # (the second time from what was kept the first)
+        assert entry_signature(a) == "f32[s0, 32](32, 1)cuda:0 grad; s1; f32[8](1)cuda:0 grad"
+        assert entry_signature(b) == "s0; f32[s1, 32](32, 1)cuda:0 grad"
+        assert entry_signature([(0, "()"), (1, "7")]) == "?; 7"
+
+
 @pytest.mark.parametrize("name", DYNAMO)
 def test_a_precompile_entry_names_its_torch(name, cache_of, cli_for):
     """Its `_DynamoCacheEntry.system_info.torch_version` holds the version string (docs/formats.md,
