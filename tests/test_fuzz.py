@@ -237,3 +237,27 @@ def test_stand_in_classes_are_shared_within_bounds_and_no_load_changes_them(monk
         names = b"".join(_global(f"fuzz{n}", f"C{i}") + b"0" for i in range(per_load))  # (POP each)
         unpickle.safe_load(names + b"N.")
     assert len(unpickle._SHARED) == unpickle.MAX_SHARED
+
+
+_HEADER = st.sampled_from(["[abc] ", "[" + "h" * 130 + "] ", "[" + "h" * 131 + "] ", "[x]", "", "[] "])
+_NAME = st.sampled_from(["torch_version", "torch_versions", "xtorch_version", "gm", "torch_version "])
+_LINE = st.builds(
+    lambda h, n, colon, v: h + n + colon + v,
+    _HEADER,
+    _NAME,
+    st.sampled_from([":", ": ", "", " :"]),
+    st.sampled_from(["", "2.11", "] torch_version: 9", "x" * 300, "\udc80", "a\0b"]),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(lines=st.lists(st.one_of(_LINE, st.integers(), st.none()), max_size=12))
+def test_one_component_is_read_as_every_component_reads_it(lines):
+    """`component_named` (an AOT entry's torch version, read from its one line) gives what
+    `components_of` gives for that name, whatever the lines hold: the last line of the name wins,
+    a name met only inside a value or as another name's prefix is no match."""
+    from cachemgr.parse import components
+
+    for name in ("torch_version", "gm"):
+        every = next((c for c in components.components_of(lines) if c.name == name), None)
+        assert components.component_named(lines, name) == every

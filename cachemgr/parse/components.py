@@ -84,6 +84,22 @@ def components_of(debug_lines: Any) -> list[Component]:
     return list(out.values())
 
 
+def component_named(debug_lines: Any, name: str) -> Component | None:
+    """The component `components_of` would give for `name` (the last line of that name), read
+    from that line alone: an AOT entry wants one of its graphs' hundreds (the torch version)."""
+    if not isinstance(debug_lines, (list, tuple)):
+        return None
+    mark = "] " + name + ":"
+    found = None
+    for line in debug_lines[:MAX_LINES]:
+        # (a header's hash ends within 132 characters: `_component`)
+        if isinstance(line, str) and line.find(mark, 1, 132 + len(mark)) >= 0:
+            c = _component(line)
+            if c is not None and c.name == name:
+                found = c
+    return found
+
+
 # The options part (hundreds of inductor_config values) is the same in most entries of a cache:
 # its digest is computed once per distinct set of components.
 _DIGESTS: dict[tuple[Component, ...], str] = {}

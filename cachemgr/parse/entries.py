@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachemgr import signatures
-from cachemgr.parse.components import Component, components_of, options_hash, short_hash
+from cachemgr.parse.components import Component, component_named, components_of, options_hash, short_hash
 from cachemgr.parse.unpickle import Stub, class_name, items, safe_load, seconds, state_of, text
 from cachemgr.vocab import Kind
 
@@ -214,7 +214,7 @@ def parse_aotautograd(data: bytes) -> Parsed:
         if info:
             key = text(info[0], 64)
             if p.torch_version_hash is None and len(info) > 1:
-                tv = next((c for c in components_of(info[1]) if c.name == "torch_version"), None)
+                tv = component_named(info[1], "torch_version")
                 p.torch_version_hash = tv.hash[:64] if tv else None
         else:
             key = text(graph.get("fx_graph_cache_key"), 64)  # 2.5-2.6
