@@ -450,6 +450,22 @@ def test_the_reader_keeps_constructor_args_of_every_construction():
         assert got.args == args
 
 
+def test_the_options_hash_is_the_one_indexes_hold(gpu_cache_master):
+    """An entry's options hash, now taken from its options part's digest, is the sha256 over its
+    options components' sorted `name=hash` pairs that indexes written before hold (and compare)."""
+    import hashlib
+
+    from cachemgr.parse import parse_fxgraph
+    from cachemgr.vocab import Part
+
+    entries = [p for p in (gpu_cache_master / "fxgraph").rglob("*") if p.is_file()]
+    assert entries
+    for path in entries:
+        p = parse_fxgraph(path.read_bytes())
+        pairs = sorted(c.name + "=" + c.hash for c in p.components if c.part == Part.OPTIONS)
+        assert pairs and p.options_hash == hashlib.sha256("\n".join(pairs).encode()).hexdigest()[:16]
+
+
 def test_symbols_are_numbered_per_entry_however_often_an_input_was_read():
     """An input's text is read once per distinct value (then kept); its symbols are still numbered
     in each entry's own order (s77 is s0 in one entry and s1 in the next)."""

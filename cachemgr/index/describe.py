@@ -154,7 +154,7 @@ class Describer:
                 corrupt=p.corrupt,
                 unrecorded=", ".join(p.missing) or None,
             )
-            for part, (digest, items) in parse.part_digests(p.components).items():
+            for part, (digest, items) in p.parts.items():
                 parts[part] = (digest, None if digest in self.sent else items)
                 self.sent.add(digest)
         return Described(row, refs, parts)

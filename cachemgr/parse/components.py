@@ -124,10 +124,11 @@ def part_digests(components: list[Component]) -> dict[str, tuple[str, list[Compo
     return {part: (part[0] + _sha256_of(tuple(items))[:31], items) for part, items in by_part.items()}
 
 
-def options_hash(components: list[Component]) -> str | None:
-    """Hash over the compile options: every fx_kwargs[...] and inductor_config[...] component."""
-    options = tuple(c for c in components if c.part == Part.OPTIONS)
-    return _sha256_of(options)[:16] if options else None
+def options_hash(parts: dict[str, tuple[str, list[Component]]]) -> str | None:
+    """Hash over the compile options (every fx_kwargs[...] and inductor_config[...] component),
+    from `part_digests`: the first 16 hex digits of the sha256 its options digest is made of."""
+    options = parts.get(Part.OPTIONS)
+    return options[0][1:17] if options else None
 
 
 def short_hash(text: str) -> str:

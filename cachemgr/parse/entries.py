@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachemgr import signatures
-from cachemgr.parse.components import Component, component_named, components_of, options_hash, short_hash
+from cachemgr.parse.components import (
+    Component,
+    component_named,
+    components_of,
+    options_hash,
+    part_digests,
+    short_hash,
+)
 from cachemgr.parse.unpickle import Stub, class_name, items, safe_load, seconds, state_of, text
 from cachemgr.vocab import Kind
 
@@ -51,6 +58,7 @@ class Parsed:
     torch_version_hash: str | None = None
     system_hash: str | None = None
     components: list[Component] = field(default_factory=list)
+    parts: dict[str, tuple[str, list[Component]]] = field(default_factory=dict)  # part_digests(components)
     # references to other entries: (kind, ref) pairs
     refs: list[tuple[str, str]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # what this entry's format does not record
@@ -157,7 +165,8 @@ def _fx_fields(p: Parsed, obj: Any, st: dict[str, Any], graph_key: str | None) -
             p.system_hash = c.value.strip()[:64] or c.hash[:64]
     p.signature = signatures.entry_signature(inputs)
     p.signature_hash = short_hash(p.signature) if p.signature else None
-    p.options_hash = options_hash(p.components)
+    p.parts = part_digests(p.components)
+    p.options_hash = options_hash(p.parts)
     runnable = st.get("runnable_graph_str")
     m = _TORCH_VERSION.search(runnable, 0, 4096) if isinstance(runnable, str) else None
     p.torch_version = text(m.group(1), 64) if m else None
