@@ -448,6 +448,10 @@ def test_the_reader_keeps_constructor_args_of_every_construction():
         got = safe_load(data)
         assert isinstance(got, Stub) and type(got).pickled_name == type(obj).__name__
         assert got.args == args
+    # keyword args are dropped whatever they are (keys no call takes: `{1: 2}`, `{"cls": 1}`)
+    for kwargs in (b"}K\x01K\x02s", b"}\x8c\x03clsK\x01s"):
+        got = safe_load(b"\x80\x04cm\nX\n)" + kwargs + b"\x92.")
+        assert isinstance(got, Stub) and got.args == () and got.state is None
 
 
 def test_the_options_hash_is_the_one_indexes_hold(gpu_cache_master):

@@ -233,10 +233,34 @@ def test_stand_in_classes_are_shared_within_bounds_and_no_load_changes_them(monk
     assert type(a) is not type(b) and (long, "X") not in unpickle._SHARED
 
     per_load = unpickle.MAX_CLASSES - 1
-    for n in range(2 * unpickle.MAX_SHARED // per_load + 1):
+    for n in range(2 * unpickle.MAX_SHARED // per_load + 1):  # entries naming made-up classes by the thousand
         names = b"".join(_global(f"fuzz{n}", f"C{i}") + b"0" for i in range(per_load))  # (POP each)
         unpickle.safe_load(names + b"N.")
-    assert len(unpickle._SHARED) == unpickle.MAX_SHARED
+        assert len(unpickle._SHARED) <= unpickle.MAX_SHARED
+    real = _global("torch.utils._ordered_set", "OrderedSet") + b")\x81."
+    assert type(unpickle.safe_load(real)) is type(unpickle.safe_load(real))  # (a real class is still shared)
+
+    deep = cfg * 100_000 + cfg + b")\x81" + b"\x85R" * 100_000 + b"."  # each made of the one below
+    obj = unpickle.safe_load(deep)
+    assert str(obj) == repr(obj) == "<stand-in torch._inductor.output_code.CompiledFxGraph>"  # (not its args)
+
+
+def test_a_tree_that_holds_itself_is_searched_in_bounded_memory():
+    """An entry whose tree names one list a thousand times inside itself is searched for its
+    graphs in bounded memory (each object once): the queue held a thousand copies of the list at
+    each of 200,000 visits, 1.6 GB, and the reader raised MemoryError in its worker."""
+    import tracemalloc
+
+    from cachemgr.parse import parse_aotautograd
+
+    blob = b"\x80\x02}X\x0b\x00\x00\x00compiled_fw]q\x00(" + b"h\x00" * 100 + b"es."  # (100: 160 MB before)
+    tracemalloc.start()
+    try:
+        p = parse_aotautograd(blob)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert p.refs == [] and peak < 16 << 20, peak
 
 
 _HEADER = st.sampled_from(["[abc] ", "[" + "h" * 130 + "] ", "[" + "h" * 131 + "] ", "[x]", "", "[] "])

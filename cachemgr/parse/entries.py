@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -320,23 +320,29 @@ def _backend_seconds(backends: Any) -> float | None:
 
 
 def _instances(root: Any, name: str, budget: int = 200_000) -> list[Any]:
-    """Stand-in objects of class `name` anywhere below `root` (breadth first, at most `budget`
-    nodes visited: a hostile tree costs bounded time)."""
+    """Stand-in objects of class `name` anywhere below `root`: each object looked at once, and
+    at most `budget` of them (a hostile tree costs bounded time and memory: a list that held
+    itself a thousand times queued a thousand copies of itself at each visit, 1.6 GB)."""
     out: list[Any] = []
-    queue, seen = [root], 0
-    while queue and seen < budget:
+    queue, seen = [root], {id(root)}
+    while queue:
         node = queue.pop()
-        seen += 1
+        kids: Iterable[Any] = ()
         if isinstance(node, Stub):
             if node.pickled_name == name:
                 out.append(node)
                 continue
-            queue.extend(node.args)
-            node = node.state
-        if isinstance(node, dict):
-            queue.extend(node.values())
+            kids = itertools.chain(node.args, (node.state,))
+        elif isinstance(node, dict):
+            kids = node.values()
         elif isinstance(node, (list, tuple)):
-            queue.extend(node)
+            kids = node
+        for kid in kids:
+            if id(kid) not in seen:
+                if len(seen) >= budget:
+                    return out
+                seen.add(id(kid))
+                queue.append(kid)
     return out
 
 

@@ -43,6 +43,11 @@ class Stub(BaseException):  # noqa: N818 - never raised: BaseException for its C
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
+    def __repr__(self) -> str:  # (BaseException's would print the args, recursively and whole)
+        return f"<stand-in {self.pickled_module[:100]}.{self.pickled_name[:100]}>"
+
+    __str__ = __repr__
+
     # pickle's BUILD and APPENDS may also call these on odd objects: accept quietly.
     def __setitem__(self, key: Any, value: Any) -> None:
         pass
@@ -57,7 +62,7 @@ class Stub(BaseException):  # noqa: N818 - never raised: BaseException for its C
 # Stand-ins are shared by every load of a process: making a class costs more than the rest of
 # unpickling a graph entry (33 classes: 300 of 600 us). Inert and never changed by a load (BUILD on
 # a class calls the unbound __setstate__, a TypeError), so a hostile entry cannot reach another's.
-# Bounded: names of real classes only (short), and at most MAX_SHARED of them.
+# Bounded: short names only, and at most MAX_SHARED of them (then the set starts again).
 _SHARED: dict[tuple[str, str], type[Stub]] = {}
 MAX_SHARED = 4096
 MAX_SHARED_NAME = 256
@@ -65,7 +70,9 @@ MAX_SHARED_NAME = 256
 
 def _stand_in(module: str, name: str) -> type[Stub]:
     cls = type(str(name)[:200], (Stub,), {"pickled_module": module, "pickled_name": name})
-    if len(_SHARED) < MAX_SHARED and len(module) + len(name) <= MAX_SHARED_NAME:
+    if len(module) + len(name) <= MAX_SHARED_NAME:
+        if len(_SHARED) >= MAX_SHARED:  # (entries that name thousands of made-up classes: the next real one is kept)
+            _SHARED.clear()
         _SHARED[(module, name)] = cls
     return cast(type[Stub], cls)
 
