@@ -1051,3 +1051,25 @@ def test_a_folder_swapped_with_a_symlink_and_back_is_indexed_again_by_the_daemon
     shutil.move(gpu_cache / "triton" / "0.away", gpu_cache / "triton" / "0")
     live.apply_batch(db, cid, str(gpu_cache), paths=["triton/0"], dirs=["triton/0"])
     assert kernels and {e.key for e in store.entries()} >= kernels
+
+
+def test_a_batch_of_graphs_whose_worker_is_killed_blames_only_the_entry_that_took_too_long(
+    gpu_cache, db_url, monkeypatch
+):
+    """Graph pickles go to the workers several to a job. A job that runs out of time (its worker
+    killed) is read again an entry a job: only the slow entry is corrupt, the others in its batch
+    are read as ever."""
+    from cachemgr.index import pending, workers
+    from cachemgr.index.db import Database
+    from cachemgr.index.scan import reconcile
+
+    slow = gpu_cache / "fxgraph" / "zz" / ("f" + "z" * 51)
+    slow.mkdir(parents=True)
+    (slow / ("s" * 51)).write_bytes(b"\x80\x02](" + b"K\x01" * 15_000_000 + b"e.")  # a list of 15M ones: seconds
+    monkeypatch.setattr(pending, "PICKLE_BATCH", 1000)  # every graph of the cache in the slow one's job
+    monkeypatch.setattr(workers, "PARSE_SECONDS", 1.0)
+    db = Database(db_url)
+    result = reconcile(db, db.cache_id("testhost", str(gpu_cache)), str(gpu_cache))
+    corrupt = dict(result.corrupt)
+    assert list(corrupt) == ["fxgraph/zz/f" + "z" * 51 + "/" + "s" * 51], corrupt
+    assert "took longer than 1 s" in next(iter(corrupt.values()))

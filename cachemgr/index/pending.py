@@ -32,6 +32,11 @@ from cachemgr.vocab import Event as Ev
 PARSE_CHUNK = 500  # pending entries read per phase-two transaction
 AHEAD = 2  # chunks handed to the workers beyond the one being written
 LIGHT_BATCH = 64  # entries that are not pickles (autotune results, C++ sources) per worker job
+# Graph pickles per worker job: each job's round trip costs the parsing process a select, a read
+# and an unpickle on the thread that trades with the workers, time its writes wait for (on 16
+# cores phase two waited on that process, not on its workers). A batch that fails (its worker
+# killed, out of time) is read again an entry a job, so only the entry to blame is marked.
+PICKLE_BATCH = 4
 
 Progress = Callable[[int, int], None]  # (done, total) while parsing entries
 
@@ -225,16 +230,20 @@ class _Reader:
         self._send(chunk, reads, light)
         return chunk
 
-    def _send(self, chunk: _Chunk, reads: list[Pending], light: list[Pending]) -> None:
+    def _send(self, chunk: _Chunk, reads: list[Pending], light: list[Pending], alone: bool = False) -> None:
+        """Jobs for the entries: pickles PICKLE_BATCH to a job, the light ones LIGHT_BATCH; with
+        `alone`, each entry a job of its own (so a failure is only its own)."""
         jobs = []
-        for r in reads:
-            jobs.append(Job(next(self.ids), chunk.run, self.root, r.kind, r.key, r.ref, (), self.root_id))
-            chunk.jobs[jobs[-1].id] = [r.id]
-        for i in range(0, len(light), LIGHT_BATCH):
-            part = light[i : i + LIGHT_BATCH]
-            items = tuple((r.kind, r.key, r.ref) for r in part)
-            jobs.append(Job(next(self.ids), chunk.run, self.root, BATCH, "", None, items, self.root_id))
-            chunk.jobs[jobs[-1].id] = [r.id for r in part]
+        for rows, per in ((reads, 1 if alone else PICKLE_BATCH), (light, 1 if alone else LIGHT_BATCH)):
+            for i in range(0, len(rows), per):
+                part = rows[i : i + per]
+                if len(part) == 1:
+                    r = part[0]
+                    jobs.append(Job(next(self.ids), chunk.run, self.root, r.kind, r.key, r.ref, (), self.root_id))
+                else:
+                    items = tuple((r.kind, r.key, r.ref) for r in part)
+                    jobs.append(Job(next(self.ids), chunk.run, self.root, BATCH, "", None, items, self.root_id))
+                chunk.jobs[jobs[-1].id] = [r.id for r in part]
         self.stream.submit(jobs)
 
     def finish(self, sql: Sql, chunk: _Chunk) -> set[int]:
@@ -260,6 +269,7 @@ class _Reader:
 
     def _collect(self, chunk: _Chunk) -> None:
         waiting = [j for j in chunk.jobs if chunk.jobs[j][0] not in chunk.described]
+        again: list[int] = []
         for j in waiting:
             while j not in self.got:
                 job, result = self.stream.get()
@@ -268,8 +278,17 @@ class _Reader:
             rids = chunk.jobs[j]
             if isinstance(result, list) and len(result) == len(rids):
                 chunk.described.update(zip(rids, result, strict=True))
-            elif isinstance(result, Described):  # one entry, or a failed BATCH: each of its entries
-                chunk.described.update((rid, result) for rid in rids)
+            elif len(rids) > 1:  # a batch whose worker died or ran out of time: each of its entries alone
+                again.extend(chunk.jobs.pop(j))
+            elif isinstance(result, Described):
+                chunk.described[rids[0]] = result
+        if again:
+            by_id = {r.id: r for r in chunk.rows}
+            rows = [by_id[rid] for rid in again]
+            self._send(
+                chunk, [r for r in rows if r.kind in PICKLED], [r for r in rows if r.kind not in PICKLED], alone=True
+            )
+            self._collect(chunk)
 
 
 def _finish(
