@@ -182,8 +182,8 @@ class _Chunk:
 
 
 class _Reader:
-    """Hands the pending entries of each chunk to the parse workers (one job per pickle, small
-    entries in batches) through a Stream, and gathers their results."""
+    """Hands the pending entries of each chunk to the parse workers (graph pickles PICKLE_BATCH
+    to a job, small entries LIGHT_BATCH) through a Stream, and gathers their results."""
 
     def __init__(self, pool: Pool, root: str) -> None:
         self.root = root

@@ -10,10 +10,11 @@ caller's `__main__`), which:
   allocation bomb is a MemoryError in the worker, reported as a corrupt entry;
 - is killed by the parent when one entry takes longer than PARSE_SECONDS, and replaced;
 - dies with its parent (PR_SET_PDEATHSIG), and keeps the garbage collector off while parsing.
-A worker that dies (killed, out of memory) costs the entry it held a `corrupt` reason, nothing more.
+A worker that dies (killed, out of memory) costs the entry it held a `corrupt` reason, nothing more
+(a batch it held is read again an entry a job by the caller: cachemgr.index.pending).
 
-Besides one entry to describe, a job can be a batch of small entries that are not pickles
-(autotune results, C++ sources: read and hashed, never unpickled), a list of directories to
+Besides one entry to describe, a job can be a batch of entries (graph pickles a few at a time;
+autotune results and C++ sources, read and hashed, by the dozen), a list of directories to
 walk (scan phase one: `layout.walk_units`), or bytes read from no file (a Redis value) handed to
 a function under the same bounds (BYTES: see `run_bytes`). `Stream` keeps the workers busy from
 a background thread while the caller writes earlier results to the index.
@@ -47,7 +48,7 @@ HEADER = struct.Struct("<Q")
 
 WALK = "walk"  # Job.kind: walk the directories in `items`
 WALK_READ = "walk-read"  # Job.kind: WALK, and read the plain-data entries found (describe.READ_WITH_WALK)
-BATCH = "batch"  # Job.kind: describe the (kind, key, ref) entries in `items`, none of them a pickle
+BATCH = "batch"  # Job.kind: describe the (kind, key, ref) entries in `items`
 BYTES = "bytes"  # Job.kind: call `key` ("module:function") with `items` (bytes read from no file first)
 
 
