@@ -9,6 +9,7 @@ run it meets its digest, since hundreds of graphs share one options part.
 
 from __future__ import annotations
 
+import gc
 import os
 import stat
 import threading
@@ -62,10 +63,12 @@ class Describer:
             finally:
                 root.forget()
         if job.kind == BATCH:
-            return [
-                self.describe_job(Job(job.id, job.run, job.root, kind, key, ref, (), job.root_id))
-                for kind, key, ref in job.items
-            ]
+            out = []
+            for kind, key, ref in job.items:
+                out.append(self.describe_job(Job(job.id, job.run, job.root, kind, key, ref, (), job.root_id)))
+                if kind in PICKLED:  # (the worker's collector is off: a graph's cycles never weigh on the next's bound)
+                    gc.collect(0)
+            return out
         return self.describe_job(job)
 
     def _open(self, job: Job) -> safefs.Root | str:
