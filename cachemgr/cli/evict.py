@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import click
 
@@ -395,10 +396,13 @@ class _Reach:
     def _kept(self, i: int, head: int, why: str) -> EntryFate:
         """Entry i, kept with the group of `head` for `why`: `by` is that head, or for a pin the
         pinned entry that holds the group."""
-        by = head
-        if why == Held.PINNED:
-            by = _pin_holding(self.g, head, _pin_holders(self.g))  # (show: one entry, once)
+        by = _pin_holding(self.g, head, self.pin_holders) if why == Held.PINNED else head
         return EntryFate(Fate.KEPT, why, None if by == i else self.keys[by])
+
+    @cached_property
+    def pin_holders(self) -> dict[int, int]:
+        """_pin_holders, walked once however many entries `show` asks about (a graph's several)."""
+        return _pin_holders(self.g)
 
     def _needing(self, i: int) -> list[int]:
         """Every entry that needs entry `i`, directly or through others: the nearest first."""
