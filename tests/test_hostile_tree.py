@@ -779,3 +779,17 @@ def test_a_unit_refused_part_way_puts_back_what_it_moved_even_into_a_folder_move
             os.close(trash)
     assert (root / "da.moved" / "a").read_text() == "a" and (root / "db" / "b").read_text() == "b"
     assert os.listdir(root / ".cachemgr-trash") == [] and os.listdir(elsewhere) == []
+
+
+@pytest.mark.parametrize(
+    "rel", ["", "/etc", "a//b", "a/", "./a", "a/.", "a/../b", "..", "a/b\0c", "/".join(["d"] * 33)]
+)
+def test_only_a_plain_relative_path_is_reached_below_the_root(tmp_path, rel):
+    """Every path below a root goes through safefs.split: an empty, absolute, dotted or NUL-holding
+    part, or a path deeper than Inductor's, is refused before any directory is opened."""
+    from cachemgr import safefs
+
+    with safefs.Root(str(tmp_path)) as r, pytest.raises(safefs.Refused, match="not a plain relative path"):
+        r.lstat(rel)
+    assert safefs.split("/".join(["d"] * 32)) == ("/".join(["d"] * 31), "d")
+    assert safefs.split("ab/c.d..e") == ("ab", "c.d..e")
