@@ -1152,6 +1152,42 @@ def test_text_of_a_hand_edited_sqlite_index_that_is_no_utf8_is_one_line_exit_5(f
         one_error_line(cli.proc(*args), 5, "index database", "UTF-8")
 
 
+def test_bytes_where_a_sqlite_index_holds_text_fail_no_command(fixture_cache, cli_for, db_url):
+    """SQLite keeps a BLOB in any column (an edit, another tool): a ref or graph key of bytes is
+    read as text with its odd bytes escaped (`ls`, `show` and `check` sorted bytes against text:
+    exit 70; eviction made a lock name of them: exit 70). An entry whose row names another
+    directory (a BLOB, or any wrong text) is found by its key and filed where it lives: taken for
+    new, its key failed every full rescan, and so every `evict` and `purge`, on the unique key."""
+    import sqlite3
+
+    root = fixture_cache()
+    cli = cli_for(root)
+    cli("scan")
+    path = db_url.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as conn:
+        (key,) = conn.execute("SELECT key FROM entries WHERE kind = 'fxgraph' LIMIT 1").fetchone()
+        homes = dict(conn.execute("SELECT id, dir FROM entries"))
+        for column in ("ref", "graph_key"):
+            conn.execute(
+                f"UPDATE entries SET {column} = CAST(X'00ff41' || id AS BLOB) WHERE id IN "
+                f"(SELECT id FROM entries WHERE {column} IS NOT NULL ORDER BY id LIMIT 3)"
+            )
+        conn.execute("UPDATE entries SET dir = CAST(X'00ff' || id AS BLOB) WHERE id % 5 = 0")
+        conn.execute("UPDATE entries SET dir = 'elsewhere' WHERE id % 5 = 1")
+        (blobs,) = conn.execute("SELECT COUNT(*) FROM entries WHERE typeof(ref) = 'blob'").fetchone()
+    assert blobs == 3
+    for args in (("ls",), ("ls", "--json"), ("show", key), ("check",), ("explain",)):
+        cli(*args)
+    refs = [e["ref"] for e in cli.json("ls")]
+    assert sum(ref.startswith("\0\\xffA") for ref in refs if ref) == 3  # (the bytes as read, 0xff escaped)
+    cli("evict", "--dry-run", "--max-size", "0")  # (a full rescan first)
+    cli("purge", "--dry-run", "--kind", "code")
+    with sqlite3.connect(path) as conn:
+        assert dict(conn.execute("SELECT id, dir FROM entries")) == homes  # filed where they live
+    cli("evict", "--max-size", "0", "--grace", "0")
+    assert cli.json("scan", "--full")["added"] == 0
+
+
 def test_nan_and_infinity_in_a_postgresql_index_fail_no_command(fixture_cache, pg_url):  # noqa: F811 - the fixture
     """A shared index's float columns can hold NaN and Infinity (another host's bug, an edit):
     read as unknown times, never a failed command; eviction takes no entry for a time it cannot

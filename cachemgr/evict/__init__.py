@@ -126,7 +126,7 @@ def _table(batches: Iterable[list[tuple]], pins: dict, full: bool) -> Table:
     ref_of = layout.ref_of
     for rows in batches:
         at = len(t.id)
-        columns = list(zip(*rows, strict=True))  # in Store.POLICY_COLUMNS order
+        columns = [_texts(c) for c in zip(*rows, strict=True)]  # in Store.POLICY_COLUMNS order
         ids, keys, kinds, refs, aliases, nbytes, files, mtimes, accessed, seconds = columns[:10]
         graph_keys, tvs, shs, corrupt, hits, tvhs, states = columns[10:]
         kinds = tuple(one(k, k) for k in kinds)
@@ -157,6 +157,16 @@ def _table(batches: Iterable[list[tuple]], pins: dict, full: bool) -> Table:
                 for tv, sh, tvh in zip(tvs, shs, tvhs, strict=True)
             )
     return t
+
+
+def _texts(values: Sequence) -> Sequence:
+    """A column's values, any BLOB among them (a hand-edited SQLite index) read as text, as
+    `store.text` reads it: a key or ref of bytes is that entry's oddity, not a failed eviction."""
+    if bytes not in map(type, values):
+        return values
+    from cachemgr.index.store import text
+
+    return tuple(text(v) for v in values)
 
 
 def _numbers(column: array, values: Sequence, missing: float = 0.0) -> None:

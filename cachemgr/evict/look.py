@@ -78,7 +78,10 @@ class _Files:
 
 def lock_is_held(root: safefs.Root, key: str) -> bool:
     """Is a filelock (flock-based, as Inductor's torch.utils._filelock) held on `key` now?"""
-    parent, name = safefs.split(layout.fs_path(key))
+    try:
+        parent, name = safefs.split(layout.fs_path(key))
+    except safefs.Refused:  # a ref of an edited index no file can be named after (a NUL, a '..'):
+        return False  # no lock is held on it (it stopped the whole eviction, as an unsafe path)
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root.dir_fd(parent))
     except FileNotFoundError:

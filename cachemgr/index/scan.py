@@ -353,6 +353,7 @@ def _sync_dirs(
     `disk`: the entries of the listings, by key. `empty`: the cache had no rows when the scan
     began (a first scan reads none back)."""
     known: dict[str, Row] = {}
+    misfiled: dict[str, Row] = {}
     if not empty:  # read outside the write: a SQLite reader cannot take the write lock after another commit
         with db.engine.connect() as conn:
             for chunk in chunks([listing.dir for listing in batch]):
@@ -362,8 +363,21 @@ def _sync_dirs(
                         select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, one_of(conn, ENTRIES.c.dir, chunk))
                     )
                 )
+            # An entry of these directories whose row names another one (an edited index; a BLOB
+            # there): found by its key, compared as any other, and filed where it lives. (Taken
+            # for new, its row's key made every rescan fail on the unique key.)
+            for chunk in chunks([k for k in disk if k not in known]):
+                misfiled.update(
+                    (r.key, r)
+                    for r in conn.execute(
+                        select(*KNOWN_COLUMNS).where(ENTRIES.c.cache_id == cache_id, one_of(conn, ENTRIES.c.key, chunk))
+                    )
+                )
+            known.update(misfiled)
     with db.engine.begin() as conn:
         diff = sync(conn, cache_id, disk, known, now)
+        refile = [{"id": r.id, "dir": layout.home_dir(k, disk[k].kind)} for k, r in misfiled.items()]
+        update_rows(conn, ENTRIES, ("id",), refile)
         _write_dirs(conn, cache_id, stored, seen, [])
         return diff
 

@@ -203,9 +203,9 @@ def iso_time(ts: float | None) -> str | None:
 
 
 # The index is read as it is: a hand-edited SQLite index may hold text where a number belongs
-# (SQLite keeps any value in any column), and a PostgreSQL one NaN or Infinity in a float column.
-# An entry's numbers are read through these, so one odd value is that entry's oddity, not a
-# failed command.
+# and bytes where text does (SQLite keeps any value in any column), and a PostgreSQL one NaN or
+# Infinity in a float column. An entry's values are read through these, so one odd value is that
+# entry's oddity, not a failed command.
 
 
 INT64 = 1 << 63
@@ -219,6 +219,12 @@ def whole(v: Any) -> int:
         except (TypeError, ValueError, OverflowError):
             return 0
     return v if -INT64 <= v < INT64 else 0
+
+
+def text(v: Any) -> Any:
+    """Text as stored: a BLOB where text belongs (SQLite keeps one in any column) read as UTF-8,
+    its odd bytes escaped; anything else as it is."""
+    return v.decode("utf-8", "backslashreplace") if isinstance(v, bytes) else v
 
 
 def moment(v: Any, missing: float = 0.0) -> float:
@@ -356,8 +362,14 @@ COALESCE(e.torch_version, (SELECT f.name FROM fingerprints f WHERE f.kind = 'tor
 e.torch_version_hash, e.system_hash, e.corrupt, COALESCE(e.parse_state, 0), e.unrecorded, e.content"""
 
 
+_TEXT = frozenset(i for i, f in enumerate(fields(Entry)[:25]) if f.type in ("str", "str | None"))  # text columns
+
+
 def _entry(row: Sequence[Any], pins: Mapping[str, str | None] | None = None) -> Entry:
-    e = Entry(*row[:25])
+    row = row[:25]
+    if bytes in map(type, row):  # (a test in C: `ls` makes one per entry)
+        row = [text(v) if i in _TEXT else v for i, v in enumerate(row)]
+    e = Entry(*row)
     seconds = None if e.compile_seconds is None else moment(e.compile_seconds, -1.0)
     e = replace(
         e,
@@ -776,11 +788,9 @@ class Store:
         entries = list(entries)
         if not entries:
             return {}
-        names = sorted(
-            {n for (n,) in self._rows("SELECT DISTINCT COALESCE(ref, key) FROM entries WHERE cache_id = :cache")}
-        )
+        names = self._names()
         shared = {
-            ref
+            text(ref)
             for (ref,) in self._rows(
                 "SELECT ref FROM entries WHERE cache_id = :cache AND ref IS NOT NULL GROUP BY ref HAVING COUNT(*) > 1"
             )
@@ -788,7 +798,7 @@ class Store:
         wanted = sorted({e.ref for e in entries if e.ref and e.ref in shared})
         siblings: dict[str, list[str]] = {}
         for ref, key in self._chunked("SELECT ref, key FROM entries WHERE cache_id = :cache AND {in}", "ref", wanted):
-            siblings.setdefault(ref, []).append(key)
+            siblings.setdefault(text(ref), []).append(text(key))
         out = {}
         for e in entries:
             if not e.ref:
@@ -803,10 +813,14 @@ class Store:
 
     def short_graph_keys(self, graph_keys: Iterable[str]) -> dict[str, str]:
         """graph key (or any ref) -> its short form."""
-        names = sorted(
-            {n for (n,) in self._rows("SELECT DISTINCT COALESCE(ref, key) FROM entries WHERE cache_id = :cache")}
+        names = self._names()
+        return {g: unique_prefix(text(g), names) for g in graph_keys}
+
+    def _names(self) -> list[str]:
+        """Every ref (an entry without one: its key) of the cache, sorted: what short keys tell apart."""
+        return sorted(
+            {text(n) for (n,) in self._rows("SELECT DISTINCT COALESCE(ref, key) FROM entries WHERE cache_id = :cache")}
         )
-        return {g: unique_prefix(g, names) for g in graph_keys}
 
     # -- pins ---------------------------------------------------------------------------------------
 
