@@ -173,6 +173,9 @@ def is_kernel_dir(key: str) -> bool:
     return len(parts) == 3 and parts[0] == "triton" and not any(is_transient(p) for p in parts)
 
 
+MAX_PATHS = 1000  # file keys a DiskEntry keeps (its sums count every file)
+
+
 @dataclass(slots=True)
 class DiskEntry:
     """One entry as found on disk: its files and their summed sizes."""
@@ -184,7 +187,7 @@ class DiskEntry:
     files: int = 0
     mtime: float = 0.0
     atime: float = 0.0
-    paths: list[str] = field(default_factory=list)  # keys of its regular files (if kept)
+    paths: list[str] = field(default_factory=list)  # keys of its regular files (if kept: MAX_PATHS at most)
     has_source: bool = False  # a code entry with a C++ kernel source: reading it names the kernel (alias)
 
     def __reduce__(self) -> tuple:
@@ -199,13 +202,16 @@ class DiskEntry:
         return self.kind in READ_KINDS or self.has_source
 
     def add(self, key: str, st: os.stat_result, keep_path: bool = True) -> None:
+        """Count one of its files (`key`, its lstat); keep its key too, up to MAX_PATHS of them."""
         self.bytes += st.st_size
         self.files += 1
         if st.st_mtime > self.mtime:
             self.mtime = st.st_mtime
         if st.st_atime > self.atime:
             self.atime = st.st_atime
-        if keep_path:
+        if self.kind == Kind.CODE and key.endswith(".cpp"):
+            self.has_source = True
+        if keep_path and len(self.paths) < MAX_PATHS:
             self.paths.append(key)
 
 
@@ -462,8 +468,6 @@ class _Walker:
             e = entries.get(c.key)
             if e is None:
                 e = entries[c.key] = DiskEntry(c.kind, c.key, c.ref)
-            if c.kind == Kind.CODE and name.endswith(".cpp"):
-                e.has_source = True
             e.add(prefix + name, st, keep)
         subdirs.sort()
         return subdirs
@@ -481,40 +485,31 @@ class _Walker:
 # -- one entry's files ------------------------------------------------------------------------------
 
 
-def entry_files(root: safefs.Root, key: str, kind: str) -> list[tuple[str, os.stat_result]]:
-    """The regular files of one entry as they are on disk now: (key, lstat) pairs. A kernel
-    directory's files are listed through its own descriptor; a code entry's are the names in its
-    folder that share its stem."""
-    out: list[tuple[str, os.stat_result]] = []
+def stat_entry(root: safefs.Root, c: Classified) -> DiskEntry | None:
+    """One entry as it is on disk now, read as a walk reads it (for the watcher and `show`); None
+    if gone. Its files are summed as they are seen and at most MAX_PATHS of their keys kept (a
+    hostile kernel folder may hold millions). A kernel directory is walked through its own
+    descriptor; a code entry's files are the names in its folder that share its stem."""
+    if c.kind == Kind.TRITON:
+        e = walk_dirs(root, c.key).entries.get(c.key)
+        return e if e is not None and e.files else None
+    e = DiskEntry(c.kind, c.key, c.ref)
     try:
-        if kind == Kind.TRITON:
-            for d in walk_dirs(root, key).entries.values():
-                for p in sorted(d.paths):
-                    out.append((p, root.lstat(fs_path(p))))
-            return out
-        if kind == Kind.CODE:
-            folder, stem = key.split("/", 1)
+        if c.kind == Kind.CODE:
+            folder, stem = c.key.split("/", 1)
             names = [key_of(n) for n in root.listdir(fs_path(folder))]
             rels = sorted(f"{folder}/{n}" for n in names if n.startswith(stem + ".") and not is_transient(n))
         else:
-            rels = [key]
+            rels = [c.key]
         for rel in rels:
             try:
                 st = root.lstat(fs_path(rel))
             except FileNotFoundError:
                 continue
             if stat.S_ISREG(st.st_mode):
-                out.append((rel, st))
+                e.add(rel, st)
     except OSError:
         pass
-    return out
-
-
-def stat_entry(root: safefs.Root, c: Classified) -> DiskEntry | None:
-    """Re-read one entry from disk (for the watcher and for `show`); None if gone."""
-    e = DiskEntry(c.kind, c.key, c.ref)
-    for p, st in entry_files(root, c.key, c.kind):
-        e.add(p, st)
     return e if e.files else None
 
 

@@ -596,6 +596,61 @@ def test_a_daemon_batch_racing_a_scan_reads_again_instead_of_failing(gpu_cache, 
     assert len(paths) == 6 and raced[0].added == 262 and r.added == [] and r.removed == []
 
 
+ROW = "SELECT key, kind, ref, alias, graph_key, bytes, files, mtime, parse_state, corrupt FROM entries ORDER BY key"
+
+
+def test_the_daemons_batch_indexes_a_cache_as_a_scan_does(cpu_cache, tmp_path):
+    """Every file of a real CPU cache handed to the daemon's live batch (as the watcher hands the
+    files a compile writes) gives the index a scan gives: the same rows, read alike. A C++ build
+    indexed from the watcher's events once had no alias (its source never read), so no graph
+    named it: an orphan to the next eviction, its graph left to rebuild it."""
+    from cachemgr.index import live, reconcile
+    from cachemgr.index.db import Database
+
+    twin = tmp_path / "twin"
+    shutil.copytree(cpu_cache, twin, symlinks=True)
+    scanned, watched = Database(f"sqlite:///{tmp_path / 'scan.db'}"), Database(f"sqlite:///{tmp_path / 'live.db'}")
+    reconcile(scanned, scanned.cache_id("h", str(cpu_cache)), str(cpu_cache))
+    paths = [p.relative_to(twin).as_posix() for p in twin.rglob("*") if p.is_file() and not p.is_symlink()]
+    live.apply_batch(watched, watched.cache_id("h", str(twin)), str(twin), paths=paths)
+    by_scan, by_watch = (sqlite3.connect(tmp_path / name).execute(ROW).fetchall() for name in ("scan.db", "live.db"))
+    builds = [r for r in by_scan if r[1] == "code" and r[3]]
+    assert builds and all(r[3].startswith("src-") for r in builds)  # (C++ builds, each with its source's name)
+    assert by_watch == by_scan
+
+
+def test_a_kernel_folder_of_many_files_is_shown_and_watched_in_bounded_memory(gpu_cache, cli_for, db_url):
+    """A kernel folder of more files than `show` lists (a hostile one may hold millions): the
+    daemon's re-read and `show` count every file and keep the names of layout.MAX_PATHS of them
+    (both held every name, and `show` every file's lstat: 540 MB at 500,000 files)."""
+    from cachemgr import safefs
+    from cachemgr.index import live
+    from cachemgr.index.db import Database
+
+    cli = cli_for(gpu_cache)
+    cli("scan")
+    kernel = next(p for p in (gpu_cache / "triton" / "0").iterdir() if p.is_dir())
+    had = sum(1 for _ in kernel.iterdir())
+    extra = layout.MAX_PATHS + 500 - had
+    for i in range(extra):
+        (kernel / f"extra-{i:05d}.bin").write_bytes(b"x")
+    key = kernel.relative_to(gpu_cache).as_posix()
+    with safefs.Root(str(gpu_cache)) as r:
+        e = layout.stat_entry(r, layout.classify(f"{key}/extra-00000.bin"))
+    assert e is not None and e.files == layout.MAX_PATHS + 500 and len(e.paths) == layout.MAX_PATHS
+    db = Database(db_url)
+    changed = live.apply_batch(
+        db, db.cache_id("testhost", str(gpu_cache)), str(gpu_cache), paths=[f"{key}/extra-00000.bin"]
+    )
+    assert changed.changed == [key]
+    shown = cli.json("show", key)
+    assert shown["files"] == layout.MAX_PATHS + 500 and shown["files_not_listed"] == 500
+    listed = [f["path"] for f in shown["files_on_disk"]]
+    assert len(listed) == layout.MAX_PATHS and listed == sorted(listed) and all(p.startswith(key + "/") for p in listed)
+    assert "and 1,494 more (--wide)" in cli("show", key).stdout
+    assert "... and 500 more, not listed" in cli("show", key, "--wide").stdout
+
+
 @pytest.mark.slow  # real processes without root's capabilities
 def test_an_unreadable_directory_keeps_its_entries_and_is_reported(gpu_cache, cli_for):
     """A folder the scan cannot list (permissions) is not a folder that is gone: its entries stay

@@ -573,6 +573,8 @@ def show(app, key: str, wide: bool, as_json: bool) -> None:
 
     --json prints one object for any KEY: the entry's fields (a graph's newest entry where KEY
     names several) and `entries`, every entry KEY names (newest first), each such fields.
+    `files_on_disk` lists an entry's files as they are now, at most 1,000 of them (a kernel
+    folder may hold millions); `files_not_listed` counts the rest.
 
     \b
     Example:
@@ -599,23 +601,35 @@ def show(app, key: str, wide: bool, as_json: bool) -> None:
 
 
 def _detail(app, store, e, short: str, fate) -> dict:
-    from cachemgr import safefs
-    from cachemgr.layout import entry_files
-
     d = {**e.as_dict(), "short": short, "first_seen": e.first_seen, "loss": LOSS.get(e.kind)}
     by = store.entry_by_key(fate.by) if fate.by else None
     d["eviction"] = {**fate.as_dict(), "by_short": store.short_keys([by])[by.key] if by else fate.by}
-    try:
-        with safefs.Root(app.settings.cache_dir) as opened:
-            d["files_on_disk"] = [{"path": p, "bytes": st.st_size} for p, st in entry_files(opened, e.key, e.kind)]
-    except OSError:
-        d["files_on_disk"] = []
+    d["files_on_disk"], d["files_not_listed"] = _files_on_disk(app.settings.cache_dir, e)
     d["references"] = store.references(e)
     users = store.referenced_by(e)
     d["referenced_by"] = [u.key for u in users]
     d["referenced_by_short"] = list(store.short_keys(users).values())
     d["components"] = store.component_count(e)
     return d
+
+
+def _files_on_disk(root: str, e) -> tuple[list[dict], int]:
+    """The entry's files as they are now ({path, bytes}, by path), and how many more it has than
+    are listed (at most layout.MAX_PATHS are: a hostile kernel folder may hold millions)."""
+    from cachemgr import layout, safefs
+
+    listed = []
+    try:
+        with safefs.Root(root) as opened:
+            found = layout.stat_entry(opened, layout.Classified(e.kind, e.key, e.ref))
+            for p in sorted(found.paths) if found else ():
+                try:
+                    listed.append({"path": p, "bytes": opened.lstat(layout.fs_path(p)).st_size})
+                except OSError:
+                    continue  # gone since
+    except OSError:
+        return [], 0
+    return listed, max(0, found.files - len(listed)) if found else 0
 
 
 def _show_lines(e, d: dict, wide: bool) -> list[str]:
@@ -648,8 +662,11 @@ def _show_lines(e, d: dict, wide: bool) -> list[str]:
         ("if lost", d["loss"]),
         ("eviction", _fate_text(d["eviction"])),
     ]
+    unlisted = d["files_not_listed"]
     if wide:
         pairs += [("file", f"{name}  {human_size(n)}") for name, n in file_names]
+        if unlisted:
+            pairs.append(("file", f"... and {unlisted:,} more, not listed"))
         pairs += [
             ("needs", f"{r['kind']} {r['ref']}" + ("" if r["present"] else "  (not in the index)"))
             for r in d["references"]
@@ -657,11 +674,12 @@ def _show_lines(e, d: dict, wide: bool) -> list[str]:
         pairs += [("used by", k) for k in d["referenced_by"]]
     else:
         if len(files) > 1 or (files and file_names[0][0] != files[0]["path"]):
+            more = len(files) + unlisted - 6
             pairs.append(
                 (
                     "files",
                     ", ".join(f"{name} ({human_size(n)})" for name, n in file_names[:6])
-                    + (f" and {len(files) - 6} more (--wide)" if len(files) > 6 else ""),
+                    + (f" and {more:,} more (--wide)" if more > 0 else ""),
                 )
             )
         pairs.append(("needs", _needs_text(d["references"])))
