@@ -619,6 +619,23 @@ def test_the_daemons_batch_indexes_a_cache_as_a_scan_does(cpu_cache, tmp_path):
     assert by_watch == by_scan
 
 
+def test_cpp_builds_an_older_daemon_indexed_without_their_source_are_named_after_the_upgrade(
+    cpu_cache, cli_for, db_url
+):
+    """An index at 0006 whose C++ builds have no alias (as the daemon's batch left them before
+    it noted their sources): migration 0007 has them read again, and the next scan names them."""
+    cli, path = cli_for(cpu_cache), db_url.removeprefix("sqlite:///")
+    cli("scan")
+    aliases = "SELECT key, alias FROM entries WHERE kind = 'code' ORDER BY key"
+    named = sqlite3.connect(path).execute(aliases).fetchall()
+    assert any(alias for _, alias in named)
+    with sqlite3.connect(path) as conn:  # the rows an older daemon wrote, at the revision it wrote them
+        conn.execute("UPDATE entries SET alias = NULL WHERE kind = 'code'")
+        conn.execute("UPDATE alembic_version SET version_num = '0006'")
+    assert cli.json("scan")["parsed"] == len(named)
+    assert sqlite3.connect(path).execute(aliases).fetchall() == named
+
+
 def test_a_kernel_folder_of_many_files_is_shown_and_watched_in_bounded_memory(gpu_cache, cli_for, db_url):
     """A kernel folder of more files than `show` lists (a hostile one may hold millions): the
     daemon's re-read and `show` count every file and keep the names of layout.MAX_PATHS of them
