@@ -340,11 +340,13 @@ def test_a_first_scan_takes_odd_index_urls_and_indexes_as_they_are(gpu_cache, tm
 
 def test_walk_and_parse_in_workers_match_one_process(gpu_cache, tmp_path, monkeypatch):
     """A first scan whose walk and reads are shared with worker processes (walk units handed out
-    and taken back in order, content read once) indexes exactly what one process indexes."""
-    from cachemgr.index import fill, scan
+    and taken back in order, content read once) indexes exactly what one process indexes. The
+    workers start once, for the walk and the reads after it (each stream's own ended with it)."""
+    from cachemgr.index import fill, scan, workers
     from cachemgr.index.db import Database
     from cachemgr.index.workers import Pool
 
+    booting = workers._Worker.__init__
     monkeypatch.setattr(fill, "PARALLEL_WALK", 1)  # the fixture's 137 kernel directories: share them out
     monkeypatch.setattr(fill, "WALK_JOB", (1, 3))
 
@@ -361,8 +363,11 @@ def test_walk_and_parse_in_workers_match_one_process(gpu_cache, tmp_path, monkey
     here = index("here.db", None)  # layout.iter_dirs in this process
     with Pool(1) as one:
         units_here = index("units.db", one)  # walk units, walked here (one worker: no point sharing)
+    started = []
+    monkeypatch.setattr(workers._Worker, "__init__", lambda w: started.append(w) or booting(w))
     with Pool(3) as three:
         shared = index("shared.db", three)
+    assert len(started) == 3  # started once, as the walk found enough to share: both phases use them
     assert here["entries"] and here["refs"] and here["sets"] and here["dirs"]
     assert units_here == here
     assert shared == here

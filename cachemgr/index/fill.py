@@ -253,7 +253,12 @@ def walk(
 
     with r:
         units: list[str] = []
-        yield from here(layout.iter_dirs(r, "", None, False, state, units=units))
+        starting = pool if pool is not None and pool.size >= 2 else None
+        for listing in here(layout.iter_dirs(r, "", None, False, state, units=units)):
+            yield listing
+            if starting is not None and len(units) >= PARALLEL_WALK:  # they boot while this walk goes on
+                starting.start()
+                starting = None
         if pool is None or len(units) < PARALLEL_WALK or pool.size < 2:
             for unit in units:
                 yield from here(layout.iter_dirs(r, unit, None, False, state))

@@ -151,6 +151,12 @@ class Pool:
         while self.idle:
             self.idle.pop().close()
 
+    def start(self) -> None:
+        """Start every worker now, from this thread (they boot while it goes on, and live as
+        long as it does: the jobs of every later run and stream are theirs)."""
+        while len(self.idle) < self.size:
+            self.idle.append(_Worker())
+
     def run(self, jobs: Iterable[Job], failed: Callable[[Job, str], object]) -> _Run:
         """(job, result) for every job, in the order they finish; the first jobs are handed out
         at once, so the caller can do other work before it iterates. A job whose worker died or
