@@ -1188,6 +1188,31 @@ def test_bytes_where_a_sqlite_index_holds_text_fail_no_command(fixture_cache, cl
     assert cli.json("scan", "--full")["added"] == 0
 
 
+def test_stored_directories_that_name_no_directory_fail_no_command(fixture_cache, cli_for, db_url):
+    """A `dirs` row the walk could never have written (a NUL, raw or escaped; a '..' or '.'
+    part; an empty one): a rescan let the NUL reach the system (exit 70 on every `scan`) and
+    eviction's tidying of empty graph folders refused it as an unsafe path after deleting (exit
+    70 on every `evict`). Such a row names no directory: the next scan drops it (one with a NUL
+    too: json_each, which SQLite lists of names are read through, ends a string at a NUL), and
+    nothing fails."""
+    import sqlite3
+
+    root = fixture_cache()
+    cli = cli_for(root)
+    cli("scan")
+    odd = ["aotautograd/\0", "fxgraph/a/\0", "fxgraph/zz/x%00", "aotautograd/..", "fxgraph/./x", "fxgraph//x"]
+    path = db_url.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as conn:
+        conn.executemany("INSERT INTO dirs (cache_id, path, mtime_ns) VALUES (1, ?, 5)", [(d,) for d in odd])
+    cli("evict", "--max-size", "20MiB", "--grace", "0")
+    scan = cli.json("scan")
+    assert (scan["added"], scan["changed"], scan["unreadable"]) == (0, 0, [])
+    with sqlite3.connect(path) as conn:
+        assert not {d for (d,) in conn.execute("SELECT path FROM dirs")} & set(odd)
+    cli("evict", "--max-size", "10MiB", "--grace", "0")
+    assert cli.json("scan", "--full")["added"] == 0
+
+
 def test_nan_and_infinity_in_a_postgresql_index_fail_no_command(fixture_cache, pg_url):  # noqa: F811 - the fixture
     """A shared index's float columns can hold NaN and Infinity (another host's bug, an edit):
     read as unknown times, never a failed command; eviction takes no entry for a time it cannot

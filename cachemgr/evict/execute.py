@@ -380,8 +380,8 @@ class Executor:
         for d in dirs:
             if d in homes or d.count("/") != (2 if d.startswith("fxgraph/") else 1):
                 continue
-            parent, name = safefs.split(layout.fs_path(d))
-            try:
+            try:  # (Refused: a hand-edited row that names no directory)
+                parent, name = safefs.split(layout.fs_path(d))
                 pfd = self.root.reachable_dir_fd(parent)
                 st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode) and st.st_mtime < cutoff:

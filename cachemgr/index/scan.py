@@ -470,8 +470,9 @@ def one_of(conn, column, ids: Sequence[int] | Sequence[str]):
     """`column IN ids` for a list of integers or strings. On SQLite the list is one JSON parameter
     read by json_each, so the statement is compiled once whatever its length: an expanding IN is
     compiled anew for each list (at 1,000,000 files eviction's deletes spent 0.7 s compiling them,
-    and a first scan's phase two 0.5 s)."""
-    if conn.dialect.name != "sqlite":
+    and a first scan's phase two 0.5 s). json_each ends a string at a NUL, so a list holding one
+    (a hand-edited row's) is bound as an expanding IN."""
+    if conn.dialect.name != "sqlite" or (ids and isinstance(ids[0], str) and any("\0" in str(v) for v in ids)):
         return column.in_(ids)
     return column.in_(select(literal_column("value")).select_from(func.json_each(json.dumps(ids))))
 
