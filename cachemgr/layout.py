@@ -227,6 +227,21 @@ class DirWalk:
     listed: int  # directories read (new or changed since `known`): their entries are all in `entries`
     mtimes: dict[str, int]  # every directory seen -> st_mtime_ns (RACY where it may still change unseen)
     unreadable: list[str] = field(default_factory=list)  # directories that could not be listed
+    # A directory's mtime is recorded once everything below it is walked: a scan stopped midway
+    # (killed) must leave a folder's old mtime, or the next one would trust it and never look
+    # for the subfolders it had not reached. Those of containers whose subfolders went out as
+    # units (`iter_dirs(units=...)`) are held here until the caller has walked them (`settle`).
+    held: dict[str, int] = field(default_factory=dict)
+    # Directories a subfolder of which vanished between their listing and its walk (moved away
+    # and back leaves a folder's own mtime as it was): recorded RACY, so the next walk lists them.
+    lost: set[str] = field(default_factory=set)
+
+    def settle(self) -> None:
+        """The walk is whole: record the held mtimes, and RACY for every directory that lost one."""
+        self.mtimes.update(self.held)
+        self.held.clear()
+        self.mtimes.update(dict.fromkeys(self.lost, RACY))
+        self.lost.clear()
 
 
 @dataclass(slots=True)
@@ -323,6 +338,8 @@ def iter_dirs(
         if e.errno not in _GONE:
             state.unreadable.append(sub)
             state.mtimes[sub] = RACY
+        elif sub:  # (a unit listed a moment ago, perhaps: its folder is not to be trusted)
+            state.lost.add(sub.rpartition("/")[0])
         return
     yield from _Walker(state, children, known, keep_paths, units).visit(fd, sub, None)
 
@@ -363,13 +380,14 @@ class _Walker:
     def visit(self, fd: int, rel: str, kernel: DiskEntry | None) -> Iterator[Listing]:
         """Read directory `rel` (open as `fd`, which this closes) and what is below it."""
         out = self.out
+        own, m = kernel is None, 0  # (own: a directory whose mtime is recorded, not a kernel's inner folder)
         try:
-            if kernel is None:
-                m = os.fstat(fd).st_mtime_ns
-                out.mtimes[rel] = m if m < self.racy_after else RACY
+            if own:
+                m = os.fstat(fd).st_mtime_ns  # (read before the listing: a change during it moves it on)
                 if self.known.get(rel) == m:
                     for child in self.children.get(rel, ()):
                         yield from self._descend(fd, child, child.rpartition("/")[2], None)
+                    self._record(rel, m)
                     return
                 out.listed += 1
                 if is_kernel_dir(rel):
@@ -392,10 +410,18 @@ class _Walker:
                     units.append(key)  # walked by the caller, apart
                 else:
                     yield from self._descend(fd, key, name, kernel)
+            if units is not None:  # its subfolders are walked apart: recorded once they are (settle)
+                out.held[rel] = m if m < self.racy_after else RACY
+            elif own:
+                self._record(rel, m)
             if kernel is not None and rel == kernel.key:
                 yield Listing(rel, [kernel])  # only once its whole subtree is read
         finally:
             os.close(fd)
+
+    def _record(self, rel: str, m: int) -> None:
+        """Directory `rel`'s mtime, now that everything below it is walked."""
+        self.out.mtimes[rel] = m if m < self.racy_after and rel not in self.out.lost else RACY
 
     def _unchanged_leaf(self, parent_fd: int, key: str, name: str) -> bool:
         """A known directory with no known subdirectory whose mtime is still the known one, seen
@@ -428,6 +454,8 @@ class _Walker:
             if e.errno not in _GONE:  # gone, or now a symlink / a file: nothing to walk
                 self.out.unreadable.append(key)
                 self.out.mtimes[key] = RACY
+            elif kernel is None:  # listed a moment ago, perhaps: its folder is not to be trusted
+                self.out.lost.add(key.rpartition("/")[0])
             return
         yield from self.visit(fd, key, kernel)
 

@@ -373,6 +373,96 @@ def test_walk_and_parse_in_workers_match_one_process(gpu_cache, tmp_path, monkey
     assert shared == here
 
 
+def _new_kernels(root: Path, n: int) -> set[str]:
+    """`n` new kernel directories in triton/0 (copies of one the fixture holds, as Triton writes
+    them), older than the racy window; their keys."""
+    src = sorted(p for p in (root / "triton" / "0").iterdir() if p.is_dir())[0]
+    keys = set()
+    for i in range(n):
+        dst = src.parent / f"NEW{i:05d}{'A' * 44}"
+        shutil.copytree(src, dst)
+        keys.add(dst.relative_to(root).as_posix())
+    old = time.time() - 10
+    os.utime(src.parent, (old, old))
+    return keys
+
+
+def _keys(db_url: str) -> set[str]:
+    return {k for (k,) in sqlite3.connect(db_url.removeprefix("sqlite:///")).execute("SELECT key FROM entries")}
+
+
+def test_a_rescan_stopped_midway_leaves_nothing_the_next_one_does_not_find(gpu_cache, db_url, monkeypatch):
+    """A rescan killed after some batches committed (kill -9, a full disk): a folder's mtime was
+    committed with its own listing, before the subfolders below it, so the next rescan trusted
+    it and never looked for the new kernel directories it had not reached (until a full scan).
+    A directory's mtime is now written once everything below it is."""
+    from cachemgr.index import fill, scan
+    from cachemgr.index.db import Database
+
+    db = Database(db_url)
+    cid = db.cache_id("h", str(gpu_cache))
+    scan.index_names(db, cid, str(gpu_cache))
+    new = _new_kernels(gpu_cache, 40)
+    monkeypatch.setattr(fill, "CHUNK", 4)  # a batch a few directories
+    real, calls = scan._sync_dirs, []
+
+    def killed_at_the_third_batch(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(scan, "_sync_dirs", killed_at_the_third_batch)
+    with pytest.raises(KeyboardInterrupt):
+        scan.index_names(db, cid, str(gpu_cache))
+    monkeypatch.setattr(scan, "_sync_dirs", real)
+    had = len(new & _keys(db_url))
+    assert 0 < had < len(new)  # (stopped midway)
+    assert scan.index_names(db, cid, str(gpu_cache)).added == len(new) - had  # a plain rescan
+    assert new <= _keys(db_url)
+    db.close()
+
+
+def test_a_folder_moved_away_and_back_during_a_full_scan_is_listed_again(gpu_cache, db_url, monkeypatch):
+    """Kernel directories whose folder is moved away and back while a full scan walks them are
+    gone to that scan (their rows go), and the folder's own mtime does not move: the next rescan
+    trusted it. A folder that loses a subfolder between its listing and its walk is recorded RACY:
+    the next rescan lists it again and finds them all."""
+    from cachemgr import layout
+    from cachemgr.index import fill, scan
+    from cachemgr.index.db import Database
+    from cachemgr.index.workers import Pool
+
+    db = Database(db_url)
+    cid = db.cache_id("h", str(gpu_cache))
+    scan.index_names(db, cid, str(gpu_cache))
+    before = _keys(db_url)
+    folder, away = gpu_cache / "triton" / "0", gpu_cache / "elsewhere"
+    real, walked = layout.iter_dirs, []
+
+    def moving(root, subtree="", *a, **kw):  # the units of triton/0, walked apart: it is away for 3 of them
+        if subtree.startswith("triton/0/"):
+            walked.append(subtree)
+            if len(walked) == 1:
+                folder.rename(away)
+            elif len(walked) == 4:
+                away.rename(folder)
+        yield from real(root, subtree, *a, **kw)
+
+    monkeypatch.setattr(fill, "PARALLEL_WALK", 1)
+    monkeypatch.setattr(layout, "iter_dirs", moving)
+    with Pool(1) as one:  # (walk units, walked here)
+        full = scan.index_names(db, cid, str(gpu_cache), full=True, pool=one)
+    monkeypatch.setattr(layout, "iter_dirs", real)
+    assert full.removed == 3
+    again = scan.index_names(db, cid, str(gpu_cache))
+    assert again.added == 3
+    assert {
+        k for (k,) in sqlite3.connect(db_url.removeprefix("sqlite:///")).execute("SELECT key FROM entries")
+    } == before
+    db.close()
+
+
 def test_a_full_scan_removes_what_is_gone_with_its_walk_in_bounded_steps(gpu_cache, tmp_path, monkeypatch):
     """A full scan keeps the stored directories in the database (a temporary table), not in this
     process: it removes what is gone as a rescan does, leaves the index as a first scan of the

@@ -242,6 +242,7 @@ def walk(
         r = safefs.Root(root)
     except OSError:  # iter_dirs says what it can of a root that will not open
         yield from layout.iter_dirs(root, "", None, keep_paths=False, state=state)
+        state.settle()
         return
     describer = Describer()
 
@@ -262,6 +263,7 @@ def walk(
         if pool is None or len(units) < PARALLEL_WALK or pool.size < 2:
             for unit in units:
                 yield from here(layout.iter_dirs(r, unit, None, False, state))
+            state.settle()  # (the containers' mtimes, now that their units are in)
             return
         ahead = 2 * pool.size  # jobs handed out and not yet taken back: their results are held here
         per = max(WALK_JOB[0], min(WALK_JOB[1], len(units) // (pool.size * 8), WALK_AHEAD // ahead))
@@ -274,6 +276,7 @@ def walk(
                     jobs.append(Job(g[0], 0, root, WALK if read is None else WALK_READ, "", None, tuple(g[1]), r.id))
                     stream.submit([jobs[-1]])
                 if not jobs:
+                    state.settle()  # (the containers' mtimes, now that their units are in)
                     return
                 job = jobs.popleft()
                 while job.id not in got:
@@ -294,6 +297,7 @@ def walk(
                 state.mtimes.update(seen.mtimes)
                 state.listed += seen.listed
                 state.unreadable.extend(seen.unreadable)
+                state.lost |= seen.lost
 
 
 def _unit_groups(units: list[str], per: int) -> Iterator[list[str]]:

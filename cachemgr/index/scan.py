@@ -190,6 +190,7 @@ def index_names(
                     empty = False
                     d = _sync_dirs(db, cache_id, batch, disk, empty, now, stored, seen)
                 counts.add(d, (k for k in itertools.chain(d.added, d.changed) if disk[k].kind in PICKLED))
+            state.settle()
             stored = dirs.see(state.mtimes)
             # A directory gone since the last scan is stale: its entries leave the index. One that could
             # not be read (permissions) is not gone: it and all below it keep their rows as last seen.
