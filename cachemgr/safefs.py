@@ -20,6 +20,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import re
 import stat
 import threading
 from collections import OrderedDict
@@ -37,6 +38,9 @@ Identity = tuple[int, int]  # (st_dev, st_ino)
 # The process is short of descriptors or memory: no fault of the path it was opening, so no path
 # is reported unreadable, refused or replaced for it; the command fails, one line (exit 1).
 SHORT = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+
+MAX_MOUNTINFO = 16 << 20  # bytes of /proc/self/mountinfo read (a host with 100,000 mounts)
 
 
 class Refused(OSError):
@@ -61,6 +65,33 @@ class TooLarge(Refused):
 
 def identity(st: os.stat_result) -> Identity:
     return st.st_dev, st.st_ino
+
+
+def mounts_below(root: Root) -> frozenset[str]:
+    """The mount points strictly below `root` (paths relative to it), from /proc/self/mountinfo.
+    A file system, or a bind mount of any directory, mounted inside the cache is not the cache's:
+    nothing at or below one is moved or deleted (a descriptor walk crosses a mount point as it
+    crosses any directory; a bind mount of the same file system even keeps its device number).
+    Empty where mountinfo cannot be read."""
+    try:
+        top = os.readlink(f"/proc/self/fd/{root.fd}").rstrip("/") + "/"
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read(MAX_MOUNTINFO).splitlines()
+    except OSError:
+        return frozenset()
+    out = set()
+    for line in lines:
+        fields = line.split(b" ", 5)
+        if len(fields) > 4:  # (the mount point is the fifth, with space, tab, newline, backslash as \ooo)
+            point = os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8) & 0xFF]), fields[4]))
+            if point.startswith(top):
+                out.add(point[len(top) :])
+    return frozenset(out)
+
+
+def at_or_above_a_mount(rel: str, mounts: frozenset[str]) -> bool:
+    """Is `rel` (a path relative to the root) a mount point, below one, or above one?"""
+    return any(rel == m or rel.startswith(m + "/") or m.startswith(rel + "/") for m in mounts)
 
 
 def split(rel: str) -> tuple[str, str]:

@@ -82,6 +82,7 @@ class Held(StrEnum):
     LOCK = "lock held"  # a lock that guards it is held by a compile
     IN_PROGRESS = "write in progress"  # a temporary file inside it
     UNSAFE = "unsafe path"  # a symlink, or a path that would leave the root
+    MOUNTED = "another mount"  # at or below a mount point inside the root: not the cache's to delete
     CHANGED = "changed since planned"  # a file or directory was replaced between plan and delete
     GONE = "already gone"  # another process removed it first
     FAILED = "delete failed"  # the file system refused (permissions, read-only, ...)

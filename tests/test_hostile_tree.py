@@ -138,6 +138,42 @@ def _victim(tmp_path: Path) -> Path:
     return victim
 
 
+def test_folders_mounted_inside_the_cache_are_not_the_cache_s_to_delete(gpu_cache, tmp_path, cli_for):
+    """Another file system, or a bind mount of someone's folder, mounted inside the cache: a
+    module folder, a kernel directory, a folder of the trash. The rename into the trash failed
+    across the mount (EXDEV) and the unit was deleted in place, and emptying the trash emptied the
+    mounted folder: someone's files gone. Now nothing at, below or above a mount point is moved or
+    deleted: such a unit stays, "another mount", and the rest of the cache goes as planned."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to bind-mount a folder")
+    victims = {name: tmp_path / name for name in ("module", "kernel", "trash")}
+    for name, v in victims.items():
+        v.mkdir()
+        for i in range(3):  # (named as Inductor names its files: each would be an entry)
+            (v / (f"czz{i:050d}.py" if name == "module" else f"triton_{i}.cubin")).write_text("someone's")
+        age(v)
+    kernel = sorted(p for p in (gpu_cache / "triton" / "0").iterdir() if p.is_dir())[0]
+    points = {"module": gpu_cache / "zz", "kernel": kernel, "trash": gpu_cache / ".cachemgr-trash" / "m"}
+    mounted = []
+    try:
+        for name, point in points.items():
+            point.mkdir(parents=True, exist_ok=True)
+            if subprocess.run(["mount", "--bind", str(victims[name]), str(point)], capture_output=True).returncode:
+                pytest.skip("bind mounts are not allowed here")
+            mounted.append(point)
+        age(gpu_cache)
+        before = {name: snapshot(v) for name, v in victims.items()}
+        cli = cli_for(gpu_cache)
+        out = cli.json("evict", "--max-size", "0", "--grace", "0")
+        assert out["evicted"] > 0 and not out["in_place"]
+        held = {s["key"] for s in out["skipped"] if s["reason"] == "another mount"}
+        assert held >= {f"zz/czz{i:050d}" for i in range(3)} | {kernel.relative_to(gpu_cache).as_posix()}
+        assert {name: snapshot(v) for name, v in victims.items()} == before
+    finally:
+        for point in reversed(mounted):
+            subprocess.run(["umount", "-l", str(point)], check=False)
+
+
 def test_a_root_symlink_swapped_after_its_check_deletes_nothing_out_there(cpu_cache, tmp_path, monkeypatch):
     """The cache dir named through a symlink that is swapped to another folder at the worst
     moment, as the evicting process opens it: the folder opened is the one checked (it was

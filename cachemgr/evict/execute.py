@@ -12,8 +12,9 @@ it is held, or if anything in it changed between the look and the delete.
 A unit is renamed into `<root>/.cachemgr-trash/` (same file system: atomic, and the files leave
 Inductor's view at once), its index rows are deleted and 'evict' events recorded in one
 transaction, and only then is the trash unlinked. Where the trash cannot take it (a full disk:
-no room for a new name; a trash that is not a directory; another file system) the unit is
-deleted in place and its rows deleted right after. Either way, a failure half way through a
+no room for a new name; a trash that is not a directory) the unit is deleted in place and its
+rows deleted right after. Nothing at, below or above a mount point inside the root (another file
+system, a bind mount) is moved or deleted: such a unit stays, "another mount". Either way, a failure half way through a
 batch commits what did go (with its events) and puts back what did not; and a kill -9 at any
 point leaves a state the next scan repairs (the trash is a dotdir, never walked or indexed, and
 emptied by the next run).
@@ -352,9 +353,11 @@ class Executor:
             fd = os.open(layout.TRASH_DIR, safefs.O_DIR, dir_fd=root.fd)
         except OSError:
             return None  # a file or symlink of that name: not ours to remove, not a place to move to
+        mounts = safefs.mounts_below(root)
         try:
             for name in os.listdir(fd):  # we hold the eviction lock: what is here belongs to a run that died
-                remove_quietly(fd, [name])
+                if not (mounts and safefs.at_or_above_a_mount(f"{layout.TRASH_DIR}/{name}", mounts)):
+                    remove_quietly(fd, [name])
         except OSError:
             pass
         return fd

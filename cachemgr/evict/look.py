@@ -30,9 +30,9 @@ from cachemgr.errors import CachemgrError
 from cachemgr.index.workers import receive, send
 from cachemgr.vocab import Held, Kind
 
-# The trash cannot take it (a full disk; another file system; a trash another user made, or
-# made immutable): delete in place.
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EMLINK, errno.EXDEV, errno.EACCES, errno.EPERM)
+# The trash cannot take it (a full disk; a trash another user made, or made immutable): delete
+# in place. (EXDEV, another file system, is a mount point inside the root: never ours to delete.)
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EMLINK, errno.EACCES, errno.EPERM)
 
 Planned = tuple[int, str, str, str | None]  # an entry of a unit: (id, kind, key, ref)
 Watched = tuple[int, str, str]  # an entry whose use protects a unit: (id, kind, key)
@@ -121,6 +121,7 @@ class Looker:
         self.cutoff = cutoff  # what was written or read after it stays (now less the grace period)
         self.folders: dict[str, dict[str, list[str]]] = {}  # <2ch> folder -> planned stem -> names
         self.locks = self._lock_names()
+        self.mounts = safefs.mounts_below(root)  # (nothing at, below or above one is moved or deleted)
         self._names = itertools.count()
 
     def look_and_take(
@@ -205,6 +206,9 @@ class Looker:
 
     def files_of(self, kind: str, key: str) -> _Files:
         f = _Files()
+        if self.mounts and safefs.at_or_above_a_mount(layout.fs_path(key), self.mounts):
+            f.problem = Held.MOUNTED
+            return f
         try:
             if kind == Kind.TRITON:
                 return self._kernel_files(key)
@@ -303,6 +307,8 @@ class Looker:
                     why = (
                         Held.CHANGED
                         if isinstance(e, safefs.Refused)
+                        else Held.MOUNTED
+                        if e.errno == errno.EXDEV  # (mounted since the look)
                         else (Held.UNSAFE if e.errno in (errno.ELOOP, errno.ENOTDIR) else Held.FAILED)
                     )
                     if took.deleted:  # part of it is gone already: the rest goes in the commit's repair
