@@ -132,6 +132,18 @@ def slow_source(n: int = 20_000) -> str:
     return "cpp_pybinding(['x'], r'''\n" + "y" * 30 + "\n" + "cpp_pybinding([" * n
 
 
+def slow_pickle(keys: int = 30_000) -> bytes:
+    """A small valid pickle (390 KB) that takes the C unpickler seconds however fast the machine
+    (3.5 s on a fast one): a dict of int keys that all hash alike (multiples of 2^61 - 1, Python's
+    int hash modulus), so each insertion probes past every key before it."""
+    parts = [b"\x80\x02}("]  # EMPTY_DICT, MARK
+    for k in range(1, keys + 1):
+        n = k * ((1 << 61) - 1)
+        raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+        parts.append(b"\x8a" + bytes([len(raw)]) + raw + b"N")  # LONG1 key, None
+    return b"".join(parts) + b"u."  # SETITEMS, STOP
+
+
 def busy_pickle(items: int = 5_000_000) -> bytes:
     """A valid pickle that takes the C unpickler a while (a long list of Nones): keeps a parse
     worker busy."""

@@ -1226,13 +1226,15 @@ def test_a_batch_of_graphs_whose_worker_is_killed_blames_only_the_entry_that_too
     """Graph pickles go to the workers several to a job. A job that runs out of time (its worker
     killed) is read again an entry a job: only the slow entry is corrupt, the others in its batch
     are read as ever."""
+    from hostile import slow_pickle
+
     from cachemgr.index import pending, workers
     from cachemgr.index.db import Database
     from cachemgr.index.scan import reconcile
 
     slow = gpu_cache / "fxgraph" / "zz" / ("f" + "z" * 51)
     slow.mkdir(parents=True)
-    (slow / ("s" * 51)).write_bytes(b"\x80\x02](" + b"K\x01" * 15_000_000 + b"e.")  # a list of 15M ones: seconds
+    (slow / ("s" * 51)).write_bytes(slow_pickle())  # (a list of 15M ones took 0.8 s on a fast day: under the limit)
     monkeypatch.setattr(pending, "PICKLE_BATCH", 1000)  # every graph of the cache in the slow one's job
     monkeypatch.setattr(workers, "PARSE_SECONDS", 1.0)
     db = Database(db_url)

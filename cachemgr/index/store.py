@@ -1317,6 +1317,8 @@ def rescan_unchanged(path: str, head: str, host: str, root: str) -> int | None:
         walked = walk_dirs(root, "", stored) if stored else None
         if walked is None or walked.entries or walked.unreadable or walked.mtimes.keys() != stored.keys():
             return None
+        if walked.lost:  # a folder lost a subfolder during the walk: a real scan records it RACY
+            return None
         # Directories read again that hold no entry, then or now, and the same subdirectories (the
         # same set of paths): the root, whose mtime a first scan's trash folder moved just before
         # its walk (recorded RACY), or a folder a compile made and emptied. Their new mtimes are
