@@ -169,6 +169,9 @@ def test_folders_mounted_inside_the_cache_are_not_the_cache_s_to_delete(gpu_cach
         held = {s["key"] for s in out["skipped"] if s["reason"] == "another mount"}
         assert held >= {f"zz/czz{i:050d}" for i in range(3)} | {kernel.relative_to(gpu_cache).as_posix()}
         assert {name: snapshot(v) for name, v in victims.items()} == before
+        again = cli("evict", "--max-size", "0", "--grace", "0")
+        assert "at or by a mount point" in again.stdout + again.stderr
+        assert {name: snapshot(v) for name, v in victims.items()} == before
     finally:
         for point in reversed(mounted):
             subprocess.run(["umount", "-l", str(point)], check=False)

@@ -112,6 +112,7 @@ def held_text(reasons: Sequence[str], grace: float) -> str:
         Held.PINNED: "pinned",
         Held.GRACE: "in use within the grace period",
         Held.UNPARSED: "not parsed yet",
+        Held.MOUNTED: "at or by a mount point (another file system's)",
     }
     return ", ".join(f"{n:,} {words.get(why, why)}" for why, n in sorted(Counter(reasons).items()))
 
