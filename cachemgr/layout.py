@@ -126,6 +126,15 @@ def classify(key: str) -> Classified | None:
     return Classified(Kind.OTHER, key, None)
 
 
+def is_code_file(key: str, name: str) -> bool:
+    """Is `name` (in the code entry's folder) one of code entry `key`'s files, as a walk files it
+    (`classify`: 'c<hash>.' with nothing after the dot is another entry's, a temporary one none)?"""
+    if is_transient(name):
+        return False
+    c = classify(f"{key.partition('/')[0]}/{name}")
+    return c is not None and c.kind == Kind.CODE and c.key == key
+
+
 def ref_of(key: str, kind: str) -> str | None:
     """An entry's ref read off its key (what `classify` gave it from its files' names)."""
     parts = key.split("/")
@@ -537,7 +546,7 @@ def stat_entry(root: safefs.Root, c: Classified) -> DiskEntry | None:
         if c.kind == Kind.CODE:
             folder, stem = c.key.split("/", 1)
             names = [key_of(n) for n in root.listdir(fs_path(folder))]
-            rels = sorted(f"{folder}/{n}" for n in names if n.startswith(stem + ".") and not is_transient(n))
+            rels = sorted(f"{folder}/{n}" for n in names if n.startswith(stem + ".") and is_code_file(c.key, n))
         else:
             rels = [c.key]
         for rel in rels:

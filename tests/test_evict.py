@@ -72,6 +72,21 @@ def aged_gpu(gpu_cache):
     return gpu_cache
 
 
+def test_a_name_that_only_looks_like_a_module_s_is_not_taken_with_it(aged_gpu, cli_for):
+    """'c<hash>.' (nothing after the dot) beside module 'c<hash>.py' is another entry to the walk
+    (`classify`); eviction's look grouped it with the module by its stem, so the module was kept
+    for the other file's recent write (or the other file went with it). Now each goes as itself."""
+    module = next(p for p in aged_gpu.glob("*/c*.py"))
+    odd = module.with_name(module.name.removesuffix("py"))  # 'c<hash>.'
+    odd.write_text("someone's")  # written now: within the grace period
+    cli = cli_for(aged_gpu)
+    cli("scan")
+    key = module.relative_to(aged_gpu).as_posix().removesuffix(".py")
+    out = cli.json("evict", "--max-size", "0", "--grace", "1m")
+    assert key in {e["key"] for e in out["entries"]}
+    assert not module.exists() and odd.read_text() == "someone's"
+
+
 # -- size, files, age, free space ----------------------------------------------------------------
 
 

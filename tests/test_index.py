@@ -698,10 +698,13 @@ def test_the_daemons_batch_indexes_a_cache_as_a_scan_does(cpu_cache, tmp_path):
     """Every file of a real CPU cache handed to the daemon's live batch (as the watcher hands the
     files a compile writes) gives the index a scan gives: the same rows, read alike. A C++ build
     indexed from the watcher's events once had no alias (its source never read), so no graph
-    named it: an orphan to the next eviction, its graph left to rebuild it."""
+    named it: an orphan to the next eviction, its graph left to rebuild it. A file named like a
+    module's with nothing after its dot ('c<hash>.') is another entry to both."""
     from cachemgr.index import live, reconcile
     from cachemgr.index.db import Database
 
+    module = next(cpu_cache.glob("*/c*.py"))
+    module.with_name(module.name.removesuffix("py")).write_text("x")  # 'c<hash>.': another entry
     twin = tmp_path / "twin"
     shutil.copytree(cpu_cache, twin, symlinks=True)
     scanned, watched = Database(f"sqlite:///{tmp_path / 'scan.db'}"), Database(f"sqlite:///{tmp_path / 'live.db'}")

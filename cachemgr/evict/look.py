@@ -199,7 +199,7 @@ class Looker:
             for n in names:
                 n = layout.key_of(n)
                 s = n.partition(".")[0]
-                if s in wanted and not layout.is_transient(n):
+                if s in wanted and layout.is_code_file(f"{folder}/{s}", n):
                     by_stem.setdefault(s, []).append(n)
             self.folders[folder] = by_stem  # published whole: other threads read it as they find it
         return by_stem.pop(stem, [])
