@@ -129,8 +129,6 @@ def classify(key: str) -> Classified | None:
 def is_code_file(key: str, name: str) -> bool:
     """Is `name` (in the code entry's folder) one of code entry `key`'s files, as a walk files it
     (`classify`: 'c<hash>.' with nothing after the dot is another entry's, a temporary one none)?"""
-    if is_transient(name):
-        return False
     c = classify(f"{key.partition('/')[0]}/{name}")
     return c is not None and c.kind == Kind.CODE and c.key == key
 

@@ -133,6 +133,7 @@ def first_fill(conn, cache_id: int, root: str, pool: Pool | None) -> ScanResult 
                 added += len(entries)
                 pickled = (e.key for e in entries if e.kind in PICKLED)
                 new_keys.extend(itertools.islice(pickled, MAX_REPORTED - len(new_keys)))
+            state.settle()  # (the walk is whole: the containers' mtimes, now that their units are in)
             insert_batch(conn, cache_id, [], state.mtimes, now, read, ids)
         # (its entries are read by these readers: none was read by another, as on a rescan)
         conn.execute("UPDATE caches SET last_scan = ?, reader = ? WHERE id = ?", (now, READER, cache_id))
@@ -237,12 +238,12 @@ def walk(
     are many: handed out in key order, taken back in the same order, so the listings come as a
     walk in this process gives them. A job whose worker fails is walked here. With `read`, the
     entries describe.READ_WITH_WALK names are read beside the walk, and their references put in
-    `read` (by key) before their listing comes."""
+    `read` (by key) before their listing comes. The containers' mtimes are held in `state` until
+    its caller, having written every listing, settles it (`DirWalk.settle`)."""
     try:
         r = safefs.Root(root)
     except OSError:  # iter_dirs says what it can of a root that will not open
         yield from layout.iter_dirs(root, "", None, keep_paths=False, state=state)
-        state.settle()
         return
     describer = Describer()
 
@@ -263,7 +264,6 @@ def walk(
         if pool is None or len(units) < PARALLEL_WALK or pool.size < 2:
             for unit in units:
                 yield from here(layout.iter_dirs(r, unit, None, False, state))
-            state.settle()  # (the containers' mtimes, now that their units are in)
             return
         ahead = 2 * pool.size  # jobs handed out and not yet taken back: their results are held here
         per = max(WALK_JOB[0], min(WALK_JOB[1], len(units) // (pool.size * 8), WALK_AHEAD // ahead))
@@ -276,7 +276,6 @@ def walk(
                     jobs.append(Job(g[0], 0, root, WALK if read is None else WALK_READ, "", None, tuple(g[1]), r.id))
                     stream.submit([jobs[-1]])
                 if not jobs:
-                    state.settle()  # (the containers' mtimes, now that their units are in)
                     return
                 job = jobs.popleft()
                 while job.id not in got:
