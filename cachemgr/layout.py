@@ -242,6 +242,11 @@ class DirWalk:
     # Directories a subfolder of which vanished between their listing and its walk (moved away
     # and back leaves a folder's own mtime as it was): recorded RACY, so the next walk lists them.
     lost: set[str] = field(default_factory=set)
+    # Mount points inside the root (another file system, a bind mount of any folder) are not the
+    # cache's, as for `find -xdev`: never walked, so nothing below one is indexed or counted
+    # against the limits (eviction would never delete it, and took the rest of the cache instead).
+    mounts: frozenset[str] | None = None  # those below the root, as keys: read once, at the walk's start
+    mounted: list[str] = field(default_factory=list)  # those the walk met (recorded RACY: tried again)
 
     def settle(self) -> None:
         """The walk is whole: record the held mtimes, and RACY for every directory that lost one."""
@@ -337,6 +342,12 @@ def iter_dirs(
         if d and _plain(d):  # (a hand-edited row that names no directory is gone: the scan drops it)
             children.setdefault(d.rpartition("/")[0], []).append(d)
     sub = subtree.strip("/")
+    if state.mounts is None:
+        state.mounts = frozenset(key_of(m) for m in safefs.mounts_below(root))
+    if state.mounts and safefs.at_or_below_a_mount(sub, state.mounts):
+        if sub in state.mounts:
+            yield from _mount_point(state, sub, True)
+        return
     try:
         fd = os.open(".", safefs.O_DIR, dir_fd=root.dir_fd(fs_path(sub))) if sub else os.dup(root.fd)
     except OSError as e:
@@ -349,6 +360,15 @@ def iter_dirs(
             state.lost.add(sub.rpartition("/")[0])
         return
     yield from _Walker(state, children, known, keep_paths, units).visit(fd, sub, None)
+
+
+def _mount_point(state: DirWalk, key: str, own: bool) -> Iterator[Listing]:
+    """Mount point `key`, met by a walk: not walked. Unless it is inside a kernel directory, it is
+    recorded RACY (a rescan tries it again: unmounted, it is walked) with no entries of its own."""
+    state.mounted.append(key)
+    if own:
+        state.mtimes[key] = RACY
+        yield Listing(key, [])
 
 
 def _plain(key: str) -> bool:
@@ -382,6 +402,7 @@ class _Walker:
         units: list[str] | None = None,
     ) -> None:
         self.out, self.children, self.known, self.keep_paths, self.units = out, children, known, keep_paths, units
+        self.mounts = out.mounts or frozenset()
         self.racy_after = time.time_ns() - RACY_NS
 
     def visit(self, fd: int, rel: str, kernel: DiskEntry | None) -> Iterator[Listing]:
@@ -450,6 +471,9 @@ class _Walker:
     def _descend(self, parent_fd: int, key: str, name: str, kernel: DiskEntry | None) -> Iterator[Listing]:
         if key.count("/") >= safefs.MAX_DEPTH:
             self.out.unreadable.append(key)
+            return
+        if key in self.mounts:
+            yield from _mount_point(self.out, key, kernel is None)
             return
         if kernel is None and self._unchanged_leaf(parent_fd, key, name):
             return

@@ -67,14 +67,15 @@ def identity(st: os.stat_result) -> Identity:
     return st.st_dev, st.st_ino
 
 
-def mounts_below(root: Root) -> frozenset[str]:
+def mounts_below(root: Root | str) -> frozenset[str]:
     """The mount points strictly below `root` (paths relative to it), from /proc/self/mountinfo.
     A file system, or a bind mount of any directory, mounted inside the cache is not the cache's:
     nothing at or below one is moved or deleted (a descriptor walk crosses a mount point as it
     crosses any directory; a bind mount of the same file system even keeps its device number).
     Empty where mountinfo cannot be read."""
     try:
-        top = os.readlink(f"/proc/self/fd/{root.fd}").rstrip("/") + "/"
+        top = os.readlink(f"/proc/self/fd/{root.fd}") if isinstance(root, Root) else os.path.realpath(root)
+        top = top.rstrip("/") + "/"
         with open("/proc/self/mountinfo", "rb") as f:
             lines = f.read(MAX_MOUNTINFO).splitlines()
     except OSError:
@@ -87,6 +88,11 @@ def mounts_below(root: Root) -> frozenset[str]:
             if point.startswith(top):
                 out.add(point[len(top) :])
     return frozenset(out)
+
+
+def at_or_below_a_mount(rel: str, mounts: frozenset[str]) -> bool:
+    """Is `rel` (a path relative to the root) a mount point, or below one?"""
+    return any(rel == m or rel.startswith(m + "/") for m in mounts)
 
 
 def at_or_above_a_mount(rel: str, mounts: frozenset[str]) -> bool:

@@ -52,13 +52,15 @@ def victim_tree(root: Path, dirs: int = 64, files: int = 3) -> Path:
     return root
 
 
-def find_totals(root: Path) -> tuple[int, int]:
+def find_totals(root: Path, mounts: tuple[Path, ...] = ()) -> tuple[int, int]:
     """(files, bytes) as `find` counts them, leaving out what cachemgr never indexes: dot-names
-    (writes in progress, its own trash) and Triton's tmp.* directories."""
+    (writes in progress, its own trash), Triton's tmp.* directories and mount points (`mounts`:
+    a bind mount keeps the device number that `find -xdev` goes by)."""
     out = subprocess.run(
         [
             "find",
             str(root),
+            *(a for m in mounts for a in ("-path", str(m), "-prune", "-o")),
             "-name",
             ".*",
             "-prune",

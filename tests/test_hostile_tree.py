@@ -138,43 +138,138 @@ def _victim(tmp_path: Path) -> Path:
     return victim
 
 
-def test_folders_mounted_inside_the_cache_are_not_the_cache_s_to_delete(gpu_cache, tmp_path, cli_for):
-    """Another file system, or a bind mount of someone's folder, mounted inside the cache: a
-    module folder, a kernel directory, a folder of the trash. The rename into the trash failed
-    across the mount (EXDEV) and the unit was deleted in place, and emptying the trash emptied the
-    mounted folder: someone's files gone. Now nothing at, below or above a mount point is moved or
-    deleted: such a unit stays, "another mount", and the rest of the cache goes as planned."""
+def _bind_mounts(tmp_path: Path, points: dict[str, Path]) -> tuple[dict[str, Path], list[Path]]:
+    """Someone's folders (three files each, named as Inductor names its files: each would be an
+    entry), bind-mounted at `points` (by name); skips the test where bind mounts are not allowed."""
     if os.geteuid() != 0:
         pytest.skip("needs root to bind-mount a folder")
-    victims = {name: tmp_path / name for name in ("module", "kernel", "trash")}
-    for name, v in victims.items():
+    victims, mounted = {}, []
+    for name, point in points.items():
+        v = victims[name] = tmp_path / f"someones-{name}"
         v.mkdir()
-        for i in range(3):  # (named as Inductor names its files: each would be an entry)
+        for i in range(3):
             (v / (f"czz{i:050d}.py" if name == "module" else f"triton_{i}.cubin")).write_text("someone's")
         age(v)
+        point.mkdir(parents=True, exist_ok=True)
+        if subprocess.run(["mount", "--bind", str(v), str(point)], capture_output=True).returncode:
+            _unmount(mounted)
+            pytest.skip("bind mounts are not allowed here")
+        mounted.append(point)
+    return victims, mounted
+
+
+def _unmount(mounted: list[Path]) -> None:
+    for point in reversed(mounted):
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def test_a_scan_stops_at_a_mount_point_inside_the_cache(gpu_cache, tmp_path, cli_for):
+    """Another file system, or a bind mount of someone's folder, mounted inside the cache is not
+    the cache's (as for `find -xdev`): its files were indexed and counted against the limits,
+    though eviction never deletes there, so a large mounted folder made eviction take the rest of
+    the cache instead. Now a scan walks none of it and says so; the mount point is tried again by
+    every rescan, so once unmounted what it hid is indexed."""
+    cli = cli_for(gpu_cache)
+    cli("scan")  # (indexed before the mounts: a kernel directory's rows must go)
     kernel = sorted(p for p in (gpu_cache / "triton" / "0").iterdir() if p.is_dir())[0]
+    kernel_key = kernel.relative_to(gpu_cache).as_posix()
     points = {"module": gpu_cache / "zz", "kernel": kernel, "trash": gpu_cache / ".cachemgr-trash" / "m"}
-    mounted = []
+    victims, mounted = _bind_mounts(tmp_path, points)
     try:
-        for name, point in points.items():
-            point.mkdir(parents=True, exist_ok=True)
-            if subprocess.run(["mount", "--bind", str(victims[name]), str(point)], capture_output=True).returncode:
-                pytest.skip("bind mounts are not allowed here")
-            mounted.append(point)
         age(gpu_cache)
         before = {name: snapshot(v) for name, v in victims.items()}
-        cli = cli_for(gpu_cache)
+        for args in (["scan"], ["scan"], ["scan", "--full"]):  # a rescan, an unchanged one, a full one
+            r = cli(*args)
+            assert f"warning: {kernel_key}/ under {gpu_cache} is a mount point" in r.stderr, r.stderr
+            assert f"warning: zz/ under {gpu_cache}" in r.stderr
+        assert sorted(cli.json("scan")["mounted"]) == sorted([kernel_key, "zz"])
+        keys = {e["key"] for e in cli.json("ls")}
+        assert not {k for k in keys if k.startswith(("zz/", kernel_key))}
+        doc = cli.json("stats")
+        assert (doc["files"], doc["bytes"]) == find_totals(gpu_cache, tuple(mounted))
         out = cli.json("evict", "--max-size", "0", "--grace", "0")
         assert out["evicted"] > 0 and not out["in_place"]
-        held = {s["key"] for s in out["skipped"] if s["reason"] == "another mount"}
+        assert {name: snapshot(v) for name, v in victims.items()} == before
+        assert cli.json("stats")["files"] == 0
+        _unmount([kernel])  # what the mount hid comes back: the next rescan finds it
+        mounted.remove(kernel)
+        assert cli.json("scan")["mounted"] == ["zz"]
+        assert kernel_key in {e["key"] for e in cli.json("ls")}
+    finally:
+        _unmount(mounted)
+
+
+def test_a_first_scan_spread_over_workers_stops_at_a_mount_point_too(gpu_cache, tmp_path, cli_for):
+    """A first scan of a cache with hundreds of kernel directories hands them to worker
+    processes to walk: a worker that meets a mount point reports it, and walks none of it."""
+    from cachemgr.index.fill import PARALLEL_WALK
+
+    kernel = sorted(p for p in (gpu_cache / "triton" / "0").iterdir() if p.is_dir())[0]
+    for i in range(PARALLEL_WALK + 50):
+        shutil.copytree(kernel, kernel.with_name(f"{kernel.name[:-4]}{i:04d}"))
+    point = kernel.with_name(f"{kernel.name[:-4]}0123")
+    _, mounted = _bind_mounts(tmp_path, {"kernel": point})
+    try:
+        cli = cli_for(gpu_cache)
+        out = cli.json("scan")
+        assert out["added"] > PARALLEL_WALK and out["mounted"] == [point.relative_to(gpu_cache).as_posix()]
+        doc = cli.json("stats")
+        assert (doc["files"], doc["bytes"]) == find_totals(gpu_cache, (point,))
+    finally:
+        _unmount(mounted)
+
+
+def test_the_daemons_batch_leaves_out_what_is_mounted(gpu_cache, tmp_path, db_url):
+    """The watcher hands over files written below a mount point inside the cache: the daemon's
+    batch indexes none of them, and the entries the mount now hides leave the index."""
+    from cachemgr.index import live
+    from cachemgr.index.db import Database
+
+    db = Database(db_url)
+    cid = db.cache_id("h", str(gpu_cache))
+    (gpu_cache / "zz").mkdir()
+    ours = [f"zz/czz{i:050d}.py" for i in range(3)]
+    for rel in ours:
+        (gpu_cache / rel).write_text("the cache's")
+    assert len(live.apply_batch(db, cid, str(gpu_cache), paths=ours).added) == 3
+    _, mounted = _bind_mounts(tmp_path, {"module": gpu_cache / "zz"})
+    try:
+        theirs = [f"zz/{p.name}" for p in (gpu_cache / "zz").iterdir()]
+        r = live.apply_batch(db, cid, str(gpu_cache), paths=ours + theirs, dirs=["zz"])
+        assert (r.added, sorted(r.removed)) == ([], sorted(k.removesuffix(".py") for k in ours))
+    finally:
+        _unmount(mounted)
+
+
+def test_eviction_keeps_what_was_mounted_after_the_scan(gpu_cache, tmp_path, db_url):
+    """A folder mounted between the index's scan and the eviction (a module folder, a kernel
+    directory, a folder of the trash): the rename into the trash failed across the mount (EXDEV)
+    and the unit was deleted in place, and emptying the trash emptied the mounted folder. Now
+    nothing at, below or above a mount point is moved or deleted: such a unit stays, "another
+    mount", and the rest of the cache goes as planned."""
+    from cachemgr.evict import Limits, evict
+    from cachemgr.index.db import Database
+    from cachemgr.index.scan import reconcile
+
+    (gpu_cache / "zz").mkdir()
+    for i in range(3):  # (a module folder of the cache, indexed; then someone's folder over it)
+        (gpu_cache / "zz" / f"czz{i:050d}.py").write_text("the cache's")
+    age(gpu_cache)
+    db = Database(db_url)
+    cid = db.cache_id("h", str(gpu_cache))
+    reconcile(db, cid, str(gpu_cache))
+    kernel = sorted(p for p in (gpu_cache / "triton" / "0").iterdir() if p.is_dir())[0]
+    points = {"module": gpu_cache / "zz", "kernel": kernel, "trash": gpu_cache / ".cachemgr-trash" / "m"}
+    victims, mounted = _bind_mounts(tmp_path, points)
+    try:
+        before = {name: snapshot(v) for name, v in victims.items()}
+        r = evict(db, cid, str(gpu_cache), Limits(max_size=0, grace=0))
+        assert r.evicted > 0 and not r.in_place
+        held = {k for k, reason in r.skipped if reason == "another mount"}
         assert held >= {f"zz/czz{i:050d}" for i in range(3)} | {kernel.relative_to(gpu_cache).as_posix()}
         assert {name: snapshot(v) for name, v in victims.items()} == before
-        again = cli("evict", "--max-size", "0", "--grace", "0")
-        assert "at or by a mount point" in again.stdout + again.stderr
-        assert {name: snapshot(v) for name, v in victims.items()} == before
     finally:
-        for point in reversed(mounted):
-            subprocess.run(["umount", "-l", str(point)], check=False)
+        _unmount(mounted)
 
 
 def test_a_root_symlink_swapped_after_its_check_deletes_nothing_out_there(cpu_cache, tmp_path, monkeypatch):

@@ -380,3 +380,26 @@ def test_a_reader_stopped_while_idle_closes_its_descriptors(tmp_path):
     r.stop()
     assert not r.thread.is_alive()
     assert _inotify_instances() - before == set()
+
+
+def test_a_mount_point_inside_the_root_is_not_watched(tmp_path, tree):
+    """A file system (or a bind mount of any folder) mounted inside the cache is not the cache's:
+    the scan walks none of it, and the watcher puts no watch on it or below (a mounted tree of
+    100,000 folders would take as many watches from the host's limit)."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to bind-mount a folder")
+    root, theirs = tmp_path / "c", tmp_path / "someones"
+    (root / "triton" / "0").mkdir(parents=True)
+    (theirs / "a" / "b").mkdir(parents=True)
+    (root / "zz").mkdir()
+    if subprocess.run(["mount", "--bind", str(theirs), str(root / "zz")], capture_output=True).returncode:
+        pytest.skip("bind mounts are not allowed here")
+    try:
+        t = tree(root)
+        assert t.watched() == {"", "triton", "triton/0"}
+        t.w.resync()
+        assert t.watched() == {"", "triton", "triton/0"}
+    finally:
+        subprocess.run(["umount", "-l", str(root / "zz")], check=False)

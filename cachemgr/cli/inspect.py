@@ -55,9 +55,9 @@ def run_scan(app, quiet_progress: bool = False, full: bool = False):
     path = sqlite_path(s.db)
     if path is not None and not full:  # nothing changed? answered without SQLAlchemy
         t0 = time.monotonic()
-        unchanged = rescan_unchanged(path, HEAD_REVISION, s.host, root)
-        if unchanged is not None:
-            result = ScanResult(root, unchanged=unchanged, seconds=time.monotonic() - t0)
+        result = rescan_unchanged(path, HEAD_REVISION, s.host, root)
+        if result is not None:
+            result = replace(result, seconds=time.monotonic() - t0)
     if result is None:
         from cachemgr.index.workers import Pool
 
@@ -123,6 +123,8 @@ def scan(app, full: bool, as_json: bool) -> None:
         say(f"corrupt: {key}: {clean(reason)}", err=True)  # (wrapped to the terminal; the key whole)
     for d in r.unreadable:
         say(f"cachemgr: warning: cannot read {d or '.'}/ under {r.root}: its entries are kept as last indexed", True)
+    for d in r.mounted:
+        say(f"cachemgr: warning: {d}/ under {r.root} is a mount point (another file system's): not indexed", True)
 
 
 # -- stats ------------------------------------------------------------------------------------------

@@ -267,6 +267,7 @@ class TreeWatcher:
         walk holds nodes and one listing's names, never a path per directory (that alone was 35 MB)."""
         self.unwatched = 0
         added: list[_Dir] = []
+        mounts = safefs.mounts_below(self.root)  # (not the cache's: the scan walks none of them either)
         stack = [self.top]
         while stack:
             node = stack.pop()
@@ -291,6 +292,8 @@ class TreeWatcher:
                                 if not _is_dir(fd, name):
                                     self._drop(node.children.pop(name))
                         for name in listed[i : i + RESYNC_STEP]:
+                            if mounts and (f"{rel}/{name}" if rel else name) in mounts:
+                                continue
                             child = self._watch(node, name, added, at=fd)
                             if child is not None:
                                 stack.append(child)

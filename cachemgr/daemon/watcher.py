@@ -317,6 +317,8 @@ class Watcher:
             return
         for d in r.unreadable:
             log.warning("cannot read %s/ under %s: its entries are kept as last indexed", d, self.root)
+        for d in r.mounted:
+            log.warning("%s/ under %s is a mount point (another file system's): not indexed", d, self.root)
         if why:
             log.info(
                 "rescan %s: %d added, %d changed, %d removed, %d unchanged (%.2f s)",

@@ -164,6 +164,7 @@ def first_fill(conn, cache_id: int, root: str, pool: Pool | None) -> ScanResult 
         pending=pending,
         parsed=parsed,
         new_keys=new_keys,
+        mounted=state.mounted,
     )
 
 
@@ -297,6 +298,7 @@ def walk(
                 state.listed += seen.listed
                 state.unreadable.extend(seen.unreadable)
                 state.lost |= seen.lost
+                state.mounted.extend(seen.mounted)
 
 
 def _unit_groups(units: list[str], per: int) -> Iterator[list[str]]:

@@ -28,6 +28,7 @@ class ScanResult:
     pending: int = 0  # entries indexed from their names, not read yet (scan phase two)
     parsed: int = 0  # entries read in this scan (phase two, and the autotune results a first fill's walk read)
     new_keys: list[str] = field(default_factory=list)  # graph and AOT entries added or changed (capped)
+    mounted: list[str] = field(default_factory=list)  # mount points inside the cache: not walked (not the cache's)
 
     def with_parsed(self, p: ParseResult) -> ScanResult:
         """This result after phase two read `p.parsed` pending entries."""
@@ -50,6 +51,7 @@ class ScanResult:
             "pending": self.pending,
             "corrupt": [{"key": k, "reason": r} for k, r in self.corrupt],
             "unreadable": self.unreadable,
+            "mounted": self.mounted,
             "seconds": round(self.seconds, 3),
         }
 

@@ -225,6 +225,7 @@ def index_names(
         state.unreadable,
         pending=pending,
         new_keys=counts.new_keys,
+        mounted=state.mounted,
     )
 
 

@@ -31,6 +31,7 @@ from urllib.parse import quote
 
 from cachemgr.errors import DatabaseError, NotFound, UsageError
 from cachemgr.index.dbapi import chunks
+from cachemgr.index.result import ScanResult
 from cachemgr.vocab import PARSED, Event, Kind
 
 SHORT_MIN = 8  # characters of a short key (git's --abbrev, one more)
@@ -1288,9 +1289,9 @@ def _graphs_with(signatures: Iterable[str | None], entries: Iterable[tuple[str |
 RELISTED_MOST = 64  # directories without entries read again that the quick rescan settles itself
 
 
-def rescan_unchanged(path: str, head: str, host: str, root: str) -> int | None:
+def rescan_unchanged(path: str, head: str, host: str, root: str) -> ScanResult | None:
     """The rescan of a tree in which no directory changed since the last scan, over stdlib sqlite3:
-    the number of entries, or None when anything changed (then `scan.reconcile` does the work).
+    its result (every entry unchanged), or None when anything changed (then `scan.reconcile` does the work).
 
     Importing SQLAlchemy costs about as much as `find` over a 100,000-file cache; a tree whose
     directories all kept their mtimes (`layout.walk_dirs` reads none of them) needs none of it.
@@ -1323,8 +1324,10 @@ def rescan_unchanged(path: str, head: str, host: str, root: str) -> int | None:
         # same set of paths): the root, whose mtime a first scan's trash folder moved just before
         # its walk (recorded RACY), or a folder a compile made and emptied. Their new mtimes are
         # kept; anything more is `scan.reconcile`'s.
+        # A mount point met (recorded RACY, not listed) is one of them.
         relisted = [(m, d) for d, m in walked.mtimes.items() if m == RACY or m != stored[d]]
-        if len(relisted) != walked.listed or len(relisted) > RELISTED_MOST:
+        mount_points = sum(1 for d in walked.mounted if d in walked.mtimes)
+        if len(relisted) != walked.listed + mount_points or len(relisted) > RELISTED_MOST:
             return None
         # Checked and written in one write transaction: a scan beside this one that commits an
         # entry of such a directory commits before (seen here) or after (its mtime then wins).
@@ -1335,7 +1338,8 @@ def rescan_unchanged(path: str, head: str, host: str, root: str) -> int | None:
         conn.executemany(f"UPDATE dirs SET mtime_ns = ? WHERE cache_id = {int(cache_id)} AND path = ?", relisted)
         conn.execute("UPDATE caches SET last_scan = ? WHERE id = ?", (time.time(), cache_id))
         conn.execute("COMMIT")
-        return conn.execute("SELECT COUNT(*) FROM entries WHERE cache_id = ?", (cache_id,)).fetchone()[0]
+        count = conn.execute("SELECT COUNT(*) FROM entries WHERE cache_id = ?", (cache_id,)).fetchone()[0]
+        return ScanResult(root, unchanged=count, mounted=walked.mounted)
     except sqlite3.Error:
         return None
     finally:
