@@ -240,7 +240,8 @@ class DirWalk:
     # units (`iter_dirs(units=...)`) are held here until the caller has walked them (`settle`).
     held: dict[str, int] = field(default_factory=dict)
     # Directories a subfolder of which vanished between their listing and its walk (moved away
-    # and back leaves a folder's own mtime as it was): recorded RACY, so the next walk lists them.
+    # and back leaves a folder's own mtime as it was), or that hold a mount point (mounting moves
+    # no mtime either): recorded RACY, so the next walk lists them.
     lost: set[str] = field(default_factory=set)
     # Mount points inside the root (another file system, a bind mount of any folder) are not the
     # cache's, as for `find -xdev`: never walked, so nothing below one is indexed or counted
@@ -346,7 +347,7 @@ def iter_dirs(
         state.mounts = frozenset(key_of(m) for m in safefs.mounts_below(root))
     if state.mounts and safefs.at_or_below_a_mount(sub, state.mounts):
         if sub in state.mounts:
-            yield from _mount_point(state, sub, True)
+            yield from _mount_point(state, sub, None)
         return
     try:
         fd = os.open(".", safefs.O_DIR, dir_fd=root.dir_fd(fs_path(sub))) if sub else os.dup(root.fd)
@@ -362,13 +363,17 @@ def iter_dirs(
     yield from _Walker(state, children, known, keep_paths, units).visit(fd, sub, None)
 
 
-def _mount_point(state: DirWalk, key: str, own: bool) -> Iterator[Listing]:
-    """Mount point `key`, met by a walk: not walked. Unless it is inside a kernel directory, it is
-    recorded RACY (a rescan tries it again: unmounted, it is walked) with no entries of its own."""
+def _mount_point(state: DirWalk, key: str, within: str | None) -> list[Listing]:
+    """Mount point `key`, met by a walk: not walked, not an entry's file. A folder of its own is
+    recorded RACY with no entries (every rescan tries it again: unmounted, it is walked). One
+    `within` a directory whose mtime stands for it (a file mounted on a file; anything mounted in
+    a kernel directory) makes that directory RACY instead: mounting moves no mtime."""
     state.mounted.append(key)
-    if own:
-        state.mtimes[key] = RACY
-        yield Listing(key, [])
+    if within is not None:
+        state.lost.add(within)
+        return []
+    state.mtimes[key] = RACY
+    return [Listing(key, [])]
 
 
 def _plain(key: str) -> bool:
@@ -403,6 +408,13 @@ class _Walker:
     ) -> None:
         self.out, self.children, self.known, self.keep_paths, self.units = out, children, known, keep_paths, units
         self.mounts = out.mounts or frozenset()
+        self.mounted_in: dict[str, set[str]] = {}  # directory -> the names in it that are (or hold) mount points
+        for m in self.mounts:
+            parent, _, name = m.rpartition("/")
+            self.mounted_in.setdefault(parent, set()).add(name)
+            parts = m.split("/")
+            if len(parts) > 3 and is_kernel_dir("/".join(parts[:3])):  # (a kernel directory is read whole)
+                self.mounted_in.setdefault("/".join(parts[:3]), set()).add(parts[3])
         self.racy_after = time.time_ns() - RACY_NS
 
     def visit(self, fd: int, rel: str, kernel: DiskEntry | None) -> Iterator[Listing]:
@@ -412,7 +424,7 @@ class _Walker:
         try:
             if own:
                 m = os.fstat(fd).st_mtime_ns  # (read before the listing: a change during it moves it on)
-                if self.known.get(rel) == m:
+                if self.known.get(rel) == m and not self._hides_a_mount(rel):
                     for child in self.children.get(rel, ()):
                         yield from self._descend(fd, child, child.rpartition("/")[2], None)
                     self._record(rel, m)
@@ -451,12 +463,23 @@ class _Walker:
         """Directory `rel`'s mtime, now that everything below it is walked."""
         self.out.mtimes[rel] = m if m < self.racy_after and rel not in self.out.lost else RACY
 
+    def _hides_a_mount(self, rel: str) -> bool:
+        """Would trusting directory `rel`'s mtime pass over a mount point in it? Mounting moves no
+        mtime: one on a file of it, or anywhere in a kernel directory, is met only by listing it
+        (one on a subfolder the index knows is met as that subfolder is walked)."""
+        names = self.mounted_in.get(rel)
+        if not names:
+            return False
+        known = set(self.children.get(rel, ()))
+        prefix = rel + "/" if rel else ""
+        return any(prefix + n not in known for n in names)
+
     def _unchanged_leaf(self, parent_fd: int, key: str, name: str) -> bool:
         """A known directory with no known subdirectory whose mtime is still the known one, seen
         by an lstat through its parent and recorded without opening it (it holds the names it
         held, so nothing new is below it): a rescan of a 100,000-file tree opened and closed
         12,000 kernel directories to read the mtimes, 2/3 of its walk. Anything else: False."""
-        if key not in self.known or key in self.children:
+        if key not in self.known or key in self.children or key in self.mounted_in:
             return False
         try:
             st = os.stat(fs_path(name), dir_fd=parent_fd, follow_symlinks=False)
@@ -473,7 +496,7 @@ class _Walker:
             self.out.unreadable.append(key)
             return
         if key in self.mounts:
-            yield from _mount_point(self.out, key, kernel is None)
+            yield from _mount_point(self.out, key, None if kernel is None else kernel.key)
             return
         if kernel is None and self._unchanged_leaf(parent_fd, key, name):
             return
@@ -498,6 +521,7 @@ class _Walker:
         keep = self.keep_paths
         prefix = rel + "/" if rel else ""
         subdirs, files = [], []
+        mounted = self.mounted_in.get(rel)  # (a file mounted on a file: not the cache's either)
         try:
             it = os.scandir(fd)
         except OSError as err:
@@ -510,6 +534,10 @@ class _Walker:
                     name = d.name
                     if name[0] == "." or name.startswith("tmp.") or ".tmp" in name:
                         continue  # is_transient, inlined: this loop runs once per file
+                    if mounted is not None and key_of(name) in mounted:
+                        if not d.is_dir(follow_symlinks=False):  # (a folder's is met as it is walked)
+                            _mount_point(self.out, prefix + key_of(name), rel if kernel is None else kernel.key)
+                            continue
                     try:
                         if d.is_dir(follow_symlinks=False):  # (only names are kept: a folder may hold 100,000)
                             subdirs.append(name if name.isprintable() and "%" not in name else key_of(name))
@@ -555,11 +583,12 @@ class _Walker:
 # -- one entry's files ------------------------------------------------------------------------------
 
 
-def stat_entry(root: safefs.Root, c: Classified) -> DiskEntry | None:
+def stat_entry(root: safefs.Root, c: Classified, mounts: frozenset[str] = frozenset()) -> DiskEntry | None:
     """One entry as it is on disk now, read as a walk reads it (for the watcher and `show`); None
     if gone. Its files are summed as they are seen and at most MAX_PATHS of their keys kept (a
     hostile kernel folder may hold millions). A kernel directory is walked through its own
-    descriptor; a code entry's files are the names in its folder that share its stem."""
+    descriptor; a code entry's files are the names in its folder that share its stem, but those
+    that are mount points (`mounts`, as keys)."""
     if c.kind == Kind.TRITON:
         e = walk_dirs(root, c.key).entries.get(c.key)
         return e if e is not None and e.files else None
@@ -569,6 +598,7 @@ def stat_entry(root: safefs.Root, c: Classified) -> DiskEntry | None:
             folder, stem = c.key.split("/", 1)
             names = [key_of(n) for n in root.listdir(fs_path(folder))]
             rels = sorted(f"{folder}/{n}" for n in names if n.startswith(stem + ".") and is_code_file(c.key, n))
+            rels = [rel for rel in rels if rel not in mounts]
         else:
             rels = [c.key]
         for rel in rels:

@@ -140,18 +140,26 @@ def _victim(tmp_path: Path) -> Path:
 
 def _bind_mounts(tmp_path: Path, points: dict[str, Path]) -> tuple[dict[str, Path], list[Path]]:
     """Someone's folders (three files each, named as Inductor names its files: each would be an
-    entry), bind-mounted at `points` (by name); skips the test where bind mounts are not allowed."""
+    entry) bind-mounted at `points` (by name), or someone's file where the point has a suffix (a
+    file mounted on a file); skips the test where bind mounts are not allowed."""
     if os.geteuid() != 0:
         pytest.skip("needs root to bind-mount a folder")
     victims, mounted = {}, []
     for name, point in points.items():
         v = victims[name] = tmp_path / f"someones-{name}"
         v.mkdir()
-        for i in range(3):
-            (v / (f"czz{i:050d}.py" if name == "module" else f"triton_{i}.cubin")).write_text("someone's")
+        if point.suffix:
+            source = v / point.name
+            source.write_text("someone's file")
+            point.parent.mkdir(parents=True, exist_ok=True)
+            point.touch()
+        else:
+            source = v
+            for i in range(3):
+                (v / (f"czz{i:050d}.py" if name == "module" else f"triton_{i}.cubin")).write_text("someone's")
+            point.mkdir(parents=True, exist_ok=True)
         age(v)
-        point.mkdir(parents=True, exist_ok=True)
-        if subprocess.run(["mount", "--bind", str(v), str(point)], capture_output=True).returncode:
+        if subprocess.run(["mount", "--bind", str(source), str(point)], capture_output=True).returncode:
             _unmount(mounted)
             pytest.skip("bind mounts are not allowed here")
         mounted.append(point)
@@ -219,9 +227,72 @@ def test_a_first_scan_spread_over_workers_stops_at_a_mount_point_too(gpu_cache, 
         _unmount(mounted)
 
 
+def test_what_is_mounted_inside_a_kernel_directory_or_on_a_file_is_left_out_and_found_again(
+    gpu_cache, tmp_path, cli_for
+):
+    """Mounting moves no directory's mtime: a folder mounted inside a kernel directory after a
+    scan, or a file mounted on a module's file, went unseen by the next plain scan (the hidden
+    file stayed indexed; the mounted one was counted, and planned: its rename failed), and once
+    unmounted, what it hid was never found again by a plain scan. The directory holding one is
+    now read again by every rescan."""
+    cli = cli_for(gpu_cache)
+    kernel = sorted(p for p in (gpu_cache / "triton" / "0").iterdir() if p.is_dir())[0]
+    (kernel / "sub").mkdir()
+    (kernel / "sub" / "hidden.bin").write_bytes(b"x" * 1000)
+    (gpu_cache / "lf").mkdir()
+    module = gpu_cache / "lf" / f"clf{0:049d}.py"
+    module.write_text("the cache's")
+    (gpu_cache / "lf" / f"clf{1:049d}.py").write_text("the cache's")
+    age(gpu_cache)
+    cli("scan")
+    points = {"kernel": kernel / "sub", "file": module}
+    victims, mounted = _bind_mounts(tmp_path, points)
+    keys = {"kernel": (kernel / "sub").relative_to(gpu_cache).as_posix(), "file": f"lf/clf{0:049d}.py"}
+    try:
+        before = {name: snapshot(v) for name, v in victims.items()}
+        for args in (["scan"], ["scan"]):
+            out = cli.json(*args)
+            assert sorted(out["mounted"]) == sorted(keys.values())
+            doc = cli.json("stats")
+            assert (doc["files"], doc["bytes"]) == find_totals(gpu_cache, tuple(mounted))
+        out = cli.json("evict", "--max-size", "0", "--grace", "0")
+        assert not [s for s in out["skipped"] if s["reason"] != "another mount"], out["skipped"]
+        assert {name: snapshot(v) for name, v in victims.items()} == before
+        _unmount(mounted)
+        mounted.clear()
+        assert cli.json("scan")["mounted"] == []
+        doc = cli.json("stats")
+        assert (doc["files"], doc["bytes"]) == find_totals(gpu_cache)
+    finally:
+        _unmount(mounted)
+
+
+def test_a_trash_folder_that_is_a_mount_point_is_not_used(gpu_cache, tmp_path, cli_for):
+    """The trash folder itself mounted from someone's folder: every rename into it failed across
+    the mount, and eviction kept the whole cache ("at or by a mount point"). It is not a place to
+    move to: units are deleted in place, as where no trash can be made, and it is never emptied."""
+    victims, mounted = _bind_mounts(tmp_path, {"trash": gpu_cache / ".cachemgr-trash"})
+    try:
+        age(gpu_cache)
+        before = snapshot(victims["trash"])
+        out = cli_for(gpu_cache).json("evict", "--max-size", "0", "--grace", "0")
+        assert out["evicted"] > 0 and out["in_place"] and out["skipped"] == []
+        assert snapshot(victims["trash"]) == before
+    finally:
+        _unmount(mounted)
+
+
+def db_files(db, key: str) -> int:
+    from sqlalchemy import text
+
+    with db.engine.connect() as conn:
+        return conn.execute(text("SELECT files FROM entries WHERE key = :k"), {"k": key}).scalar_one()
+
+
 def test_the_daemons_batch_leaves_out_what_is_mounted(gpu_cache, tmp_path, db_url):
-    """The watcher hands over files written below a mount point inside the cache: the daemon's
-    batch indexes none of them, and the entries the mount now hides leave the index."""
+    """The watcher hands over files written below a mount point inside the cache, or a module's
+    file that a file is mounted on: the daemon's batch indexes none of them, and what the mounts
+    now hide leaves the index (a module keeps its other files)."""
     from cachemgr.index import live
     from cachemgr.index.db import Database
 
@@ -231,42 +302,56 @@ def test_the_daemons_batch_leaves_out_what_is_mounted(gpu_cache, tmp_path, db_ur
     ours = [f"zz/czz{i:050d}.py" for i in range(3)]
     for rel in ours:
         (gpu_cache / rel).write_text("the cache's")
-    assert len(live.apply_batch(db, cid, str(gpu_cache), paths=ours).added) == 3
-    _, mounted = _bind_mounts(tmp_path, {"module": gpu_cache / "zz"})
+    (gpu_cache / "yy").mkdir()
+    module = f"yy/cyy{0:049d}"
+    for ext in (".py", ".cpp"):
+        (gpu_cache / f"{module}{ext}").write_text("the cache's")
+    assert len(live.apply_batch(db, cid, str(gpu_cache), paths=[*ours, f"{module}.py"]).added) == 4
+    files_before = db_files(db, module)
+    _, mounted = _bind_mounts(tmp_path, {"module": gpu_cache / "zz", "file": gpu_cache / f"{module}.py"})
     try:
         theirs = [f"zz/{p.name}" for p in (gpu_cache / "zz").iterdir()]
-        r = live.apply_batch(db, cid, str(gpu_cache), paths=ours + theirs, dirs=["zz"])
+        r = live.apply_batch(db, cid, str(gpu_cache), paths=ours + theirs + [f"{module}.py"], dirs=["zz"])
         assert (r.added, sorted(r.removed)) == ([], sorted(k.removesuffix(".py") for k in ours))
+        assert r.changed == [module] and (files_before, db_files(db, module)) == (2, 1)  # (its .cpp alone)
     finally:
         _unmount(mounted)
 
 
 def test_eviction_keeps_what_was_mounted_after_the_scan(gpu_cache, tmp_path, db_url):
     """A folder mounted between the index's scan and the eviction (a module folder, a kernel
-    directory, a folder of the trash): the rename into the trash failed across the mount (EXDEV)
-    and the unit was deleted in place, and emptying the trash emptied the mounted folder. Now
-    nothing at, below or above a mount point is moved or deleted: such a unit stays, "another
-    mount", and the rest of the cache goes as planned."""
+    directory, a folder of the trash), or a file on a module's file: the rename into the trash
+    failed across the mount (EXDEV) and the unit was deleted in place, and emptying the trash
+    emptied the mounted folder. Now nothing at, below or above a mount point is moved or
+    deleted: such a unit stays, "another mount", and the rest of the cache goes as planned."""
     from cachemgr.evict import Limits, evict
     from cachemgr.index.db import Database
     from cachemgr.index.scan import reconcile
 
-    (gpu_cache / "zz").mkdir()
-    for i in range(3):  # (a module folder of the cache, indexed; then someone's folder over it)
-        (gpu_cache / "zz" / f"czz{i:050d}.py").write_text("the cache's")
+    for folder in ("zz", "yy"):  # (module folders of the cache, indexed; then someone's folder or file over one)
+        (gpu_cache / folder).mkdir()
+        for i in range(3):
+            (gpu_cache / folder / f"c{folder}{i:049d}.py").write_text("the cache's")
     age(gpu_cache)
     db = Database(db_url)
     cid = db.cache_id("h", str(gpu_cache))
     reconcile(db, cid, str(gpu_cache))
     kernel = sorted(p for p in (gpu_cache / "triton" / "0").iterdir() if p.is_dir())[0]
-    points = {"module": gpu_cache / "zz", "kernel": kernel, "trash": gpu_cache / ".cachemgr-trash" / "m"}
+    points = {
+        "module": gpu_cache / "zz",
+        "kernel": kernel,
+        "trash": gpu_cache / ".cachemgr-trash" / "m",
+        "file": gpu_cache / "yy" / f"cyy{0:049d}.py",  # (its key has no '.py': the look checks each file)
+    }
     victims, mounted = _bind_mounts(tmp_path, points)
     try:
         before = {name: snapshot(v) for name, v in victims.items()}
         r = evict(db, cid, str(gpu_cache), Limits(max_size=0, grace=0))
         assert r.evicted > 0 and not r.in_place
         held = {k for k, reason in r.skipped if reason == "another mount"}
-        assert held >= {f"zz/czz{i:050d}" for i in range(3)} | {kernel.relative_to(gpu_cache).as_posix()}
+        mine = {f"zz/czz{i:049d}" for i in range(3)} | {f"yy/cyy{0:049d}", kernel.relative_to(gpu_cache).as_posix()}
+        assert held == mine, r.skipped
+        assert not (gpu_cache / "yy" / f"cyy{1:049d}.py").exists()  # (the rest of that folder went)
         assert {name: snapshot(v) for name, v in victims.items()} == before
     finally:
         _unmount(mounted)

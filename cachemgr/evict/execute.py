@@ -341,7 +341,8 @@ class Executor:
 
     def _open_trash(self) -> int | None:
         """The trash folder's descriptor, emptied of what dead runs left; None (delete in place)
-        when there is none and no room to make one, or its name is taken by something else."""
+        when there is none and no room to make one, its name is taken by something else, or it is
+        a mount point."""
         root = self.root
         try:
             os.mkdir(layout.TRASH_DIR, 0o700, dir_fd=root.fd)
@@ -354,6 +355,9 @@ class Executor:
         except OSError:
             return None  # a file or symlink of that name: not ours to remove, not a place to move to
         mounts = safefs.mounts_below(root)
+        if layout.TRASH_DIR in mounts:  # someone's folder (another file system's): not a place to move to
+            os.close(fd)
+            return None
         try:
             for name in os.listdir(fd):  # we hold the eviction lock: what is here belongs to a run that died
                 if not (mounts and safefs.at_or_above_a_mount(f"{layout.TRASH_DIR}/{name}", mounts)):

@@ -215,6 +215,9 @@ class Looker:
             if kind == Kind.CODE:
                 folder, stem = key.split("/", 1)
                 rels = [f"{folder}/{n}" for n in self._stem_names(folder, stem)]
+                if self.mounts and any(layout.fs_path(rel) in self.mounts for rel in rels):
+                    f.problem = Held.MOUNTED  # (a file mounted on one of its files)
+                    return f
             else:
                 rels = [key]
             for rel in rels:

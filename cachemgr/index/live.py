@@ -80,11 +80,8 @@ def _apply_batch(
     subtrees = sorted({k for d in dirs if (k := layout.key_of(d.strip("/"))) and layout.classify(k) is not None})
     with safefs.Root(root) as r:
         mounts = frozenset(layout.key_of(m) for m in safefs.mounts_below(r))  # (not the cache's: as gone)
-        disk = {
-            k: d
-            for k, c in classified.items()
-            if not (mounts and safefs.at_or_below_a_mount(k, mounts)) and (d := layout.stat_entry(r, c)) is not None
-        }
+        shown = (c for k, c in classified.items() if not (mounts and safefs.at_or_below_a_mount(k, mounts)))
+        disk = {c.key: d for c in shown if (d := layout.stat_entry(r, c, mounts)) is not None}
         for sub in subtrees:
             # A kernel directory whose files were listed is stat'ed already. Any other name that
             # came as a file and a directory both (a folder swapped with a symlink, and back) is
