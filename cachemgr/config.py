@@ -6,8 +6,10 @@ is a ConfigError naming the key and the source.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
+import re
 import stat
 import tomllib
 import urllib.parse
@@ -170,7 +172,20 @@ def _metrics(v: Any) -> str:
         host, _, port = v.rpartition(":")
         if not host or not port.isdigit() or not port.isascii() or not 0 < int(port) < 65536:
             raise ValueError("must be 'off' or HOST:PORT (port 1-65535), e.g. 127.0.0.1:9464")
+        if not _host_name(host):
+            raise ValueError(f"{host[:60]!r} is not an IP address or a host name")
     return v
+
+
+def _host_name(host: str) -> bool:
+    """An IP address ([::1] too), or a DNS host name (letters, digits, '-', dots: not all digits)."""
+    try:
+        ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+        return True
+    except ValueError:
+        labels = host.rstrip(".").split(".")
+        named = all(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?", label) for label in labels)
+        return named and len(host) <= 253 and not labels[-1].isdigit()
 
 
 def _nonempty(v: Any) -> str:
@@ -187,12 +202,22 @@ def _db_url(v: Any) -> str:
     v = _nonempty(v)
     if "\x00" in urllib.parse.unquote(v):  # (a %00 becomes one in the file name or the password)
         raise ValueError("must not contain a NUL byte (%00)")
-    scheme, sep, _ = v.partition("://")
+    scheme, sep, rest = v.partition("://")
     if not sep or scheme not in DB_SCHEMES:  # (a UsageError: the URL, which may hold a password, is not shown)
         raise UsageError(
             (f"{scheme[:40] + sep!r} is not a database cachemgr supports" if sep else "not a database URL")
             + ": give sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
         )
+    parts = urllib.parse.urlsplit(v)
+    options = {k for k, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)}
+    if scheme == "sqlite":
+        # Every command may write the index: an option SQLite's driver would ignore (?mode=ro: the
+        # index was written all the same) or read as a URI (file:, uri=true) is refused.
+        if options - {"timeout"} or rest.startswith(("/file:", "file:")):
+            raise UsageError("a SQLite index URL takes no option but ?timeout=SECONDS: give sqlite:///PATH")
+    elif not parts.path.strip("/") and "dbname" not in options:
+        # (libpq's default database, named after the user, would take cachemgr's tables)
+        raise UsageError("name the database: postgresql+psycopg://USER@HOST/DB")
     return v
 
 

@@ -433,16 +433,67 @@ def test_shell_completion(fixture_cache, cli_for):
     assert {"plain,stats", "plain,show"} <= set(r.stdout.splitlines()) or "plain,stats" in r.stdout, r.stdout
 
 
-def test_a_library_warning_is_one_line(fixture_cache, cli_for, tmp_path):
-    """SQLAlchemy's warning about a URL argument it ignores printed two lines, one of them
-    cachemgr's own source; it is one `cachemgr: warning:` line."""
-    root = fixture_cache()
+def test_a_library_warning_is_one_line():
+    """A library's warning printed two lines, one of them cachemgr's own source; it is one
+    `cachemgr: warning:` line, without the library's link."""
+    from cachemgr.cli import _one_line_warning
+
+    message = "Query string argument(s) 'x' are ignored;\n  see (Background on this warning at: https://x)"
+    line = _one_line_warning(UserWarning(message), UserWarning, "/src/cachemgr/x.py", 10)
+    assert line == "cachemgr: warning: Query string argument(s) 'x' are ignored; see\n"
+
+
+@pytest.mark.parametrize(
+    "url,message",
+    [
+        # SQLite's driver ignored ?mode=ro (with a warning) and the index was written all the same
+        ("sqlite:///{db}?mode=ro", "a SQLite index URL takes no option but ?timeout=SECONDS"),
+        ("sqlite:///file:{db}?mode=ro&uri=true", "a SQLite index URL takes no option but ?timeout=SECONDS"),
+        # libpq's default database (named after the user) took cachemgr's tables
+        ("postgresql+psycopg://", "name the database"),
+        ("postgresql+psycopg://postgres@127.0.0.1:5432", "name the database"),
+    ],
+)
+def test_an_index_url_that_would_write_where_it_does_not_say_is_a_usage_error(
+    fixture_cache, cli_for, tmp_path, url, message
+):
     db = tmp_path / "i.db"
-    cli_for(root, db=f"sqlite:///{db}")("scan")
-    r = cli_for(root, db=f"sqlite:///{db}?mode=ro").proc("stats")
-    lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert r.returncode == 0 and len(lines) == 1 and lines[0].startswith("cachemgr: warning: "), r.stderr
-    assert "'mode' are not accepted" in lines[0] and "Background" not in lines[0]
+    r = cli_for(fixture_cache(), db=url.format(db=db)).proc("scan")
+    assert r.returncode == 2 and r.stderr.startswith(f"cachemgr: error: db from flag: {message}"), r.stderr
+    assert len(r.stderr.splitlines()) == 1 and not db.exists()
+
+
+def test_passwords_are_never_shown(fixture_cache, cli_for, tmp_path):
+    """`config show` printed the Redis URL's password (the index's was replaced), and a password
+    given as ?password= was printed by every message naming the URL."""
+    cli = cli_for(fixture_cache(), db="postgresql+psycopg://nobody@127.0.0.1:1/none?password=qsecret")
+    env = {"CACHEMGR_REDIS_URL": "redis://u:hunter2@127.0.0.1:6379/3"}
+    for args in (["config", "show"], ["config", "show", "--json"], ["scan"]):
+        r = cli.proc(*args, env=env)
+        assert "hunter2" not in r.stdout + r.stderr and "qsecret" not in r.stdout + r.stderr, r.stdout + r.stderr
+        assert r.returncode == (5 if args == ["scan"] else 0), r.stderr
+    assert "u:***@127.0.0.1" in cli.proc("config", "show", env=env).stdout
+
+
+@pytest.mark.parametrize("value", ["a b:80", "999.1.1.1:80", "\u00fcn\u00ef:80", "-x:80"])
+def test_a_metrics_address_that_names_no_host_is_a_usage_error(fixture_cache, cli_for, value):
+    """It was taken, and the daemon then failed to start with exit 1 (a code its help does not list)."""
+    r = cli_for(fixture_cache()).proc("config", "show", env={"CACHEMGR_METRICS": value})
+    assert r.returncode == 2 and "is not an IP address or a host name" in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) == 1
+
+
+def test_json_output_is_strict_json():
+    """A NaN or an infinity (a hostile index row, Redis value or bundle header) was printed as
+    NaN / Infinity, which JSON has not: strict parsers refused the whole document."""
+    from cachemgr.cli.common import json_text
+
+    doc = {"a": float("nan"), "b": [1.5, float("-inf"), {"c": float("inf")}], "d": (2.0, "x")}
+    assert json.loads(json_text(doc), parse_constant=lambda c: pytest.fail(c)) == {
+        "a": None,
+        "b": [1.5, None, {"c": None}],
+        "d": [2.0, "x"],
+    }
 
 
 def test_a_key_given_with_bytes_that_are_not_utf8_is_looked_up_as_the_index_keys_it(fixture_cache, cli_for):

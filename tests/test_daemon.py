@@ -523,6 +523,22 @@ def test_a_directory_that_is_no_cache_is_refused_at_start(tmp_path, start):
     assert (home / "notes.txt").read_text() == "keep me"
 
 
+def test_a_metrics_address_that_cannot_be_served_stops_the_start_as_a_bad_config_value(tmp_path, start):
+    """A port in use (or an address not of this host) stopped the daemon with exit 1, a code its
+    help does not list: it is the config's value to change, exit 2, one line that says which."""
+    cache = tmp_path / "cache"
+    (cache / "fxgraph").mkdir(parents=True)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        d = start(cache, "--metrics", f"127.0.0.1:{busy.getsockname()[1]}", wait_ready=False)
+        assert d.proc.wait(60) == 2
+        assert f"cannot serve metrics on 127.0.0.1:{busy.getsockname()[1]}" in d.logs(), d.logs()
+    finally:
+        busy.close()
+
+
 def test_cache_dir_missing_at_start_then_created(tmp_path, start, cli_for):
     cache = tmp_path / "later"
     cli = cli_for(cache, host=HOST)

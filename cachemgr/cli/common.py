@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -201,7 +202,26 @@ def exit_codes(*codes: int | tuple[int, str]) -> Callable[[Callable], Callable]:
 
 
 def emit_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2, sort_keys=False, default=str))
+    click.echo(json_text(doc))
+
+
+def json_text(doc: Any) -> str:
+    """`doc` as strict JSON: a NaN or an infinity (from a hostile index, Redis value or bundle
+    header) is null, as JSON has no such number and strict parsers refuse the document."""
+    try:
+        return json.dumps(doc, indent=2, sort_keys=False, default=str, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(doc), indent=2, sort_keys=False, default=str, allow_nan=False)
+
+
+def _finite(doc: Any) -> Any:
+    if isinstance(doc, float):
+        return doc if math.isfinite(doc) else None
+    if isinstance(doc, dict):
+        return {k: _finite(v) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        return [_finite(v) for v in doc]
+    return doc
 
 
 def emit_json_list(items: Iterable[Any]) -> None:
@@ -209,7 +229,7 @@ def emit_json_list(items: Iterable[Any]) -> None:
     (json.dumps escapes a newline in a string: every line of an item's text is one to indent.)"""
     first = True
     for item in items:
-        text = json.dumps(item, indent=2, sort_keys=False, default=str)
+        text = json_text(item)
         click.echo(("[\n" if first else ",\n") + "\n".join("  " + line for line in text.split("\n")), nl=False)
         first = False
     click.echo("[]" if first else "\n]")

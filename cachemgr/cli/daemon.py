@@ -78,6 +78,8 @@ def config_show(app, as_json: bool) -> None:
     s = app.settings
     values = s.values()
     values["db"] = redact(values["db"])
+    if values.get("redis_url"):
+        values["redis_url"] = redact(values["redis_url"])
     if as_json:
         emit_json(
             {

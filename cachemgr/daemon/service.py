@@ -42,7 +42,7 @@ from cachemgr import layout
 from cachemgr.config import Settings, state_dir
 from cachemgr.daemon import systemd
 from cachemgr.daemon.watcher import Watcher
-from cachemgr.errors import AlreadyRunning, CacheDirError, CachemgrError
+from cachemgr.errors import AlreadyRunning, CacheDirError, CachemgrError, UsageError
 from cachemgr.index.db import Database, redact
 from cachemgr.index.pending import ParseResult
 from cachemgr.index.result import check_root
@@ -445,8 +445,10 @@ class Daemon:
         self.metrics.watch(self.db, self.cache_id)
         try:
             self.metrics.serve(s.metrics)
-        except OSError as e:
-            raise CachemgrError(f"cannot serve metrics on {s.metrics}: {e.strerror or e}") from e
+        except OSError as e:  # (a port taken, an address not this host's: the config's to change)
+            raise UsageError(
+                f"cannot serve metrics on {s.metrics}: {e.strerror or e} (set --metrics or metrics)"
+            ) from e
 
     def _start_watching(self) -> bool:
         """Watches, then a full reconcile. False (and a clear log line) when the root is not usable."""

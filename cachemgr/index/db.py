@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -199,7 +200,8 @@ class Database:
 
 
 def redact(url: str) -> str:
-    """A URL fit for messages: the password replaced."""
+    """A URL fit for messages: its password replaced (USER:PASSWORD@, and ?password=)."""
+    url = re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", url)
     if "@" in url and "://" in url:
         scheme, rest = url.split("://", 1)
         creds, host = rest.rsplit("@", 1)
