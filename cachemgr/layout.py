@@ -534,11 +534,10 @@ class _Walker:
                     name = d.name
                     if name[0] == "." or name.startswith("tmp.") or ".tmp" in name:
                         continue  # is_transient, inlined: this loop runs once per file
-                    if mounted is not None and key_of(name) in mounted:
-                        if not d.is_dir(follow_symlinks=False):  # (a folder's is met as it is walked)
-                            _mount_point(self.out, prefix + key_of(name), rel if kernel is None else kernel.key)
-                            continue
                     try:
+                        if mounted is not None and key_of(name) in mounted and not d.is_dir(follow_symlinks=False):
+                            _mount_point(self.out, prefix + key_of(name), rel if kernel is None else kernel.key)
+                            continue  # (a folder's is met as it is walked)
                         if d.is_dir(follow_symlinks=False):  # (only names are kept: a folder may hold 100,000)
                             subdirs.append(name if name.isprintable() and "%" not in name else key_of(name))
                         elif kernel is not None:  # one entry's files: added as listed, never held (a
