@@ -359,3 +359,64 @@ def test_a_component_set_made_by_another_host_meanwhile_is_taken(gpu_cache, pg_u
     assert pg_query(pg_url, "SELECT id FROM component_sets WHERE digest = %s", digest) == [(set_id,)]
     linked = "SELECT count(*) FROM entry_component_sets WHERE set_id = %s"
     assert pg_query(pg_url, linked, set_id)[0][0] > 0
+
+
+# -- the fleet report over odd rows of other hosts -------------------------------------------------
+#
+# Hosts share one index, so a host's report reads what every other host (or a hand edit) wrote.
+# A number no real cache has reads as unknown for its row only.
+
+ODD_TIMES = {"postgresql": ("'NaN'", "'-Infinity'", "1e300"), "sqlite": ("'x'", "-1", "1e300")}
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def two_hosts(request, fixture_cache, tmp_path):
+    """(index url, dialect, host-a's cache, host-b's cache): two copies of one real cache in one index."""
+    url = request.getfixturevalue("pg_url") if request.param == "postgresql" else request.getfixturevalue("db_url")
+    a = fixture_cache("torch-2.13.0-cpu")
+    b = tmp_path / "host-b"
+    shutil.copytree(a, b, symlinks=True)
+    for host, root in (("host-a", a), ("host-b", b)):
+        Cli(root, url, host=host)("scan")
+    return url, request.param, a, b
+
+
+def edit(url: str, sql: str) -> list[tuple]:
+    """One statement on the index, as another host or a hand edit would run it."""
+    if url.startswith("sqlite:///"):
+        import sqlite3
+
+        conn = sqlite3.connect(url.removeprefix("sqlite:///"))
+        try:
+            with conn:
+                return conn.execute(sql).fetchall()
+        finally:
+            conn.close()
+    return pg_query(url, sql)
+
+
+def strict_json(text: str):
+    """JSON as any parser reads it: NaN and Infinity are no JSON."""
+
+    def refuse(name):
+        raise AssertionError(f"{name} in the JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+HOST_B = "SELECT id FROM caches WHERE host = 'host-b'"
+
+
+def test_fleet_stats_reads_odd_values_of_another_host_as_unknown(two_hosts):
+    url, dialect, a, b = two_hosts
+    cli = Cli(a, url, host="host-a")
+    before = strict_json(cli("stats", "--fleet", "--json").stdout)
+    # one entry of host-b with an mtime no clock shows: `stats --fleet` once failed (exit 70)
+    edit(url, f"UPDATE entries SET mtime = 1e308 WHERE id = (SELECT MIN(id) FROM entries WHERE cache_id = ({HOST_B}))")
+    for odd in ODD_TIMES[dialect]:
+        edit(url, f"UPDATE caches SET last_scan = {odd} WHERE host = 'host-b'")
+        doc = strict_json(cli("stats", "--fleet", "--json").stdout)
+        by_host = {c["host"]: c for c in doc["caches"]}
+        assert by_host["host-b"]["last_scan_ts"] is None and by_host["host-a"]["last_scan_ts"] > 0, odd
+        assert (doc["oldest"], doc["newest"]) == (before["oldest"], before["newest"])
+        assert "host-b" in cli("stats", "--fleet").stdout

@@ -7,11 +7,16 @@ and PostgreSQL; this module adds them up.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cachemgr.index.store import Store, Usage, iso_time
+from cachemgr.index.store import Store, Usage, iso_time, moment
+
+# A shared index holds other hosts' rows as they wrote them, or as someone edited them. A time
+# outside 1970 to the year 33658 (what `age` shows) reads as unknown, for that row only.
+MAX_TIME = 1e12
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,12 @@ class FleetReport:
 def _store(source: Any) -> Store:
     """A Store, or (for callers that still hold one) an open SQLAlchemy connection."""
     return source if isinstance(source, Store) else Store.over(source)
+
+
+def known_time(v: Any) -> float | None:
+    """A time as stored, None where it reads as unknown."""
+    t = moment(v, math.nan)
+    return t if 0 <= t < MAX_TIME else None
 
 
 def fleet_report(
@@ -102,12 +113,15 @@ def fleet_stats(source: Store | Any, window: float) -> dict[str, Any]:
     by_kind: dict[str, Usage] = {}
     corrupt = pinned = 0
     acts = []
+    times: list[float] = []  # each cache's oldest and newest mtime, where known
     for c in store.caches():
         cache = store.on(c)
         t = cache.totals()
         act = activity(cache, window)
         acts.append(act)
-        caches.append({"host": c.host, **t.as_dict(), "last_scan_ts": c.last_scan, "activity": act.as_dict()})
+        last_scan = known_time(c.last_scan)
+        caches.append({"host": c.host, **t.as_dict(), "last_scan_ts": last_scan, "activity": act.as_dict()})
+        times += [x for x in (known_time(t.oldest), known_time(t.newest)) if x is not None]
         total += t.total
         for kind, u in t.by_kind.items():
             by_kind[kind] = by_kind.get(kind, Usage()) + u
@@ -120,15 +134,14 @@ def fleet_stats(source: Store | Any, window: float) -> dict[str, Any]:
             for f in ("hits", "compiles", "recompiles", "loaded", "compile_seconds", "evictions")
         ),
     )
-    dated = [d for d in caches if d["oldest"]]
     return {
         "hosts": sorted({d["host"] for d in caches}),
         "caches": caches,
         **asdict(total),
         "corrupt": corrupt,
         "pinned": pinned,
-        "oldest": min((d["oldest"] for d in dated), default=None),
-        "newest": max((d["newest"] for d in dated), default=None),
+        "oldest": iso_time(min(times, default=None)),
+        "newest": iso_time(max(times, default=None)),
         "by_kind": {k: asdict(u) for k, u in by_kind.items()},
         "activity": summed.as_dict(),
     }
