@@ -367,6 +367,7 @@ def test_a_component_set_made_by_another_host_meanwhile_is_taken(gpu_cache, pg_u
 # A number no real cache has reads as unknown for its row only.
 
 ODD_TIMES = {"postgresql": ("'NaN'", "'-Infinity'", "1e300"), "sqlite": ("'x'", "-1", "1e300")}
+NAN = {"postgresql": "'NaN'", "sqlite": "'x'"}  # SQLite stores NaN as NULL, and keeps text as text
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
@@ -420,3 +421,81 @@ def test_fleet_stats_reads_odd_values_of_another_host_as_unknown(two_hosts):
         assert by_host["host-b"]["last_scan_ts"] is None and by_host["host-a"]["last_scan_ts"] > 0, odd
         assert (doc["oldest"], doc["newest"]) == (before["oldest"], before["newest"])
         assert "host-b" in cli("stats", "--fleet").stdout
+        hosts = {h["host"]: h for h in strict_json(cli("fleet", "report", "--json").stdout)["hosts"]}
+        assert hosts["host-b"]["last_scan_ts"] is None and hosts["host-b"]["last_scan"] is None, odd
+        assert hosts["host-a"]["last_scan_ts"] == by_host["host-a"]["last_scan_ts"]
+
+
+def test_fleet_report_reads_absurd_numbers_of_one_row_as_unknown(two_hosts):
+    url, dialect, a, b = two_hosts
+    cli = Cli(a, url, host="host-a")
+    before = strict_json(cli("fleet", "report", "--json").stdout)
+    # one fxgraph entry of host-b, and one kernel or module an fxgraph entry of host-b names
+    (fx, graph, fx_bytes), *_ = edit(
+        url,
+        f"SELECT id, graph_key, bytes FROM entries WHERE cache_id = ({HOST_B}) AND kind = 'fxgraph' ORDER BY id",
+    )
+    (dep, dep_bytes), *_ = edit(
+        url,
+        "SELECT d.id, d.bytes FROM entries v JOIN entry_refs r ON r.entry_id = v.id JOIN entries d "
+        f"ON d.cache_id = v.cache_id AND d.ref = r.ref AND d.kind = r.kind WHERE v.cache_id = ({HOST_B}) "
+        "AND v.torch_version IS NOT NULL ORDER BY d.id",
+    )
+    big = (1 << 63) - 1  # the SQL sums once went past int64 and read as 0
+    edit(url, f"UPDATE entries SET bytes = {big}, compile_seconds = 1e308 WHERE id = {fx}")
+    edit(url, f"UPDATE entries SET bytes = {big} WHERE id = {dep}")
+    # an fxgraph entry of no known mtime is not the one that tells host-b's torch version
+    edit(
+        url,
+        "INSERT INTO entries (cache_id, key, kind, ref, bytes, files, mtime, first_seen, last_access, hit_count, "
+        f"graph_key, torch_version, dir, parse_state) SELECT id, 'fxgraph/zz/edited/x', 'fxgraph', 'edited', 0, 1, "
+        f"{NAN[dialect]}, 1, 1, 0, 'edited', '0.0.1-edited', '', 0 FROM caches WHERE host = 'host-b'",
+    )
+    # a hit at no known time is in no window; a real one still counts
+    hit = "INSERT INTO events (cache_id, ts, kind, entry_kind, recompile) SELECT id, {}, 'hit', 'fxgraph', FALSE"
+    edit(url, hit.format(NAN[dialect]) + " FROM caches")
+    edit(url, hit.format(time.time()) + " FROM caches WHERE host = 'host-a'")
+    rep = strict_json(cli("fleet", "report", "--window", "1h", "--json").stdout)
+
+    was = {h["host"]: h for h in before["hosts"]}
+    hosts = {h["host"]: h for h in rep["hosts"]}
+    assert hosts["host-b"]["bytes"] == was["host-b"]["bytes"] - fx_bytes - dep_bytes > 0
+    assert (hosts["host-b"]["unknown_sizes"], hosts["host-a"]["unknown_sizes"]) == (2, 0)
+    assert hosts["host-a"]["bytes"] == was["host-a"]["bytes"] == find_bytes(a)
+    assert (hosts["host-a"]["hits_in_window"], hosts["host-b"]["hits_in_window"]) == (1, 0)
+    assert hosts["host-b"]["torch_version"] == was["host-b"]["torch_version"]
+
+    was_graphs = {g["graph_key"]: g for g in before["shared_graphs"]}
+    graphs = {g["graph_key"]: g for g in rep["shared_graphs"]}
+    assert graphs[graph]["bytes"] == was_graphs[graph]["bytes"] - fx_bytes  # host-a's bytes are kept
+    assert graphs[graph]["redundant_bytes"] == 0 and graphs[graph]["hosts"] == 2
+    assert graphs[graph]["compile_seconds"] == was_graphs[graph]["compile_seconds"]  # host-a's
+    assert all(g == was_graphs[k] for k, g in graphs.items() if k != graph)
+
+    ((was_v,), versions) = before["torch_versions"], {v["torch_version"]: v for v in rep["torch_versions"]}
+    assert rep["versions_in_use"] == [was_v["torch_version"]] and not versions["0.0.1-edited"]["in_use"]
+    v = versions[was_v["torch_version"]]
+    assert v["fxgraph_bytes"] == was_v["fxgraph_bytes"] - fx_bytes
+    assert v["dependent_bytes"] == was_v["dependent_bytes"] - dep_bytes
+    assert v["bytes"] == was_v["bytes"] - fx_bytes - dep_bytes and rep["stale_bytes"] == 0
+
+    out = cli("fleet", "report").stdout
+    assert "e+" not in out and max(len(line) for line in out.splitlines()) < 160, out
+    if dialect == "sqlite":  # the stdlib sqlite3 driver reads the same report
+        from cachemgr.fleet.report import fleet_report
+        from cachemgr.index.db import Database
+        from cachemgr.index.revision import HEAD_REVISION
+        from cachemgr.index.store import Store
+
+        db = Database(url)
+        quick = Store.sqlite(url.removeprefix("sqlite:///"), HEAD_REVISION, "host-a", str(a))
+        assert quick is not None
+        try:
+            assert (
+                fleet_report(quick, window=3600).as_dict()
+                == rep
+                == fleet_report(Store.of(db, "host-a", str(a)), window=3600).as_dict()
+            )
+        finally:
+            quick.close()
+            db.close()
