@@ -499,3 +499,15 @@ def test_fleet_report_reads_absurd_numbers_of_one_row_as_unknown(two_hosts):
         finally:
             quick.close()
             db.close()
+
+
+def test_fleet_stats_sums_known_compile_seconds(two_hosts):
+    url, dialect, a, b = two_hosts
+    for host, seconds in (("host-a", 2.5), ("host-b", 1e308)):  # a compile of 1e308 s is an edited row
+        edit(
+            url,
+            "INSERT INTO events (cache_id, ts, kind, entry_kind, entry_key, seconds, recompile) SELECT id, "
+            f"{time.time()}, 'new', 'fxgraph', 'fxgraph/zz/gone', {seconds}, FALSE FROM caches WHERE host = '{host}'",
+        )
+    doc = strict_json(Cli(a, url, host="host-a")("stats", "--fleet", "--json").stdout)
+    assert doc["activity"]["compiles"] == 2 and doc["activity"]["compile_seconds"] == 2.5

@@ -224,13 +224,12 @@ def fleet_stats(source: Store | Any, window: float) -> dict[str, Any]:
             by_kind[kind] = by_kind.get(kind, Usage()) + u
         corrupt += t.corrupt
         pinned += t.pinned
-    summed = Activity(
-        window,
-        *(
-            sum(getattr(a, f) for a in acts)
-            for f in ("hits", "compiles", "recompiles", "loaded", "compile_seconds", "evictions")
-        ),
+    hits, compiles, recompiles, loaded, evictions = (
+        sum(getattr(a, f) for a in acts) for f in ("hits", "compiles", "recompiles", "loaded", "evictions")
     )
+    # each compile's known seconds: one row's 1e308 would make the whole sum that
+    seconds = sum(s for a in acts for s in a.compile_times if 0 <= s < MAX_SECONDS)
+    summed = Activity(window, hits, compiles, recompiles, loaded, seconds, evictions)
     return {
         "hosts": sorted({d["host"] for d in caches}),
         "caches": caches,
