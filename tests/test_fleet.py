@@ -412,14 +412,18 @@ def test_fleet_stats_reads_odd_values_of_another_host_as_unknown(two_hosts):
     url, dialect, a, b = two_hosts
     cli = Cli(a, url, host="host-a")
     before = strict_json(cli("stats", "--fleet", "--json").stdout)
-    # one entry of host-b with an mtime no clock shows: `stats --fleet` once failed (exit 70)
+    # one entry of host-b with an mtime no clock shows: `stats --fleet` once failed (exit 70); one of
+    # a size past int64's sum: the kind's sum failed on SQLite (exit 5) and read 0 on PostgreSQL
     edit(url, f"UPDATE entries SET mtime = 1e308 WHERE id = (SELECT MIN(id) FROM entries WHERE cache_id = ({HOST_B}))")
+    last = f"(SELECT MAX(id) FROM entries WHERE cache_id = ({HOST_B}))"
+    edit(url, f"UPDATE entries SET bytes = {(1 << 63) - 1} WHERE id = {last}")
     for odd in ODD_TIMES[dialect]:
         edit(url, f"UPDATE caches SET last_scan = {odd} WHERE host = 'host-b'")
         doc = strict_json(cli("stats", "--fleet", "--json").stdout)
         by_host = {c["host"]: c for c in doc["caches"]}
         assert by_host["host-b"]["last_scan_ts"] is None and by_host["host-a"]["last_scan_ts"] > 0, odd
         assert (doc["oldest"], doc["newest"]) == (before["oldest"], before["newest"])
+        assert 0 < doc["bytes"] < before["bytes"]  # (that entry's size is unknown)
         assert "host-b" in cli("stats", "--fleet").stdout
         hosts = {h["host"]: h for h in strict_json(cli("fleet", "report", "--json").stdout)["hosts"]}
         assert hosts["host-b"]["last_scan_ts"] is None and hosts["host-b"]["last_scan"] is None, odd

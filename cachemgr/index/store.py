@@ -239,6 +239,38 @@ def moment(v: Any, missing: float = 0.0) -> float:
     return f if math.isfinite(f) else missing
 
 
+# A shared index holds other hosts' rows as they wrote them, or as someone edited them. Where rows
+# of many are summed (the fleet's figures, a cache's totals), a number no real cache has reads as
+# unknown for that row only, so that it cannot zero, negate or swamp the sum: a size of 1 TiB or
+# more (of one entry), a time outside 1970 to the year 33658 (what `age` shows), a compile of
+# 1e9 s or more, a hit count past PostgreSQL's INTEGER. (SQLite's integer SUM fails past int64;
+# PostgreSQL's NaN sorts above every number; text in a hand-edited SQLite index sorts above them.)
+MAX_BYTES = 1 << 40
+MAX_TIME = 1e12
+MAX_SECONDS = 1e9
+MAX_HITS = 1 << 31
+
+
+def _known(column: str, top: float) -> str:
+    """SQL: `column` where it is a number in [0, top), else NULL."""
+    return f"CASE WHEN {column} >= 0 AND {column} < {top!r} THEN {column} END"
+
+
+def _sum(known: str) -> str:
+    """SQL: the sum of known values as a float, 0 for none (sizes below 1 TiB add exactly in a
+    float up to 8 PiB)."""
+    return f"COALESCE(SUM(CAST({known} AS DOUBLE PRECISION)), 0)"
+
+
+_BYTES = _known("e.bytes", MAX_BYTES)
+
+
+def known_time(v: Any) -> float | None:
+    """A time as stored, None where it reads as unknown."""
+    t = moment(v, math.nan)
+    return t if 0 <= t < MAX_TIME else None
+
+
 @dataclass(frozen=True)
 class CacheRow:
     """One cache directory of one host in the index."""
@@ -616,8 +648,9 @@ class Store:
         by_kind = {k.value: Usage() for k in Kind}
         oldest = newest = None
         # (each query reads one index, not the rows: ix_entries_usage covers the first)
+        mtime = _known("mtime", MAX_TIME)
         for kind, n, files, size, lo, hi in self._rows(
-            "SELECT kind, COUNT(*), SUM(files), SUM(bytes), MIN(mtime), MAX(mtime) "
+            f"SELECT kind, COUNT(*), SUM(files), {_sum(_known('bytes', MAX_BYTES))}, MIN({mtime}), MAX({mtime}) "
             "FROM entries WHERE cache_id = :cache GROUP BY kind"
         ):
             by_kind[kind] = Usage(whole(n), whole(files), whole(size))
@@ -985,7 +1018,8 @@ class Store:
             "FROM events v LEFT JOIN entries e ON e.cache_id = v.cache_id AND e.key = v.entry_key "
             f"WHERE v.cache_id = :cache AND v.kind IN ('{Event.NEW.value}', '{Event.LOADED.value}') "
             "AND v.entry_kind = 'fxgraph' AND v.ts >= :since AND v.id > :after AND v.id <= :upto "
-            "ORDER BY v.ts, v.id",
+            + ("" if since is None else f"AND v.ts < {MAX_TIME!r} ")  # (an unknown time is in no window)
+            + "ORDER BY v.ts, v.id",
             since=-1.0 if since is None else since,
             after=after_id,
             upto=upto_id if upto_id is not None else 1 << 62,
@@ -1001,7 +1035,9 @@ class Store:
         """Events by kind (hits: reads of fxgraph entries; evictions)."""
         rows = self._rows(
             "SELECT kind, COUNT(*) FROM events WHERE cache_id = :cache AND ts >= :since AND id > :after "
-            "AND id <= :upto AND (kind <> :hit OR entry_kind = 'fxgraph') GROUP BY kind",
+            "AND id <= :upto AND (kind <> :hit OR entry_kind = 'fxgraph') "
+            + ("" if since is None else f"AND ts < {MAX_TIME!r} ")  # (an unknown time is in no window)
+            + "GROUP BY kind",
             since=-1.0 if since is None else since,
             after=after_id,
             upto=upto_id if upto_id is not None else 1 << 62,
@@ -1114,44 +1150,46 @@ class Store:
 
     # -- fleet: every cache of the index ------------------------------------------------------------
 
-    def fleet_hosts(self) -> list[tuple[str, int, int, int, int, float | None]]:
-        """(host, caches, entries, bytes, hit_count, last scan) of every host."""
+    def fleet_hosts(self) -> list[tuple[str, int, int, int, int, int, float | None]]:
+        """(host, caches, entries, bytes, entries of unknown size, hit count, last scan) of every host."""
         return [
-            (h, int(c), int(n), whole(b), whole(hits), last)
-            for h, c, n, b, hits, last in self._rows(
-                "SELECT c.host, COUNT(DISTINCT c.id), COUNT(e.id), SUM(e.bytes), SUM(e.hit_count), MAX(c.last_scan) "
+            (h, int(c), int(n), int(b), int(unknown), int(hits), known_time(last))
+            for h, c, n, b, unknown, hits, last in self._rows(
+                f"SELECT c.host, COUNT(DISTINCT c.id), COUNT(e.id), {_sum(_BYTES)}, COUNT(e.id) - COUNT({_BYTES}), "
+                f"{_sum(_known('e.hit_count', MAX_HITS))}, MAX({_known('c.last_scan', MAX_TIME)}) "
                 "FROM caches c LEFT JOIN entries e ON e.cache_id = c.id GROUP BY c.host ORDER BY c.host"
             )
         ]
 
     def fleet_hits(self, since: float) -> dict[str, int]:
-        """host -> fxgraph hits since `since`."""
+        """host -> fxgraph hits at or after `since` (an unknown time is in no window)."""
         return {
             h: int(n)
             for h, n in self._rows(
-                "SELECT c.host, COUNT(*) FROM events v JOIN caches c ON c.id = v.cache_id "
-                "WHERE v.kind = :hit AND v.entry_kind = 'fxgraph' AND v.ts >= :since GROUP BY c.host",
+                "SELECT c.host, COUNT(*) FROM events v JOIN caches c ON c.id = v.cache_id WHERE v.kind = :hit "
+                f"AND v.entry_kind = 'fxgraph' AND v.ts >= :since AND v.ts < {MAX_TIME!r} GROUP BY c.host",
                 hit=Event.HIT.value,
                 since=since,
             )
         }
 
     def host_torch_version(self, host: str) -> str | None:
-        """The torch version of a host's newest fxgraph entry."""
+        """The torch version of a host's newest fxgraph entry (one of unknown mtime is the oldest)."""
         return self._scalar(
             "SELECT e.torch_version FROM entries e JOIN caches c ON c.id = e.cache_id WHERE c.host = :host "
-            "AND e.kind = 'fxgraph' AND e.torch_version IS NOT NULL ORDER BY e.mtime DESC LIMIT 1",
+            "AND e.kind = 'fxgraph' AND e.torch_version IS NOT NULL "
+            f"ORDER BY COALESCE({_known('e.mtime', MAX_TIME)}, -1) DESC LIMIT 1",
             host=host,
         )
 
     def shared_graphs(self, min_hosts: int, limit: int) -> list[dict[str, Any]]:
-        """Graphs that `min_hosts` or more hosts hold, most hosts first."""
+        """Graphs that `min_hosts` or more hosts hold, most hosts first; bytes of their known sizes."""
         rows = self._rows(
-            "SELECT e.graph_key, COUNT(DISTINCT c.host), COUNT(*), SUM(e.bytes), MAX(e.bytes), "
-            "MAX(e.compile_seconds), MAX(e.torch_version) FROM entries e JOIN caches c ON c.id = e.cache_id "
+            f"SELECT e.graph_key, COUNT(DISTINCT c.host), COUNT(*), {_sum(_BYTES)}, COALESCE(MAX({_BYTES}), 0), "
+            f"MAX({_known('e.compile_seconds', MAX_SECONDS)}), MAX(e.torch_version) "
+            "FROM entries e JOIN caches c ON c.id = e.cache_id "
             "WHERE e.kind = 'fxgraph' AND e.graph_key IS NOT NULL GROUP BY e.graph_key "
-            "HAVING COUNT(DISTINCT c.host) >= :min_hosts "
-            "ORDER BY COUNT(DISTINCT c.host) DESC, SUM(e.bytes) DESC, e.graph_key",
+            "HAVING COUNT(DISTINCT c.host) >= :min_hosts ORDER BY 2 DESC, 4 DESC, 1",
             min_hosts=min_hosts,
         )
         return [
@@ -1159,27 +1197,22 @@ class Store:
                 "graph_key": g,
                 "hosts": int(nh),
                 "entries": int(n),
-                "bytes": whole(size),
-                "redundant_bytes": whole(size) - whole(biggest),
-                "compile_seconds": None if cost is None else round(moment(cost), 3),
+                "bytes": int(size),
+                "redundant_bytes": int(size) - int(biggest),
+                "compile_seconds": None if cost is None else round(float(cost), 3),
                 "torch_version": tv,
             }
             for g, nh, n, size, biggest, cost, tv in rows[:limit]
         ]
 
     def torch_versions(self) -> list[tuple[str, int, int, int]]:
-        """(version, fxgraph entries, their bytes, hosts) of every torch version in the index."""
-        return sorted(
-            (
-                (v, int(n), whole(size), int(nh))
-                for v, n, size, nh in self._rows(
-                    "SELECT e.torch_version, COUNT(*), SUM(e.bytes), COUNT(DISTINCT c.host) FROM entries e "
-                    "JOIN caches c ON c.id = e.cache_id WHERE e.kind = 'fxgraph' AND e.torch_version IS NOT NULL "
-                    "GROUP BY e.torch_version"
-                )
-            ),
-            key=lambda r: str(r[0]),
+        """(version, fxgraph entries, their known bytes, hosts) of every torch version in the index."""
+        rows = self._rows(
+            f"SELECT e.torch_version, COUNT(*), {_sum(_BYTES)}, COUNT(DISTINCT c.host) FROM entries e "
+            "JOIN caches c ON c.id = e.cache_id WHERE e.kind = 'fxgraph' AND e.torch_version IS NOT NULL "
+            "GROUP BY e.torch_version"
         )
+        return sorted(((v, int(n), int(size), int(nh)) for v, n, size, nh in rows), key=lambda r: str(r[0]))
 
     def version_dependents(self) -> list[tuple[str, int, int]]:
         """(torch version, entry id, bytes) of entries without a version of their own (kernels, modules,
