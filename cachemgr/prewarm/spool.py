@@ -304,16 +304,18 @@ def read_line(raw: bytes) -> _Row:
 
 
 def _row(doc: dict) -> _Row:
-    from cachemgr.record import signature_text
+    from cachemgr.record import signature_hash, signature_text
 
-    # the signature shown is made from the spec, not taken from the line: what is printed is
-    # what will be replayed
+    # the signature shown and the hash that keys the row are made from the spec and options, not
+    # taken from the line: what is printed is what will be replayed, and a line that names another
+    # shape's hash cannot take that shape's row
+    options = doc.get("options") or {}
     row = _Row(
         model=doc["model"],
-        signature_hash=doc["signature_hash"],
+        signature_hash=signature_hash(doc["spec"], options),
         signature=signature_text(doc["spec"]),
         spec=json.dumps(doc["spec"], sort_keys=True),
-        options=json.dumps(doc.get("options") or {}, sort_keys=True),
+        options=json.dumps(options, sort_keys=True),
         host=doc.get("host"),
         ts=float(doc.get("ts") or time.time()),
     )

@@ -1,0 +1,57 @@
+"""Hostile inputs that any workload can write and every ingest or prewarm reads: spool files (a
+file grown or locked by another process, a line naming another shape's hash) and manifests (a
+value the worker cannot be sent). No torch: real files, real processes, a real SQLite index."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cachemgr.index.db import Database
+from cachemgr.prewarm.spool import ingest, list_shapes
+from cachemgr.record import signature_hash
+
+
+def tensor(*shape: int) -> dict:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.insert(0, acc)
+        acc *= d
+    return {"t": "tensor", "shape": list(shape), "dtype": "float32", "device": "cpu", "stride": stride}
+
+
+def line(model: str, *shapes: tuple[int, ...], hash_of: tuple[int, ...] | None = None, ts: float = 1e9) -> bytes:
+    """A spool line as the recorder writes it; `hash_of`: the hash of another input's spec."""
+    spec = {"args": [tensor(*s) for s in shapes], "kwargs": {}, "grad": True}
+    forged = {"args": [tensor(*hash_of)], "kwargs": {}, "grad": True} if hash_of else spec
+    doc = {"model": model, "signature_hash": signature_hash(forged, {}), "spec": spec, "options": {}, "ts": ts}
+    return (json.dumps(doc) + "\n").encode()
+
+
+@pytest.fixture
+def db(tmp_path):
+    d = Database(f"sqlite:///{tmp_path / 'idx.db'}")
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def spool_dir(tmp_path):
+    d = tmp_path / "spool"
+    d.mkdir()
+    return d
+
+
+def test_a_line_naming_another_shapes_hash_cannot_take_its_row(db, spool_dir):
+    """The row key was the line's own `signature_hash`: a line with the hash of f32[8,16] and the
+    spec f32[1,1], read first, made that row f32[1,1] for good (later real lines only counted), and
+    prewarm replayed f32[1,1]. The hash is now made from the spec and options at ingest."""
+    (spool_dir / "a-evil.jsonl").write_bytes(line("lin", (1, 1), hash_of=(8, 16), ts=1e9))
+    (spool_dir / "b-real.jsonl").write_bytes(line("lin", (8, 16), ts=1e9 + 1))
+    r = ingest(db, str(spool_dir))
+    assert (r.files, r.lines, r.new_shapes, r.bad_lines) == (2, 2, 2, [])
+    rows = {d["signature"]: d["signature_hash"] for d in list_shapes(db, "lin")}
+    real = {"args": [tensor(8, 16)], "kwargs": {}, "grad": True}
+    forged = {"args": [tensor(1, 1)], "kwargs": {}, "grad": True}
+    assert rows == {"(f32[8,16])": signature_hash(real, {}), "(f32[1,1])": signature_hash(forged, {})}
