@@ -5,11 +5,14 @@ value the worker cannot be sent). No torch: real files, real processes, a real S
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import pytest
 
 from cachemgr.index.db import Database
-from cachemgr.prewarm.spool import ingest, list_shapes
+from cachemgr.prewarm import spool as spooling
+from cachemgr.prewarm.spool import TAKEN, ingest, list_shapes
 from cachemgr.record import signature_hash
 
 
@@ -55,3 +58,44 @@ def test_a_line_naming_another_shapes_hash_cannot_take_its_row(db, spool_dir):
     real = {"args": [tensor(8, 16)], "kwargs": {}, "grad": True}
     forged = {"args": [tensor(1, 1)], "kwargs": {}, "grad": True}
     assert rows == {"(f32[8,16])": signature_hash(real, {}), "(f32[1,1])": signature_hash(forged, {})}
+
+
+def test_a_file_written_while_it_is_read_is_read_up_to_its_size_when_locked(db, spool_dir, monkeypatch):
+    """A writer that ignores the lock (an fd opened before the ingest took the file) kept the file
+    growing while it was read: the ingest never ended, past MAX_FILE. Now only the bytes the file
+    held once locked are read, and the rest is named."""
+    path = spool_dir / "g.jsonl"
+    path.write_bytes(line("lin", (2, 4)) * 3)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)  # before the ingest renames it
+    reading, written, stop = threading.Event(), threading.Event(), threading.Event()
+    chunk = line("grown", (9, 9)) * 1000
+
+    def grow() -> None:  # as long as the ingest reads (at most 8 MB: a test without the fix ends)
+        reading.wait(60)
+        for _ in range(8 * 1024 * 1024 // len(chunk)):
+            os.write(fd, chunk)
+            written.set()
+            if stop.is_set():
+                break
+
+    real_lines = spooling._ingest_lines
+
+    def lines_once_grown(*a):  # the file has grown past its size at the lock before a line is read
+        reading.set()
+        assert written.wait(60)
+        return real_lines(*a)
+
+    monkeypatch.setattr(spooling, "_ingest_lines", lines_once_grown)
+    writer = threading.Thread(target=grow)
+    writer.start()
+    try:
+        r = ingest(db, str(spool_dir))
+    finally:
+        stop.set()
+        writer.join(60)
+        os.close(fd)
+    assert (r.files, r.lines, r.new_shapes) == (1, 3, 1)
+    assert [d["model"] for d in list_shapes(db)] == ["lin"]  # nothing written after the lock was read
+    assert len(r.bad_lines) == 1 and r.bad_lines[0].startswith(f"g.jsonl{TAKEN}: ")
+    assert r.bad_lines[0].endswith("bytes added while it was read, by a writer that ignores its lock: not read")
+    assert os.listdir(spool_dir) == []

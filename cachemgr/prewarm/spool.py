@@ -5,7 +5,8 @@ Protocol (crash-safe, idempotent):
 1. take a file: rename `X.jsonl` -> `X.jsonl.ingesting` (atomic: one ingester wins; the
    recorder checks the inode under its lock, so it never writes into a taken file);
 2. lock it (flock; a writer that held the lock before the rename finishes its line first);
-3. upsert its lines into `shapes` (model, signature_hash), BATCH lines per transaction;
+3. upsert its lines (those in the bytes it held once locked) into `shapes` (model, signature_hash),
+   BATCH lines per transaction;
 4. unlink it.
 
 A crash before 4 leaves `.ingesting`; the next run processes it first. Lines committed before the
@@ -189,18 +190,26 @@ def _ingest_file(db: Database, path: str, recovering: bool, bad: list[str]) -> t
         if not stat.S_ISREG(st.st_mode):
             _set_aside(path, "not a regular file", bad)
             return None
-        if st.st_size > MAX_FILE:
-            _set_aside(path, f"{st.st_size} bytes, over the {MAX_FILE >> 20} MiB a spool file may hold", bad)
-            return None
         # A left-over file may be another ingester's live one: skip it if locked. A file we just
         # took may still have a recorder finishing its line: wait for it, a bounded time.
         if not _lock(fd, 0.0 if recovering else LOCK_WAIT):
             return None
+        # its size once locked: no recorder writes to it any more, and what a writer that ignores
+        # the lock adds while it is read is not read (a file that keeps growing would never end)
+        size = os.fstat(fd).st_size
+        if size > MAX_FILE:
+            _set_aside(path, f"{size} bytes, over the {MAX_FILE >> 20} MiB a spool file may hold", bad)
+            return None
         try:
-            counts = _ingest_lines(db, fd, name, recovering, bad)
+            counts = _ingest_lines(db, fd, name, recovering, size, bad)
         except OSError as e:
             _set_aside(path, f"cannot read it ({e.strerror})", bad)
             return None
+        grown = os.fstat(fd).st_size - size
+        if grown > 0:
+            bad.append(
+                f"{shown(name)}: {grown} bytes added while it was read, by a writer that ignores its lock: not read"
+            )
         try:
             os.unlink(path)  # while holding the lock: nobody else processes it again
         except FileNotFoundError:
@@ -212,7 +221,10 @@ def _ingest_file(db: Database, path: str, recovering: bool, bad: list[str]) -> t
         os.close(fd)
 
 
-def _ingest_lines(db: Database, fd: int, name: str, recovering: bool, bad: list[str]) -> tuple[int, int, int]:
+def _ingest_lines(
+    db: Database, fd: int, name: str, recovering: bool, limit: int, bad: list[str]
+) -> tuple[int, int, int]:
+    """The lines in the first `limit` bytes of the file."""
     name = shown(name)
     lines = new = updated = skipped = size = 0
     batch: list[tuple[int, _Row]] = []
@@ -236,13 +248,15 @@ def _ingest_lines(db: Database, fd: int, name: str, recovering: bool, bad: list[
     with os.fdopen(os.dup(fd), "rb") as f:
         lineno = 0
         while True:
-            raw = f.readline(MAX_LINE + 1)
+            raw = f.readline(min(MAX_LINE + 1, limit))
+            limit -= len(raw)
             if not raw:
                 break
             lineno += 1
             if len(raw) > MAX_LINE:
                 while raw and not raw.endswith(b"\n"):  # the rest of the long line, a chunk at a time
-                    raw = f.readline(MAX_LINE)
+                    raw = f.readline(min(MAX_LINE, limit))
+                    limit -= len(raw)
                 report(lineno, f"longer than {MAX_LINE // 1024} KiB")
                 continue
             if not raw.strip():
