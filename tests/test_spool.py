@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -99,3 +101,43 @@ def test_a_file_written_while_it_is_read_is_read_up_to_its_size_when_locked(db, 
     assert len(r.bad_lines) == 1 and r.bad_lines[0].startswith(f"g.jsonl{TAKEN}: ")
     assert r.bad_lines[0].endswith("bytes added while it was read, by a writer that ignores its lock: not read")
     assert os.listdir(spool_dir) == []
+
+
+_HOLD = """
+import fcntl, os, sys
+fds = [os.open(p, os.O_RDONLY) for p in sys.argv[1:]]
+for fd in fds:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+print("holding", flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+
+
+def test_locked_files_cost_one_short_wait_in_all_and_are_named(db, spool_dir, monkeypatch):
+    """Each spool file whose lock another process held cost the ingest LOCK_WAIT (5 s), unsaid:
+    six such files, 30 s of `shapes`, and any workload can hold more. Now one ingest waits
+    LOCK_WAIT in all, names each file it left, and ingests the others; a later ingest, the locks
+    gone, takes the files left."""
+    locked = [spool_dir / f"a{i}.jsonl" for i in range(6)]
+    for i, p in enumerate(locked):  # (a file left taken is read as after a crash: its lines are newer)
+        p.write_bytes(line("lin", (2, 4), ts=1e9 + i))
+    (spool_dir / "z-free.jsonl").write_bytes(line("lin", (3, 4)))
+    monkeypatch.setattr(spooling, "LOCK_WAIT", 0.2)
+    waits: list[float] = []
+    real_lock = spooling._lock
+    monkeypatch.setattr(spooling, "_lock", lambda fd, wait: waits.append(wait) or real_lock(fd, wait))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, *map(str, locked)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+        r = ingest(db, str(spool_dir))
+    finally:
+        holder.communicate("", timeout=60)
+    assert (r.files, r.lines) == (1, 1)
+    assert r.bad_lines == [f"a{i}.jsonl{TAKEN}: locked by another process; left for a later ingest" for i in range(6)]
+    assert sum(waits) <= 0.2  # the budget shared, not a wait per file
+    assert sorted(os.listdir(spool_dir)) == [f"a{i}.jsonl{TAKEN}" for i in range(6)]
+    r = ingest(db, str(spool_dir))
+    assert (r.files, r.lines, r.bad_lines) == (6, 6, [])
+    assert {d["signature"]: d["count"] for d in list_shapes(db, "lin")} == {"(f32[2,4])": 6, "(f32[3,4])": 1}

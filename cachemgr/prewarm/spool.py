@@ -4,7 +4,9 @@ Protocol (crash-safe, idempotent):
 
 1. take a file: rename `X.jsonl` -> `X.jsonl.ingesting` (atomic: one ingester wins; the
    recorder checks the inode under its lock, so it never writes into a taken file);
-2. lock it (flock; a writer that held the lock before the rename finishes its line first);
+2. lock it (flock; a writer that held the lock before the rename finishes its line first). One
+   ingest waits at most LOCK_WAIT for all its files together: a file still locked is named and
+   left `.ingesting` for a later ingest;
 3. upsert its lines (those in the bytes it held once locked) into `shapes` (model, signature_hash),
    BATCH lines per transaction;
 4. unlink it.
@@ -60,7 +62,7 @@ MAX_NAME = 255  # model and host: String(255) in the index
 MAX_HASH = 16  # signature_hash: String(16)
 MAX_TEXT = 4096  # any other string in a line
 MAX_DIM = 1 << 62  # a tensor dimension or stride
-LOCK_WAIT = 5.0  # seconds to wait for a recorder to finish its line in a file just taken
+LOCK_WAIT = 1.0  # seconds, in all, one ingest waits for recorders to finish their lines in files it took
 FUTURE = 86400.0  # a line's time may be this far ahead of ours (clocks differ), no more
 
 _BAD_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
@@ -100,6 +102,9 @@ def ingest(db: Database, spool_dir: str) -> IngestResult:
     Raises only DatabaseError (the index as a whole failing); everything else is reported."""
     t0 = time.monotonic()
     leftovers, fresh = _spooled(spool_dir)
+    # one budget for the whole ingest: a recorder's line takes microseconds, and a file whose lock
+    # is held longer (anyone can hold any number) must not stall the ingest for each of them
+    lock_by = time.monotonic() + LOCK_WAIT
     totals = {"files": 0, "lines": 0, "new": 0, "updated": 0}
     bad: list[str] = []
     for name, recovering in [(n, True) for n in leftovers] + [(n, False) for n in fresh]:
@@ -114,7 +119,8 @@ def ingest(db: Database, spool_dir: str) -> IngestResult:
                 bad.append(f"{shown(name)}: cannot take it ({e.strerror}); left as it is")
                 continue
             path = taken
-        done = _ingest_file(db, path, recovering, bad)
+        wait = 0.0 if recovering else max(0.0, lock_by - time.monotonic())
+        done = _ingest_file(db, path, recovering, wait, bad)
         if done is None:
             continue
         totals["files"] += 1
@@ -171,7 +177,7 @@ def _lock(fd: int, wait: float) -> bool:
             return True
 
 
-def _ingest_file(db: Database, path: str, recovering: bool, bad: list[str]) -> tuple[int, int, int] | None:
+def _ingest_file(db: Database, path: str, recovering: bool, wait: float, bad: list[str]) -> tuple[int, int, int] | None:
     name = os.path.basename(path)
     try:
         # never follow a link, never block on a FIFO
@@ -191,8 +197,10 @@ def _ingest_file(db: Database, path: str, recovering: bool, bad: list[str]) -> t
             _set_aside(path, "not a regular file", bad)
             return None
         # A left-over file may be another ingester's live one: skip it if locked. A file we just
-        # took may still have a recorder finishing its line: wait for it, a bounded time.
-        if not _lock(fd, 0.0 if recovering else LOCK_WAIT):
+        # took may still have a recorder finishing its line: wait for it, what is left of the budget.
+        if not _lock(fd, wait):
+            if not recovering:
+                bad.append(f"{shown(name)}: locked by another process; left for a later ingest")
             return None
         # its size once locked: no recorder writes to it any more, and what a writer that ignores
         # the lock adds while it is read is not read (a file that keeps growing would never end)
