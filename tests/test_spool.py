@@ -16,6 +16,7 @@ from cachemgr.index.db import Database
 from cachemgr.prewarm import spool as spooling
 from cachemgr.prewarm.spool import TAKEN, ingest, list_shapes
 from cachemgr.record import signature_hash
+from tests.conftest import REPO
 
 
 def tensor(*shape: int) -> dict:
@@ -141,3 +142,40 @@ def test_locked_files_cost_one_short_wait_in_all_and_are_named(db, spool_dir, mo
     r = ingest(db, str(spool_dir))
     assert (r.files, r.lines, r.bad_lines) == (6, 6, [])
     assert {d["signature"]: d["count"] for d in list_shapes(db, "lin")} == {"(f32[2,4])": 6, "(f32[3,4])": 1}
+
+
+# -- manifests ------------------------------------------------------------------------------------
+
+DATETIME_IN = {
+    "factory_kwargs": "factory_kwargs = { when = 1979-05-27T07:32:00Z, t = 07:32:00 }\n",
+    "compile.options": "compile = { options = { x = 1979-05-27 } }\n",
+}
+
+
+@pytest.mark.parametrize("field", DATETIME_IN)
+def test_a_manifest_value_json_has_no_form_for_is_refused_by_every_command_that_reads_it(field, tmp_path, cli_for):
+    """A TOML date or time in factory_kwargs made `prewarm` print a traceback (the worker's job is
+    JSON), then '0 shape(s) prewarmed, 0 problem(s)' and exit 0; in compile.options, exit 70 (and
+    `check` 8, `import --check-only` 9, each with a traceback). The manifest is now refused as it
+    loads: one line naming model and key, exit 2, whichever command reads it."""
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(
+        f'[[model]]\nname = "lin"\nfactory = "prewarm_models:mlp"\n{DATETIME_IN[field]}shapes = [["f32[8,16]"]]\n'
+    )
+    bundle = tmp_path / "b.bundle"
+    bundle.write_bytes(b'CACHEMGR-BUNDLE 1\n{"bytes": 0}\n')  # a header is all import reads before the manifest
+    (tmp_path / "cache").mkdir()
+    cli = cli_for(tmp_path / "cache")
+    key = "factory_kwargs.when" if field == "factory_kwargs" else "compile.options.x"
+    expected = (
+        f"cachemgr: error: manifest {manifest}: model 'lin': field '{key}': a TOML date or time, which prewarm "
+        "cannot pass on (JSON has none): write it as a string\n"
+    )
+    for args in (
+        ["prewarm", "--manifest", str(manifest)],
+        ["check", "--manifest", str(manifest)],
+        ["import", str(bundle), "--check-only", "--manifest", str(manifest)],
+        ["export", "--manifest", str(manifest), "--out", str(tmp_path / "out.bundle")],
+    ):
+        r = cli.proc(*args, env={"PYTHONPATH": os.pathsep.join((str(REPO), str(REPO / "tests" / "programs")))})
+        assert (r.returncode, r.stderr) == (2, expected), args

@@ -13,11 +13,13 @@
     # shapes = [["f32[8,512]"], ["f32[16,512]", 3], [{shape = [4, 512], dtype = "bfloat16"}]]
 
 A problem in one model's table is that model's error (naming model and field); the other models
-still load. Only a file that is not TOML at all fails as a whole.
+still load. Only a file that is not TOML at all, or holds a value JSON has no form for (a TOML date
+or time: the worker gets its job as JSON), fails as a whole.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import re
 from dataclasses import dataclass, field
@@ -129,6 +131,12 @@ def parse(doc: dict, path: str = "<manifest>") -> Manifest:
     for i, t in enumerate(tables, 1):
         name = t.get("name") if isinstance(t, dict) else None
         label = name if isinstance(name, str) else f"#{i}"
+        where = _not_json(t)
+        if where is not None:
+            raise ManifestError(
+                f"manifest {path}: model {label!r}: field {where[0]!r}: a TOML {where[1]}, which prewarm cannot "
+                "pass on (JSON has none): write it as a string"
+            )
         try:
             m = _model(t)
             if m.name in names:
@@ -138,6 +146,24 @@ def parse(doc: dict, path: str = "<manifest>") -> Manifest:
         except _FieldError as e:
             errors.append((label, f"manifest {path}: model {label!r}: field {e.field!r}: {e.message}"))
     return Manifest(path, models, errors)
+
+
+_JSON_TYPES = (str, int, float, bool)
+
+
+def _not_json(doc: Any) -> tuple[str, str] | None:
+    """(dotted key, TOML type) of the first value in `doc` that JSON cannot carry, or None. A
+    date, time or datetime is the only one TOML has. Iterative: TOML nests as deep as it likes."""
+    stack: list[tuple[str, Any]] = [("", doc)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), x) for k, x in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+        elif not isinstance(v, _JSON_TYPES):
+            return where, "date or time" if isinstance(v, (datetime.date, datetime.time)) else type(v).__name__
+    return None
 
 
 class _FieldError(Exception):
