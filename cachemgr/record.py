@@ -40,6 +40,7 @@ from cachemgr.errors import CachemgrError
 SPOOL_VERSION = 1
 SPOOL_SUFFIX = ".jsonl"
 MAX_LINE = 64 * 1024  # cachemgr.prewarm.spool.MAX_LINE: a longer line is never ingested
+MAX_SEEN = 10_000  # distinct signatures one recorder keeps (and spools); more is a scalar that changes each call
 
 _Tensor: Any = None  # torch.Tensor, bound on first compile()
 
@@ -62,13 +63,18 @@ def _key(obj: Any) -> Any:
     if isinstance(obj, _Tensor):
         return (obj.shape, obj.dtype, obj.device, obj.requires_grad, obj.stride())
     t = type(obj)
-    if t is int or t is float or t is bool or t is str or obj is None:
+    if t is int or t is bool or t is str or obj is None:
         return (t, obj)  # dynamo specializes on (most) Python scalars: part of the signature
+    if t is float:
+        return (t, obj) if obj == obj else _NAN  # a NaN equals no NaN: it would never be seen again
     if t is tuple or t is list:
         return (t, *[_key(o) for o in obj])
     if t is dict:
         return (t, *[(k, _key(v)) for k, v in obj.items()])
     return t  # other objects: their type is all we can replay (and usually all dynamo guards)
+
+
+_NAN = (float, "nan")
 
 
 def call_key(args: tuple, kwargs: dict, grad: bool) -> tuple:
@@ -293,6 +299,7 @@ class Recorder:
         self.spool = spool or _default_spool()
         self._grad = torch.is_grad_enabled
         self._lock = threading.Lock()
+        self._warned_full = False
 
     def observe(self, args: tuple, kwargs: dict) -> None:
         """The per-call hook. Never raises into the workload."""
@@ -302,13 +309,26 @@ class Recorder:
             if k in self.seen:
                 return
             with self._lock:
-                if k in self.seen:
+                if k in self.seen or self._full():
                     return
                 self.seen.add(k)
             if not self._new(args, kwargs, grad):
                 self.seen.discard(k)  # not written (a full disk): a later call with it tries again
         except Exception as e:  # noqa: BLE001 - recording must never break the model
             warnings.warn(f"cachemgr.record({self.name}): not recorded: {type(e).__name__}: {e}", stacklevel=3)
+
+    def _full(self) -> bool:
+        """Whether the seen set holds MAX_SEEN signatures (warned once): memory and the spool stay
+        bounded when a call's signature is new each time (a step counter, a timestamp)."""
+        if len(self.seen) < MAX_SEEN:
+            return False
+        if not self._warned_full:
+            self._warned_full = True
+            warnings.warn(
+                f"cachemgr.record({self.name}): {MAX_SEEN} distinct input signatures seen; no more are recorded",
+                stacklevel=4,
+            )
+        return True
 
     def _new(self, args: tuple, kwargs: dict, grad: bool) -> bool:
         spec = input_spec(args, kwargs, grad)

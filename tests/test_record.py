@@ -83,6 +83,35 @@ def test_function_decorator_nested_inputs_and_scalars(spool):
     assert f.__name__ == "f"
 
 
+def test_a_nan_argument_is_one_signature_recorded_once(spool):
+    """NaN equals no NaN, so a call with a NaN scalar was never found in the seen set: each call
+    wrote a spool line (2,000 calls, 2,000 lines of one hash) and grew the set. Now it is one
+    signature, recorded once, nested or not."""
+    f = record.compile(lambda x, s, cfg: x * s, name="f", spool=spool, backend="eager")
+    rec = vars(f)["_cachemgr_recorder"]
+    x = torch.randn(2)
+    for _ in range(200):
+        f(x, float("nan"), {"eps": [float("nan")]})
+    lines = spool_lines(spool.directory)
+    assert [ln["signature"] for ln in lines] == ["(f32[2], nan, {eps: [nan]})"]
+    assert len(rec.seen) == 1
+
+
+def test_the_seen_set_is_bounded_and_says_so_once(spool, monkeypatch):
+    """A scalar that is new on every call (a step counter) made a new signature each call: the seen
+    set and the spool grew without bound. Past MAX_SEEN signatures nothing more is recorded, with
+    one warning, and the model runs on."""
+    monkeypatch.setattr(record, "MAX_SEEN", 5)
+    f = record.compile(lambda x, step: x * step, name="f", spool=spool, backend="eager")
+    x = torch.randn(2)
+    with pytest.warns(UserWarning, match="5 distinct input signatures seen; no more are recorded") as w:
+        for step in range(20):
+            assert f(x, step).shape == (2,)
+    assert len([m for m in w if "no more are recorded" in str(m.message)]) == 1
+    assert [ln["spec"]["args"][1]["v"] for ln in spool_lines(spool.directory)] == [0, 1, 2, 3, 4]
+    assert len(vars(f)["_cachemgr_recorder"].seen) == 5
+
+
 def test_a_spool_that_cannot_be_written_warns_once_and_never_breaks_the_model(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a dir")
