@@ -104,7 +104,12 @@ def _spec(obj: Any) -> Any:
     if t in (tuple, list):
         return {"t": t.__name__, "items": [_spec(o) for o in obj]}
     if t is dict:
-        return {"t": "dict", "items": {str(k): _spec(v) for k, v in obj.items()}}
+        # JSON keys are text, and prewarm rebuilds a dict with them: another key (0, or 0 and '0')
+        # would be replayed as a different dict
+        for k in obj:
+            if type(k) is not str:
+                raise ValueError(f"a dict with a key that is not a string ({k!r:.40}): prewarm could not replay it")
+        return {"t": "dict", "items": {k: _spec(v) for k, v in obj.items()}}
     return {"t": "object", "type": f"{t.__module__}.{t.__qualname__}"}
 
 

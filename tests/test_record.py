@@ -112,6 +112,18 @@ def test_the_seen_set_is_bounded_and_says_so_once(spool, monkeypatch):
     assert len(vars(f)["_cachemgr_recorder"].seen) == 5
 
 
+def test_a_dict_with_keys_that_are_not_strings_is_not_recorded_saying_why(spool):
+    """`{0: a, '0': b}` was recorded as `{'0': b}` (keys made text, one input lost), so prewarm
+    replayed another dict. A spec keeps only text keys; a dict with any other is not recorded,
+    with a warning, and a dict of text keys still is."""
+    f = record.compile(lambda d: d["0"].sum(), name="f", spool=spool, backend="eager")
+    a, b = torch.randn(2), torch.randn(3)
+    with pytest.warns(UserWarning, match=r"not recorded: ValueError: a dict with a key that is not a string \(0\)"):
+        f({0: a, "0": b})
+    f({"0": b})
+    assert [ln["signature"] for ln in spool_lines(spool.directory)] == ["({0: f32[3]})"]
+
+
 def test_a_spool_that_cannot_be_written_warns_once_and_never_breaks_the_model(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a dir")
