@@ -437,3 +437,20 @@ def test_push_reads_are_not_hits(gpu_cache, start, cli_for, redis_url):  # noqa:
     (gpu_cache / fx[0]["key"]).read_bytes()
     rows = wait_until(lambda: [r for r in cli.json("ls", "--kind", "fxgraph") if r["hit_count"]], timeout=30)
     assert [(r["key"], r["hit_count"]) for r in rows] == [(fx[0]["key"], 1)]
+
+
+def test_remote_evict_with_a_meta_key_that_is_not_a_hash(cpu_cache, cli_for, redis_url, rconn):
+    """Any client may SET cachemgr:meta to a string: eviction leaves it alone and deletes all it
+    planned (the script's HDEL failed after its first UNLINK: exit 6, one key a run)."""
+    a = cli_for(cpu_cache)
+    a("remote", "--redis", redis_url, "push")
+    keys = torch_keys(rconn)
+    for k in keys:
+        _age(rconn, k, 3600)
+    rconn.delete("cachemgr:meta")
+    rconn.set("cachemgr:meta", "hostile")
+    done = remote_json(a, redis_url, "evict", "--max-age", "1m")
+    # (with no meta, the AOT values were read to learn their graphs: that read keeps them)
+    kept = [k for k in keys if k.startswith("pt2:autograd-experimental::")]
+    assert done["result"]["deleted"] == len(keys) - len(kept) > 1 and torch_keys(rconn) == kept
+    assert rconn.get("cachemgr:meta") == b"hostile"

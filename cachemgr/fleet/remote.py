@@ -580,13 +580,15 @@ def _local_problem(path: str) -> str | None:
 
 
 # OBJECT IDLETIME does not touch the key; a key read since the plan has a smaller idle time now.
+# A META_KEY that is not a hash is left alone (HDEL on it would fail the script after its first UNLINK).
 _EVICT_LUA = """
 local out = {}
+local meta = redis.call('TYPE', KEYS[1]).ok == 'hash'
 for i = 2, #KEYS do
   local idle = redis.call('OBJECT', 'IDLETIME', KEYS[i])
   if idle and idle >= tonumber(ARGV[i - 1]) then
     redis.call('UNLINK', KEYS[i])
-    redis.call('HDEL', KEYS[1], KEYS[i])
+    if meta then redis.call('HDEL', KEYS[1], KEYS[i]) end
     table.insert(out, KEYS[i])
   end
 end
