@@ -323,6 +323,14 @@ def test_remote_failures_are_one_line(cpu_cache, cli_for, url, message, args):
         ("redis://{server}/13?Encoding=latin-1", "leave out encoding"),
         ("redis://{server}/13?encoding_errors=bogus", "leave out encoding_errors"),
         ("redis://{server}/13?ssl_cert_reqs=x", "ssl options need rediss://"),
+        # options redis-py hands on as they are (each was exit 70, or 6 for protocol)
+        ("redis://{server}/13?foo=bar", "unknown option 'foo' (cachemgr takes db, "),
+        ("redis://{server}/13?DB=4", "unknown option 'DB'"),
+        ("redis://{server}/13?password=hunter2&Db=3", "unknown option 'Db'"),
+        ("redis://{server}/13?socket_timeout=-1", "socket_timeout: '-1' is not a number of seconds over 0"),
+        ("redis://{server}/13?socket_timeout=nan", "socket_timeout: 'nan' is not a number of seconds"),
+        ("redis://{server}/13?socket_connect_timeout=1e308", "'1e308' is not a number of seconds"),
+        ("redis://{server}/13?protocol=9", "protocol: '9' is not 2 or 3"),
     ],
 )
 def test_a_bad_redis_url_is_a_usage_error(tmp_path, db_url, redis_url, url, why):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import os
 import re
 import time
@@ -197,29 +198,95 @@ def check_url(url: str) -> str:
             raise UsageError(bad + f"{shown_key(db)!r} is not a database number (0, 1, 2...: redis://HOST:PORT/DB)")
     if len({int(db) for db in dbs}) > 1:
         raise UsageError(bad + "it names two databases (its path and ?db=)")
-    options = {k.lower() for k, _ in parse_qsl(parts.query, keep_blank_values=True)}
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    options = {k.lower() for k, _ in query}
     for option in sorted(options & _DECODING):  # redis-py would hand back text: keys and values are bytes here
         raise UsageError(bad + f"leave out {option}: cachemgr reads Redis's bytes as they are")
     if parts.scheme.lower() != "rediss" and any(k.startswith("ssl") for k in options):
         raise UsageError(bad + "ssl options need rediss://")  # (redis-py fails on them at the first command)
+    # redis-py hands an option it does not know to its connection class (a TypeError: `?DB=4`,
+    # `?foo=bar`) and some values to the socket as they are (`?socket_timeout=nan`): only the
+    # options below pass, each value checked. (Names are case-sensitive there, as in redis-py.)
+    known = _OPTIONS if parts.scheme.lower() != "rediss" else {**_OPTIONS, **_SSL_OPTIONS}
+    for name, value in query:
+        if name not in known:
+            raise UsageError(bad + f"unknown option {shown_key(name)!r} (cachemgr takes {', '.join(known)})")
+        try:
+            known[name](value)
+        except ValueError as e:
+            raise UsageError(bad + f"{name}: {e}") from None
     return url
 
 
 _DECODING = frozenset({"decode_responses", "encoding", "encoding_errors"})
+MAX_TIMEOUT = 86400.0  # seconds: a larger socket timeout overflows (1e308), and waits for nothing useful
+
+
+def _seconds(value: str) -> None:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_TIMEOUT:  # (NaN is not)
+        raise ValueError(f"{shown_key(value)!r} is not a number of seconds over 0 and at most {MAX_TIMEOUT:g}")
+
+
+def _whole(value: str) -> None:
+    if not re.fullmatch(r"[0-9]{1,9}", value):
+        raise ValueError(f"{shown_key(value)!r} is not a whole number of seconds")
+
+
+def _one_of(*allowed: str) -> Callable[[str], None]:
+    def check(value: str) -> None:
+        if value not in allowed:
+            raise ValueError(f"{shown_key(value)!r} is not {' or '.join(allowed)}")
+
+    return check
+
+
+def _any(value: str) -> None:
+    pass
+
+
+_BOOL = _one_of("true", "false", "yes", "no", "1", "0", "on", "off")
+# URL option -> the check of its value (a ValueError says why not)
+_OPTIONS: dict[str, Callable[[str], None]] = {
+    "db": _any,  # (checked above)
+    "username": _any,
+    "password": _any,
+    "client_name": _any,
+    "socket_timeout": _seconds,
+    "socket_connect_timeout": _seconds,
+    "socket_keepalive": _BOOL,
+    "health_check_interval": _whole,
+    "protocol": _one_of("2", "3"),
+}
+_SSL_OPTIONS: dict[str, Callable[[str], None]] = {  # rediss:// only
+    "ssl_cert_reqs": _one_of("none", "optional", "required"),
+    "ssl_check_hostname": _BOOL,
+    "ssl_ca_certs": _any,
+    "ssl_ca_path": _any,
+    "ssl_certfile": _any,
+    "ssl_keyfile": _any,
+    "ssl_password": _any,
+}
+_SECRET_OPTIONS = frozenset({"password", "ssl_password"})
 
 
 def redact_url(url: str) -> str:
     """The URL fit for messages: any password replaced."""
     try:
         parts = urlsplit(url)
+        netloc, query = parts.netloc, parts.query
+        if parts.password is not None:
+            netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
     except ValueError:
         return "<unparsable URL>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    if any(k in _SECRET_OPTIONS for k, _ in parse_qsl(query, keep_blank_values=True)):  # ?password=...
+        query = "&".join(
+            f"{k.split('=')[0]}=***" if unquote(k.split("=")[0]) in _SECRET_OPTIONS else k for k in query.split("&")
+        )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 T = TypeVar("T")
