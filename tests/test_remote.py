@@ -462,3 +462,37 @@ def test_remote_evict_with_a_meta_key_that_is_not_a_hash(cpu_cache, cli_for, red
     kept = [k for k in keys if k.startswith("pt2:autograd-experimental::")]
     assert done["result"]["deleted"] == len(keys) - len(kept) > 1 and torch_keys(rconn) == kept
     assert rconn.get("cachemgr:meta") == b"hostile"
+
+
+def test_remote_memory_stays_bounded_with_huge_names_and_meta_fields(tmp_path, db_url, redis_url, rconn):
+    """Redis allows names and hash fields of 512 MB. Key names over 1024 bytes stay on the server
+    (only their size and first bytes come back), and a meta field's size is asked before it is
+    read: `remote stats` held every name, and every field whole (peak RSS ~100 MB a 30 MB name)."""
+    big = 30 << 20
+    names = [f"pt2:fx-graph-v1::{c * big}:c1" for c in "abc"]
+    for name in names:
+        rconn.set(name, "x")
+    ok = "pt2:fx-graph-v1::fshort:c1"
+    rconn.set(ok, "x")
+    rconn.hset("cachemgr:meta", ok, "{" + " " * (2 * big) + "}")
+    cli = Cli(tmp_path / "cache", db_url)
+    out = subprocess.run(
+        [sys.executable, "-c", OWN_PEAK_RSS_PROGRAM, *cli.base(), "remote", "--redis", redis_url, "stats", "--json"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    rconn.delete(*names, "cachemgr:meta")
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    why = {x["key"]: x["reason"] for x in doc["skipped"]}
+    assert doc["entries"] == 1 and why == {
+        **{
+            f"pt2:fx-graph-v1::{c * 283}...": f"key of {big + 20} bytes, over the 1024 a torch key may have"
+            for c in "abc"
+        },
+        ok: f"cachemgr:meta: meta field of {2 * big + 2} bytes, over the 65536 cachemgr reads; ignored",
+    }, why
+    rss = int(out.stderr.split("peak-rss-mib ")[-1].split()[0])
+    assert rss < 80, f"the command peaked at {rss} MiB"

@@ -34,7 +34,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -336,16 +336,30 @@ class Remote:
 
     # -- reading without touching ----------------------------------------------------------
 
+    def scan(self, match: str) -> Iterator[tuple[bytes, int]]:
+        """(name, its length) of each key matching; a name over MAX_KEY bytes comes as its first
+        300 bytes only. Redis allows names of 512 MB, and SCAN hands a name over whole: the Lua
+        step below keeps long ones on the server, so a reply holds at most about a MiB of names."""
+        step = self.r.register_script(_SCAN_LUA)
+        cursor: bytes | int = 0
+        while True:
+            cursor, short, long = self.call(partial(step, args=[cursor, match, MAX_KEY]))
+            yield from ((k, len(k)) for k in short)
+            yield from ((k, n) for k, n in long)
+            if int(cursor) == 0:
+                return
+
     def torch_keys(self, skipped: list[Skipped] | None = None) -> list[str]:
         """Every torch remote-cache key; keys under `pt2:` that are not torch's go to `skipped`."""
-        raw = self.call(lambda: list(self.r.scan_iter(match="pt2:*", count=1000)))
         keys = []
-        for k in raw:
-            key, problem = check_key(k)
+        for k, n in self.scan("pt2:*"):
+            key, problem = (
+                check_key(k) if n == len(k) else (None, f"key of {n} bytes, over the {MAX_KEY} a torch key may have")
+            )
             if key is not None:
                 keys.append(key)
             elif skipped is not None:
-                skipped.append(Skipped(shown_key(k), problem or "?"))
+                skipped.append(Skipped(shown_key(k) + ("..." if n > len(k) else ""), problem or "?"))
         return keys
 
     def inspect(self, keys: list[str] | None = None, skipped: list[Skipped] | None = None) -> list[RemoteKey]:
@@ -390,13 +404,16 @@ class Remote:
                 skipped.append(Skipped(META_KEY, f"a Redis {typ}, not cachemgr's hash: ignored"))
             return {}
         out: dict[str, dict] = {}
+        read = self.r.register_script(_META_LUA)
         for chunk in chunks(rkeys, BATCH):
-            # (bytes: the client does not decode responses)
-            values = cast("list[bytes | None]", self.call(partial(self.r.hmget, META_KEY, chunk)))
-            for k, v in zip(chunk, values, strict=True):
+            # (bytes: the client does not decode responses; a number: the size of a field too large)
+            values = cast("list[bytes | int | None] | None", self.call(partial(read, [META_KEY], [MAX_META, *chunk])))
+            for k, v in zip(chunk, values or [None] * len(chunk), strict=True):
                 if v is None:
                     continue
                 try:
+                    if isinstance(v, int):
+                        raise ValueError(f"meta field of {v} bytes, over the {MAX_META} cachemgr reads")
                     doc = small_json(v, MAX_META, "meta field")
                     if not isinstance(doc, dict):
                         raise ValueError("not a remote-cache meta field: not a JSON object")
@@ -418,7 +435,7 @@ class Remote:
             row["entries"] += 1
             row["bytes"] += k.bytes
         dbsize = self.call(self.r.dbsize)
-        cachemgr_keys = len(self.call(lambda: list(self.r.scan_iter(match="cachemgr:*", count=1000))))
+        cachemgr_keys = sum(1 for _ in self.scan("cachemgr:*"))
         return RemoteStats(
             url=self.shown,
             entries=len(keys),
@@ -645,6 +662,32 @@ def _local_problem(path: str) -> str | None:
         return f"{st.st_size} bytes, over the {MAX_PUSH >> 20} MiB cachemgr pushes"
     return None
 
+
+# One SCAN step; a name over ARGV[3] bytes is answered as {its first 300 bytes, its length}.
+_SCAN_LUA = """
+local r = redis.call('SCAN', ARGV[1], 'MATCH', ARGV[2], 'COUNT', 1000)
+local short, long = {}, {}
+for _, k in ipairs(r[2]) do
+  if #k <= tonumber(ARGV[3]) then
+    table.insert(short, k)
+  else
+    table.insert(long, {string.sub(k, 1, 300), #k})
+  end
+end
+return {r[1], short, long}
+"""
+
+# META_KEY's fields ARGV[2...], each as it is if at most ARGV[1] bytes, else its size (a number);
+# nil when META_KEY is not a hash (now).
+_META_LUA = """
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then return nil end
+local out = {}
+for i = 2, #ARGV do
+  local n = redis.call('HSTRLEN', KEYS[1], ARGV[i])
+  if n > tonumber(ARGV[1]) then out[i - 1] = n else out[i - 1] = redis.call('HGET', KEYS[1], ARGV[i]) end
+end
+return out
+"""
 
 # OBJECT IDLETIME does not touch the key; a key read since the plan has a smaller idle time now.
 # A META_KEY that is not a hash is left alone (HDEL on it would fail the script after its first UNLINK).
