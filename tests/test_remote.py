@@ -262,7 +262,8 @@ def test_remote_evict_parses_values_in_bounded_workers(cpu_cache, cli_for, redis
     del pickled
     out = subprocess.run(
         [sys.executable, "-c", OWN_PEAK_RSS_PROGRAM, *cli.base()]
-        + ["remote", "--redis", redis_url, "evict", "--max-size", "0", "--dry-run", "--json"],
+        # (not a dry run, which reads no value: the grace period keeps these keys just written)
+        + ["remote", "--redis", redis_url, "evict", "--max-size", "0", "--json"],
         env=subprocess_env(),
         capture_output=True,
         text=True,
@@ -496,3 +497,29 @@ def test_remote_memory_stays_bounded_with_huge_names_and_meta_fields(tmp_path, d
     }, why
     rss = int(out.stderr.split("peak-rss-mib ")[-1].split()[0])
     assert rss < 80, f"the command peaked at {rss} MiB"
+
+
+def test_a_dry_run_changes_nothing_in_redis(redis_url, rconn):
+    """A dry run (learn=False) neither reads an AOT value (a read resets its idle time, and so
+    what the next real run decides) nor writes cachemgr:meta (it overwrote hostile fields)."""
+    from cachemgr.fleet.remote import Remote
+
+    known, unknown = "pt2:autograd-experimental::aknown:c1", "pt2:autograd-experimental::aunknown:c1"
+    for k in (known, unknown):
+        rconn.set(k, "not a value")
+        _age(rconn, k, 3600)
+    rconn.hset("cachemgr:meta", mapping={known: json.dumps({"refs": ["fgraph"]}), unknown: "hostile"})
+    before = rconn.hgetall("cachemgr:meta")
+    rem = Remote(redis_url)
+    skipped: list = []
+    assert rem.aot_refs(rem.inspect(), skipped, learn=False) == {known: ["fgraph"], unknown: []}
+    assert [x.reason for x in skipped] == [
+        "cachemgr:meta: not a remote-cache meta field: not JSON; ignored",
+        "the graphs it needs are not known yet: a dry run reads no value",
+    ]
+    assert rconn.hgetall("cachemgr:meta") == before
+    assert rconn.object("idletime", known) >= 3600 and rconn.object("idletime", unknown) >= 3600
+    # a real run reads it once (touched), and remembers it cannot be read
+    rem.aot_refs(rem.inspect(), learn=True)
+    assert rconn.object("idletime", unknown) < 3600
+    assert "unreadable" in json.loads(rconn.hget("cachemgr:meta", unknown))

@@ -528,8 +528,12 @@ class Remote:
 
     # -- eviction ----------------------------------------------------------------------------
 
-    def aot_refs(self, keys: list[RemoteKey], skipped: list[Skipped] | None = None) -> dict[str, list[str]]:
+    def aot_refs(
+        self, keys: list[RemoteKey], skipped: list[Skipped] | None = None, learn: bool = True
+    ) -> dict[str, list[str]]:
         """fxgraph keys each AOT entry needs: from META_KEY, else read once and remembered there.
+        With `learn` false (a dry run), only from META_KEY: nothing in Redis is read that a read
+        touches, nor written; an entry whose graphs are not known yet goes to `skipped`.
 
         Reading an entry Inductor wrote itself resets its idle time once (a GET touches); that
         errs on the side of keeping it. A value that cannot be read (too large, not a value, a
@@ -542,7 +546,7 @@ class Remote:
         aot = [k for k in keys if k.kind == "aotautograd"]
         meta = self.meta([k.rkey for k in aot], skipped)
         out: dict[str, list[str]] = {}
-        learn: dict[str, str] = {}
+        learned: dict[str, str] = {}
         todo: list[RemoteKey] = []
         for k in aot:
             m = meta.get(k.rkey)
@@ -561,6 +565,10 @@ class Remote:
             if k.bytes > MAX_VALUE:
                 skipped.append(Skipped(k.rkey, f"value of about {k.bytes} bytes, over the {MAX_VALUE} cachemgr reads"))
                 continue
+            if not learn:
+                skipped.append(Skipped(k.rkey, "the graphs it needs are not known yet: a dry run reads no value"))
+                out[k.rkey] = []
+                continue
             todo.append(k)
         for rkey, (refs, reason) in self.read_aot(todo).items():
             if reason is not None:
@@ -568,12 +576,12 @@ class Remote:
                 out[rkey] = []
                 # remembered, so the next run does not read it again: our GET reset its idle time,
                 # and one read per run would keep it from ever aging out
-                learn[rkey] = json.dumps({"seen": time.time(), "refs": [], "unreadable": reason})
+                learned[rkey] = json.dumps({"seen": time.time(), "refs": [], "unreadable": reason})
                 continue
             out[rkey] = refs
-            learn[rkey] = json.dumps({**(meta.get(rkey) or {}), "seen": time.time(), "refs": refs})
-        if learn:
-            self.call(lambda: self._remember(learn))
+            learned[rkey] = json.dumps({**(meta.get(rkey) or {}), "seen": time.time(), "refs": refs})
+        if learned:
+            self.call(lambda: self._remember(learned))
         return out
 
     def read_aot(self, keys: list[RemoteKey]) -> dict[str, tuple[list[str], str | None]]:
