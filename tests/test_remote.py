@@ -523,3 +523,67 @@ def test_a_dry_run_changes_nothing_in_redis(redis_url, rconn):
     rem.aot_refs(rem.inspect(), learn=True)
     assert rconn.object("idletime", unknown) < 3600
     assert "unreadable" in json.loads(rconn.hget("cachemgr:meta", unknown))
+
+
+@pytest.fixture
+def fake_redis():
+    """serve_with(answer): the URL of a local server that speaks just enough RESP: each command (its
+    arguments, bytes) gets what `answer` gives it, piece by piece (a number: seconds to wait)."""
+    import socket
+    import threading
+    import time
+
+    listeners = []
+
+    def serve_with(answer) -> str:
+        listener = socket.create_server(("127.0.0.1", 0))
+        listeners.append(listener)
+
+        def serve(conn):
+            with conn, conn.makefile("rb") as f:
+                try:
+                    while head := f.readline():
+                        args = [f.read(int(f.readline()[1:]) + 2)[:-2] for _ in range(int(head[1:]))]
+                        for piece in answer(args):
+                            time.sleep(piece) if isinstance(piece, float) else conn.sendall(piece)
+                except OSError:
+                    pass  # the client went away
+
+        def accept():
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+        threading.Thread(target=accept, daemon=True).start()
+        return f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+
+    yield serve_with
+    for listener in listeners:
+        listener.close()
+
+
+def test_a_trickling_redis_times_out(tmp_path, db_url, fake_redis):
+    """A server that answers each command with a bulk string one byte at a time never meets a
+    per-read socket timeout: `remote stats` waited forever. The URL's socket_timeout bounds the
+    whole answer: exit 6 and one line."""
+    url = fake_redis(lambda args: [b"$1000000\r\n"] + [0.2, b"x"] * 1000)
+    cli = Cli(tmp_path / "cache", db_url)
+    r = cli.proc("remote", "--redis", f"{url}?socket_timeout=1", "stats", timeout=60)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 6 and len(lines) == 1 and not r.stdout, r.stderr
+    assert lines[0] == f"cachemgr: error: Redis at {url}?socket_timeout=1 timed out: no whole answer within 1 s"
+
+
+def test_an_endless_scan_ends_at_the_budget(fake_redis):
+    """A server whose SCAN cursor never comes back to 0: the command stops when its Redis time
+    is spent, with a RemoteError (exit 6), not a loop for ever."""
+    from cachemgr.errors import RemoteError
+    from cachemgr.fleet.remote import Remote
+
+    answers = {b"HELLO": b"-ERR unknown command\r\n", b"EVALSHA": b"*3\r\n$1\r\n7\r\n*0\r\n*0\r\n"}  # cursor 7
+    url = fake_redis(lambda args: [answers.get(args[0], b"+OK\r\n")])
+    with pytest.raises(RemoteError, match=r"^Redis at .* took 0.5 s of this command in all: stopped$"):
+        Remote(url, budget=0.5).stats()

@@ -33,8 +33,11 @@ import json
 import math
 import os
 import re
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -68,6 +71,7 @@ MAX_VALUE = 64 * 1024 * 1024  # bytes of a value cachemgr reads (an AOT entry, t
 MAX_PUSH = 256 * 1024 * 1024  # bytes of a local entry file pushed (base64 must stay under Redis's 512 MB)
 MAX_META = 64 * 1024  # bytes of one META_KEY field
 READERS = 4  # parse workers reading AOT values at once (each may take WORKER_MEMORY)
+BUDGET = 3600.0  # seconds a command may spend waiting on Redis in all (an endless SCAN cursor ends here)
 
 
 # -- keys and values ------------------------------------------------------------------------
@@ -294,9 +298,13 @@ T = TypeVar("T")
 
 class Remote:
     """One Redis remote cache. Every redis-py error leaves as a one-line RemoteError; a URL that
-    is not one (`check_url`) is a UsageError, before any connection."""
+    is not one (`check_url`) is a UsageError, before any connection.
 
-    def __init__(self, url: str, connect_timeout: float = 3.0, timeout: float = 30.0) -> None:
+    The socket timeout (`timeout`, or the URL's ?socket_timeout=) bounds each whole answer, not
+    only each read: redis-py's is per read, and a server that trickles a byte at a time would
+    never meet it. All round trips together get `budget` seconds."""
+
+    def __init__(self, url: str, connect_timeout: float = 3.0, timeout: float = 30.0, budget: float = BUDGET) -> None:
         try:
             import redis
         except ImportError as e:
@@ -309,12 +317,22 @@ class Remote:
             )
         except ValueError as e:  # a bad value of another option (?socket_timeout=x): the URL's, as above
             raise UsageError(f"bad Redis URL {self.shown}: {_line(e)}") from e
+        self.timeout = float(self.r.connection_pool.connection_kwargs.get("socket_timeout") or timeout)
+        self.budget, self.spent = budget, 0.0
 
     def call(self, fn: Callable[[], T]) -> T:
         import redis
 
+        if self.spent >= self.budget:
+            raise RemoteError(f"Redis at {self.shown} took {self.budget:g} s of this command in all: stopped")
+        limit = min(self.timeout, self.budget - self.spent)
+        started = time.monotonic()
         try:
-            return fn()
+            with _deadline(limit):
+                return fn()
+        except _Late:
+            self.r.connection_pool.disconnect()  # (its connection stopped in the middle of an answer)
+            raise RemoteError(f"Redis at {self.shown} timed out: no whole answer within {limit:g} s") from None
         except redis.exceptions.AuthenticationError as e:
             raise RemoteError(f"Redis at {self.shown} refused our credentials: {_line(e)}") from e
         except redis.exceptions.TimeoutError as e:
@@ -327,6 +345,8 @@ class Remote:
             raise RemoteError(f"Redis at {self.shown} answered an error: {_line(e)}") from e
         except redis.exceptions.RedisError as e:
             raise RemoteError(f"Redis at {self.shown}: {type(e).__name__}: {_line(e)}") from e
+        finally:
+            self.spent += time.monotonic() - started
 
     def ping(self) -> None:
         self.call(self.r.ping)
@@ -630,6 +650,31 @@ class Remote:
         freed = sum(v.bytes for v in plan.victims if v.rkey in gone)
         kept = [v.rkey for v in plan.victims if v.rkey not in gone]
         return EvictResult(deleted=deleted, skipped_in_use=kept, freed_bytes=freed)
+
+
+class _Late(BaseException):
+    """A round trip past its deadline (a BaseException: redis-py retries and wraps Exceptions)."""
+
+
+@contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Raise _Late in the block after `seconds` (SIGALRM: a signal ends a blocked read, whatever
+    the socket timeout). In the main thread only, where signals are handled; elsewhere the
+    per-read socket timeout alone applies."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def late(signum, frame):
+        raise _Late
+
+    before = signal.signal(signal.SIGALRM, late)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before if before is not None else signal.SIG_DFL)
 
 
 def _types(r, rkeys: list[str]) -> dict[str, str]:
