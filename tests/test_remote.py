@@ -587,3 +587,40 @@ def test_an_endless_scan_ends_at_the_budget(fake_redis):
     url = fake_redis(lambda args: [answers.get(args[0], b"+OK\r\n")])
     with pytest.raises(RemoteError, match=r"^Redis at .* took 0.5 s of this command in all: stopped$"):
         Remote(url, budget=0.5).stats()
+
+
+def test_an_lfu_policy_keeps_no_idle_times(fake_redis):
+    """Under an LFU maxmemory-policy OBJECT IDLETIME is an error: every key read as gone (0
+    entries, nothing said). Now each counts, as just read, and one note says why. (A server of
+    our own: the shared Redis's policy is not ours to change.)"""
+    from cachemgr.fleet.remote import Remote, plan_eviction
+
+    key = b"pt2:fx-graph-v1::fk:c1"
+    scans = {
+        b"pt2:*": b"*3\r\n$1\r\n0\r\n*1\r\n$22\r\n" + key + b"\r\n*0\r\n",
+        b"cachemgr:*": b"*3\r\n$1\r\n0\r\n*0\r\n*0\r\n",
+    }
+    lfu = b"-ERR An LFU maxmemory policy is selected, idle time not tracked.\r\n"
+
+    def answer(args):
+        name = args[0].upper()
+        if name == b"EVALSHA":
+            return [scans[args[4]]]
+        if name == b"TYPE":
+            return [b"+none\r\n" if args[1] == b"cachemgr:meta" else b"+string\r\n"]
+        return [
+            {b"HELLO": b"-ERR unknown command\r\n", b"MEMORY": b":100\r\n", b"OBJECT": lfu, b"DBSIZE": b":1\r\n"}.get(
+                name, b"+OK\r\n"
+            )
+        ]
+
+    rem = Remote(fake_redis(answer))
+    s = rem.stats()
+    assert (s.entries, s.bytes, s.other_keys, s.max_idle_seconds) == (1, 100, 0, None)
+    assert [(x.key, x.reason.split(":")[0]) for x in s.skipped] == [
+        ("OBJECT IDLETIME", "Redis keeps no idle times under an LFU maxmemory-policy")
+    ]
+    keys = rem.inspect()
+    assert [(k.rkey, k.idle) for k in keys] == [(key.decode(), 0)]
+    plan = plan_eviction(keys, {}, max_size=0, max_age=0)
+    assert plan.victims == () and plan.kept_young == 1

@@ -403,6 +403,10 @@ class Remote:
             for i, k in enumerate(chunk):
                 typ, size, idle = res[3 * i], res[3 * i + 1], res[3 * i + 2]
                 typ = typ.decode(errors="replace") if isinstance(typ, bytes) else typ
+                if isinstance(idle, Exception) and "LFU" in str(idle):  # (an error under such a policy)
+                    idle = 0
+                    if NO_IDLE not in skipped:
+                        skipped.append(NO_IDLE)
                 parsed = parse_key(k)
                 if typ == "none" or parsed is None or not isinstance(size, int) or not isinstance(idle, int):
                     continue  # gone between SCAN and now
@@ -447,7 +451,7 @@ class Remote:
     def stats(self) -> RemoteStats:
         skipped: list[Skipped] = []
         keys = self.inspect(skipped=skipped)
-        not_torchs = len(skipped)  # keys under pt2: that are not torch's values
+        not_torchs = len([x for x in skipped if x is not NO_IDLE])  # keys under pt2: that are not torch's values
         meta = self.meta([k.rkey for k in keys], skipped)
         by_kind = {k: {"entries": 0, "bytes": 0} for k in REMOTE_KINDS}
         for k in keys:
@@ -462,7 +466,7 @@ class Remote:
             bytes=sum(k.bytes for k in keys),
             by_kind=by_kind,
             pushed_by_cachemgr=sum(1 for k in keys if meta.get(k.rkey, {}).get("host")),
-            max_idle_seconds=max((k.idle for k in keys), default=None),
+            max_idle_seconds=None if NO_IDLE in skipped else max((k.idle for k in keys), default=None),
             other_keys=max(0, dbsize - len(keys) - not_torchs - cachemgr_keys),
             skipped=skipped,
         )
@@ -742,14 +746,15 @@ end
 return out
 """
 
-# OBJECT IDLETIME does not touch the key; a key read since the plan has a smaller idle time now.
+# OBJECT IDLETIME does not touch the key; a key read since the plan has a smaller idle time now,
+# and one whose idle time Redis does not keep (an LFU maxmemory-policy: an error) is kept.
 # A META_KEY that is not a hash is left alone (HDEL on it would fail the script after its first UNLINK).
 _EVICT_LUA = """
 local out = {}
 local meta = redis.call('TYPE', KEYS[1]).ok == 'hash'
 for i = 2, #KEYS do
-  local idle = redis.call('OBJECT', 'IDLETIME', KEYS[i])
-  if idle and idle >= tonumber(ARGV[i - 1]) then
+  local idle = redis.pcall('OBJECT', 'IDLETIME', KEYS[i])
+  if type(idle) == 'number' and idle >= tonumber(ARGV[i - 1]) then
     redis.call('UNLINK', KEYS[i])
     if meta then redis.call('HDEL', KEYS[1], KEYS[i]) end
     table.insert(out, KEYS[i])
@@ -769,6 +774,13 @@ class Skipped:
 
     def as_dict(self) -> dict[str, str]:
         return {"key": self.key, "reason": self.reason}
+
+
+# Said once where OBJECT IDLETIME fails for an LFU maxmemory-policy: no key is skipped, but none has an age.
+NO_IDLE = Skipped(
+    "OBJECT IDLETIME",
+    "Redis keeps no idle times under an LFU maxmemory-policy: every key counts as just read, and eviction deletes none",
+)
 
 
 @dataclass(frozen=True)
