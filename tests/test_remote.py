@@ -624,3 +624,14 @@ def test_an_lfu_policy_keeps_no_idle_times(fake_redis):
     assert [(k.rkey, k.idle) for k in keys] == [(key.decode(), 0)]
     plan = plan_eviction(keys, {}, max_size=0, max_age=0)
     assert plan.victims == () and plan.kept_young == 1
+
+
+@pytest.mark.parametrize("answer", [b"+OK\r\n", b":5\r\n", b"*1\r\n:1\r\n", b"*3\r\n:0\r\n*1\r\n:1\r\n*0\r\n"])
+def test_a_server_that_is_not_redis_is_exit_6(tmp_path, db_url, fake_redis, answer):
+    """A server answering every command with one thing Redis would not (redis-py read +OK for its
+    handshake's map, or our SCAN step's list): `remote stats` was exit 70 (AttributeError)."""
+    url = fake_redis(lambda args: [answer]) + ("?protocol=2" if answer.startswith(b"*3") else "?protocol=3")
+    r = Cli(tmp_path / "cache", db_url).proc("remote", "--redis", url, "stats", timeout=60)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 6 and len(lines) == 1 and not r.stdout, r.stderr
+    assert lines[0].startswith(f"cachemgr: error: Redis at {url} answered what Redis would not: "), lines

@@ -345,6 +345,12 @@ class Remote:
             raise RemoteError(f"Redis at {self.shown} answered an error: {_line(e)}") from e
         except redis.exceptions.RedisError as e:
             raise RemoteError(f"Redis at {self.shown}: {type(e).__name__}: {_line(e)}") from e
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+            # a server that answers what Redis would not: redis-py reads its handshake's answer
+            # as a map (AttributeError on +OK), our scripts' answers are checked (above, _answers)
+            raise RemoteError(
+                f"Redis at {self.shown} answered what Redis would not: {type(e).__name__}: {_line(e)}"
+            ) from e
         finally:
             self.spent += time.monotonic() - started
 
@@ -361,12 +367,19 @@ class Remote:
         300 bytes only. Redis allows names of 512 MB, and SCAN hands a name over whole: the Lua
         step below keeps long ones on the server, so a reply holds at most about a MiB of names."""
         step = self.r.register_script(_SCAN_LUA)
-        cursor: bytes | int = 0
+
+        def one(cursor: int) -> tuple[int, list[tuple[bytes, int]]]:
+            cursor, short, long = step(args=[cursor, match, MAX_KEY])
+            names = [(k, len(k)) for k in short] + [(k, int(n)) for k, n in long]
+            if not all(isinstance(k, bytes) for k, _ in names):
+                raise TypeError("a SCAN step answered names that are not strings")
+            return int(cursor), names
+
+        cursor = 0
         while True:
-            cursor, short, long = self.call(partial(step, args=[cursor, match, MAX_KEY]))
-            yield from ((k, len(k)) for k in short)
-            yield from ((k, n) for k, n in long)
-            if int(cursor) == 0:
+            cursor, names = self.call(partial(one, cursor))
+            yield from names
+            if cursor == 0:
                 return
 
     def torch_keys(self, skipped: list[Skipped] | None = None) -> list[str]:
@@ -431,8 +444,8 @@ class Remote:
         read = self.r.register_script(_META_LUA)
         for chunk in chunks(rkeys, BATCH):
             # (bytes: the client does not decode responses; a number: the size of a field too large)
-            values = cast("list[bytes | int | None] | None", self.call(partial(read, [META_KEY], [MAX_META, *chunk])))
-            for k, v in zip(chunk, values or [None] * len(chunk), strict=True):
+            values = self.call(partial(_answers, read, len(chunk), [META_KEY], [MAX_META, *chunk]))
+            for k, v in zip(chunk, values, strict=True):
                 if v is None:
                     continue
                 try:
@@ -458,7 +471,7 @@ class Remote:
             row = by_kind.setdefault(k.kind, {"entries": 0, "bytes": 0})
             row["entries"] += 1
             row["bytes"] += k.bytes
-        dbsize = self.call(self.r.dbsize)
+        dbsize = self.call(lambda: int(self.r.dbsize()))
         cachemgr_keys = sum(1 for _ in self.scan("cachemgr:*"))
         return RemoteStats(
             url=self.shown,
@@ -679,6 +692,16 @@ def _deadline(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, before if before is not None else signal.SIG_DFL)
+
+
+def _answers(script: Callable[..., Any], n: int, keys: list, args: list) -> list[bytes | int | None]:
+    """The `n` answers of a script that returns a list (nil: `n` nils); TypeError if not that."""
+    out = script(keys, args)
+    if out is None:
+        return [None] * n
+    if not isinstance(out, list) or len(out) != n or not all(v is None or isinstance(v, (bytes, int)) for v in out):
+        raise TypeError(f"a script answered {type(out).__name__}, not {n} strings or numbers")
+    return out
 
 
 def _types(r, rkeys: list[str]) -> dict[str, str]:
