@@ -332,6 +332,7 @@ def test_remote_failures_are_one_line(cpu_cache, cli_for, url, message, args):
         ("redis://{server}/13?socket_timeout=nan", "socket_timeout: 'nan' is not a number of seconds"),
         ("redis://{server}/13?socket_connect_timeout=1e308", "'1e308' is not a number of seconds"),
         ("redis://{server}/13?protocol=9", "protocol: '9' is not 2 or 3"),
+        ("redis://{server}/13?socket_keepalive=maybe", "socket_keepalive: 'maybe' is not true or false"),
     ],
 )
 def test_a_bad_redis_url_is_a_usage_error(tmp_path, db_url, redis_url, url, why):
@@ -354,6 +355,9 @@ def test_a_bad_redis_url_is_a_usage_error(tmp_path, db_url, redis_url, url, why)
     # a db named twice, the same both times, is one database
     db = redis_url.rsplit("/", 1)[1]
     assert remote_json(cli, f"{redis_url}?db={db}", "stats")["url"] == f"{redis_url}?db={db}"
+    # options cachemgr takes, their values as redis-py reads them
+    good = f"{redis_url}?socket_timeout=5&socket_keepalive=True&protocol=2&client_name=cm"
+    assert remote_json(cli, good, "stats")["url"] == good
 
 
 def test_redis_url_from_inductors_env(cpu_cache, cli_for, redis_url):

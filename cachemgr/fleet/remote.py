@@ -252,7 +252,11 @@ def _any(value: str) -> None:
     pass
 
 
-_BOOL = _one_of("true", "false", "yes", "no", "1", "0", "on", "off")
+def _bool(value: str) -> None:
+    if value.lower() not in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+        raise ValueError(f"{shown_key(value)!r} is not true or false")
+
+
 # URL option -> the check of its value (a ValueError says why not)
 _OPTIONS: dict[str, Callable[[str], None]] = {
     "db": _any,  # (checked above)
@@ -261,13 +265,13 @@ _OPTIONS: dict[str, Callable[[str], None]] = {
     "client_name": _any,
     "socket_timeout": _seconds,
     "socket_connect_timeout": _seconds,
-    "socket_keepalive": _BOOL,
+    "socket_keepalive": _bool,
     "health_check_interval": _whole,
     "protocol": _one_of("2", "3"),
 }
 _SSL_OPTIONS: dict[str, Callable[[str], None]] = {  # rediss:// only
     "ssl_cert_reqs": _one_of("none", "optional", "required"),
-    "ssl_check_hostname": _BOOL,
+    "ssl_check_hostname": _bool,
     "ssl_ca_certs": _any,
     "ssl_ca_path": _any,
     "ssl_certfile": _any,
@@ -347,7 +351,7 @@ class Remote:
             raise RemoteError(f"Redis at {self.shown}: {type(e).__name__}: {_line(e)}") from e
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
             # a server that answers what Redis would not: redis-py reads its handshake's answer
-            # as a map (AttributeError on +OK), our scripts' answers are checked (above, _answers)
+            # as a map (AttributeError on +OK); our scripts' answers are checked in the call (`_answers`)
             raise RemoteError(
                 f"Redis at {self.shown} answered what Redis would not: {type(e).__name__}: {_line(e)}"
             ) from e
