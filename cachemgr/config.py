@@ -221,6 +221,22 @@ def _db_url(v: Any) -> str:
     return v
 
 
+_SECRET = re.compile(r"(?i)([?&](?:ssl_)?password=)[^&#]*")  # (?password= of libpq and redis-py, ?ssl_password=)
+
+
+def redact_url(url: str) -> str:
+    """A URL fit for messages and `config show`: its passwords replaced (USER:PASSWORD@, and
+    ?password= / ?ssl_password=). Never fails: a URL too odd to parse is shown as it is, less those."""
+    url = _SECRET.sub(r"\1***", url)
+    scheme, sep, rest = url.partition("://")
+    head, q, query = rest.partition("?")
+    if sep and "@" in head:  # (the last '@' before any query: a password may hold '@' or '/')
+        creds, host = head.rsplit("@", 1)
+        if ":" in creds:
+            return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}{q}{query}"
+    return url
+
+
 def _host(v: Any) -> str:
     v = _nonempty(v)
     if len(v) > 255 or not v.isprintable():

@@ -639,3 +639,14 @@ def test_a_server_that_is_not_redis_is_exit_6(tmp_path, db_url, fake_redis, answ
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 6 and len(lines) == 1 and not r.stdout, r.stderr
     assert lines[0].startswith(f"cachemgr: error: Redis at {url} answered what Redis would not: "), lines
+
+
+def test_remote_evict_dry_run_writes_nothing(tmp_path, db_url, redis_url, rconn):
+    """A dry run read AOT values (resetting their idle times) and wrote what it learned into
+    cachemgr:meta: the next real run then decided otherwise. It changes nothing in Redis."""
+    k = "pt2:autograd-experimental::adry:c1"
+    rconn.set(k, "not a value")
+    _age(rconn, k, 3600)
+    doc = remote_json(Cli(tmp_path / "cache", db_url), redis_url, "evict", "--max-age", "1d", "--dry-run")
+    assert doc["skipped"] == [{"key": k, "reason": "the graphs it needs are not known yet: a dry run reads no value"}]
+    assert rconn.object("idletime", k) >= 3600 and not rconn.exists("cachemgr:meta")

@@ -73,13 +73,13 @@ def config_show(app, as_json: bool) -> None:
         cachemgr config show
         CACHEMGR_MAX_SIZE=50GiB cachemgr config show --json | jq .options.max_size
     """
-    from cachemgr.index.db import redact
+    from cachemgr.config import redact_url
 
     s = app.settings
     values = s.values()
-    values["db"] = redact(values["db"])
+    values["db"] = redact_url(values["db"])
     if values.get("redis_url"):
-        values["redis_url"] = redact(values["redis_url"])
+        values["redis_url"] = redact_url(values["redis_url"])
     if as_json:
         emit_json(
             {

@@ -256,7 +256,11 @@ def push(app, model: str | None, graph: str | None, force: bool, no_scan: bool, 
 @remote.command(name="evict")
 @click.option("--max-size", type=SIZE, help="Hold the remote tier under this many bytes (MEMORY USAGE).")
 @click.option("--max-age", type=DURATION, help="Delete keys no one has read for this long (OBJECT IDLETIME).")
-@click.option("--dry-run", is_flag=True, help="Print the plan, delete nothing.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the plan; change nothing in Redis (an AOT entry whose graphs are not known yet is not read).",
+)
 @json_option
 @pass_app
 def remote_evict(app, max_size: int | None, max_age: float | None, dry_run: bool, as_json: bool) -> None:
@@ -279,7 +283,8 @@ def remote_evict(app, max_size: int | None, max_age: float | None, dry_run: bool
     skipped: list = []
     try:
         keys = rem.inspect(skipped=skipped)
-        plan = plan_eviction(keys, rem.aot_refs(keys, skipped), max_size, max_age, low_water=s.low_water, grace=s.grace)
+        refs = rem.aot_refs(keys, skipped, learn=not dry_run)  # (a dry run reads no value, writes no meta)
+        plan = plan_eviction(keys, refs, max_size, max_age, low_water=s.low_water, grace=s.grace)
         result = None if dry_run else rem.execute(plan)
     finally:
         rem.close()

@@ -208,9 +208,9 @@ def _index_doc(s) -> dict:
     if path is not None:  # (no SQLAlchemy for the embedded index: stats runs without it)
         size = sum(os.path.getsize(p) for p in (path, path + "-wal") if os.path.isfile(p))
         return {"url": s.db, "path": path, "bytes": size, "source": s.sources["db"]}
-    from cachemgr.index.db import redact
+    from cachemgr.config import redact_url
 
-    return {"url": redact(s.db), "path": None, "bytes": None, "source": s.sources["db"]}
+    return {"url": redact_url(s.db), "path": None, "bytes": None, "source": s.sources["db"]}
 
 
 def _limits(store, totals, s) -> dict:

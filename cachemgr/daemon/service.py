@@ -39,11 +39,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from cachemgr import layout
-from cachemgr.config import Settings, state_dir
+from cachemgr.config import Settings, redact_url, state_dir
 from cachemgr.daemon import systemd
 from cachemgr.daemon.watcher import Watcher
 from cachemgr.errors import AlreadyRunning, CacheDirError, CachemgrError, UsageError
-from cachemgr.index.db import Database, redact
+from cachemgr.index.db import Database
 from cachemgr.index.pending import ParseResult
 from cachemgr.index.result import check_root
 
@@ -367,7 +367,7 @@ class Daemon:
         log.info(
             "starting: cache %s, index %s, max_size %s, evict every %gs, full scan every %gs",
             s.cache_dir,
-            redact(s.db),
+            redact_url(s.db),
             s.max_size,
             s.evict_interval,
             s.scan_interval,

@@ -41,9 +41,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
-from urllib.parse import parse_qsl, unquote, urlparse, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlparse
 
 from cachemgr import layout, safefs
+from cachemgr.config import redact_url
 from cachemgr.errors import NotFound, RemoteError, UsageError
 from cachemgr.index.dbapi import chunks
 from cachemgr.index.describe import read_unseen
@@ -278,23 +279,6 @@ _SSL_OPTIONS: dict[str, Callable[[str], None]] = {  # rediss:// only
     "ssl_keyfile": _any,
     "ssl_password": _any,
 }
-_SECRET_OPTIONS = frozenset({"password", "ssl_password"})
-
-
-def redact_url(url: str) -> str:
-    """The URL fit for messages: any password replaced."""
-    try:
-        parts = urlsplit(url)
-        netloc, query = parts.netloc, parts.query
-        if parts.password is not None:
-            netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
-    except ValueError:
-        return "<unparsable URL>"
-    if any(k in _SECRET_OPTIONS for k, _ in parse_qsl(query, keep_blank_values=True)):  # ?password=...
-        query = "&".join(
-            f"{k.split('=')[0]}=***" if unquote(k.split("=")[0]) in _SECRET_OPTIONS else k for k in query.split("&")
-        )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 T = TypeVar("T")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from cachemgr.config import redact_url
 from cachemgr.errors import DatabaseError
 from cachemgr.index import schema
 from cachemgr.index.models import Cache
@@ -54,7 +54,7 @@ class Database:
         try:
             self.engine: Engine = create_engine(url, pool_pre_ping=not self.is_sqlite)
         except (SQLAlchemyError, ImportError, ValueError) as e:
-            raise DatabaseError(f"bad database URL {redact(url)}: {e}") from e
+            raise DatabaseError(f"bad database URL {redact_url(url)}: {e}") from e
         if self.is_sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
@@ -82,12 +82,12 @@ class Database:
             if "no such table" in str(e):  # SQLite; PostgreSQL's missing table is a ProgrammingError
                 return None  # ("role/database ... does not exist" is a connection failure: not here)
             raise DatabaseError(
-                f"cannot open the index {redact(self.url)}: {_first_line(e)}{schema.no_room(self.reserve)}"
+                f"cannot open the index {redact_url(self.url)}: {_first_line(e)}{schema.no_room(self.reserve)}"
             ) from e
         except SQLAlchemyError as e:
             if "UndefinedTable" in type(getattr(e, "orig", e)).__name__:
                 return None
-            raise DatabaseError(f"cannot open the index {redact(self.url)}: {_first_line(e)}") from e
+            raise DatabaseError(f"cannot open the index {redact_url(self.url)}: {_first_line(e)}") from e
 
     def migrate(self) -> None:
         revision = self.current_revision()
@@ -98,7 +98,7 @@ class Database:
         elif not (isinstance(revision, str) and revision.isascii() and revision.isdigit()):
             # cachemgr numbers its revisions; alembic asserts on some other strings ('', '@')
             raise DatabaseError(
-                f"the index {redact(self.url)} names schema revision {str(revision)[:40]!r}, which no "
+                f"the index {redact_url(self.url)} names schema revision {str(revision)[:40]!r}, which no "
                 "cachemgr writes: a damaged index; move it aside and scan again, or use another --db"
             )
         if self.is_sqlite:
@@ -119,10 +119,10 @@ class Database:
                 cfg.attributes["connection"] = conn
                 command.upgrade(cfg, "head")
         except SQLAlchemyError as e:
-            raise DatabaseError(f"cannot migrate the index {redact(self.url)}: {_first_line(e)}") from e
+            raise DatabaseError(f"cannot migrate the index {redact_url(self.url)}: {_first_line(e)}") from e
         except CommandError as e:  # a revision this cachemgr does not know: a newer one wrote the index
             raise DatabaseError(
-                f"the index {redact(self.url)} was written by a newer cachemgr (schema revision "
+                f"the index {redact_url(self.url)} was written by a newer cachemgr (schema revision "
                 f"{self.current_revision()}): upgrade cachemgr, or use another --db"
             ) from e
 
@@ -135,7 +135,7 @@ class Database:
                 conn.exec_driver_sql("BEGIN IMMEDIATE")  # one process creates; the others find it made
                 return schema.create_at_head(conn.connection.driver_connection)
         except SQLAlchemyError as e:
-            raise DatabaseError(f"cannot create the index {redact(self.url)}: {_first_line(e)}") from e
+            raise DatabaseError(f"cannot create the index {redact_url(self.url)}: {_first_line(e)}") from e
 
     def _refuse_foreign(self) -> None:
         """A database cachemgr never stamped with a revision must be empty: it never adds its
@@ -147,7 +147,7 @@ class Database:
             with self.engine.connect() as conn:
                 found = set(inspect(conn).get_table_names()) | set(inspect(conn).get_view_names())
         except SQLAlchemyError as e:
-            raise DatabaseError(f"cannot open the index {redact(self.url)}: {_first_line(e)}") from e
+            raise DatabaseError(f"cannot open the index {redact_url(self.url)}: {_first_line(e)}") from e
         found.discard("alembic_version")  # (empty: its revision was None)
         if found and self.current_revision() is not None:
             return  # another process made the index meanwhile (its first scan): ours after all
@@ -161,7 +161,7 @@ class Database:
                 else "give it a file of its own"
             )
             raise DatabaseError(
-                f"{redact(self.url)} holds tables that are not cachemgr's ({shown}): refusing to "
+                f"{redact_url(self.url)} holds tables that are not cachemgr's ({shown}): refusing to "
                 f"add the index to it; {where}"
             )
 
@@ -197,17 +197,6 @@ class Database:
 
     def close(self) -> None:
         self.engine.dispose()
-
-
-def redact(url: str) -> str:
-    """A URL fit for messages: its password replaced (USER:PASSWORD@, and ?password=)."""
-    url = re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", url)
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        creds, host = rest.rsplit("@", 1)
-        if ":" in creds:
-            return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
-    return url
 
 
 def _first_line(e: BaseException) -> str:
