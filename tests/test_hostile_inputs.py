@@ -427,15 +427,28 @@ def test_hostile_redis_values_are_skipped_items_with_reasons(own_redis, tmp_path
     assert all(x.isprintable() for x in text.stderr.splitlines())
     assert sum(1 for x in text.stderr.splitlines() if x.startswith("cachemgr: remote: skipped ")) == len(shown)
 
+    def reasons(out: str) -> dict[str, str]:
+        why: dict[str, str] = {}
+        for x in json.loads(out)["skipped"]:
+            why[x["key"]] = why.get(x["key"], "") + " | " + x["reason"]
+        return why
+
     dry = run(*cli.base(), "remote", "--redis", url, "evict", "--max-age", "1d", "--dry-run", "--json")
     assert dry.returncode == 0, dry.stderr
-    why: dict[str, str] = {}
-    for x in json.loads(dry.stdout)["skipped"]:
-        why[x["key"]] = why.get(x["key"], "") + " | " + x["reason"]
+    why = reasons(dry.stdout)  # (a dry run reads no value: those it would read are named as not read)
     for key, reason in value_problems.items():
-        assert reason in why.get(key, ""), (key, why.get(key), why)
+        assert reason in why.get(key, "") or "a dry run reads no value" in why.get(key, ""), (key, why)
     assert not (tmp_path / ATTACK).exists()
 
+    for k in r.scan_iter(match="pt2:*"):
+        _age(r, k, 40 * 86400)
+    done = run(*cli.base(), "remote", "--redis", url, "evict", "--max-age", "30d", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["result"]["deleted"], done.stderr
+    why = reasons(done.stdout)
+    for key, reason in value_problems.items():
+        assert reason in why.get(key, ""), (key, why.get(key), why)
+    # (an AOT value read by that run was read: it stays, as one read by a workload would; once
+    # aged again, the next run takes it without reading it again, what it needs known)
     for k in r.scan_iter(match="pt2:*"):
         _age(r, k, 40 * 86400)
     done = run(*cli.base(), "remote", "--redis", url, "evict", "--max-age", "30d")
