@@ -684,3 +684,64 @@ def test_a_bundle_s_entries_share_a_worker_per_core(monkeypatch):
     contents = bundle.read_contents({}, arts)
     assert len(contents.graphs) == 12 and len(contents.aot) == 1
     assert len(started) == 2, f"{len(started)} workers started"
+
+
+# -- bundles from anywhere: what import would refuse, check refuses; nothing leaves the root ------------
+
+
+@pytest.fixture(scope="module")
+def cpu_bundle(fixture_masters, tmp_path_factory) -> Path:
+    """A bundle exported from a copy of the torch 2.13 CPU fixture (read only by the tests)."""
+    base = tmp_path_factory.mktemp("cpu-bundle")
+    shutil.copytree(fixture_masters("torch-2.13.0-cpu"), base / "cache", symlinks=True)
+    (base / "state").mkdir()
+    _export(base / "cache", base / "cpu.bundle", f"sqlite:///{base / 'state' / 'index.db'}")
+    return base / "cpu.bundle"
+
+
+def test_import_and_prewarm_never_write_through_a_symlink_below_the_top_level(cpu_bundle, tmp_path, db_url):
+    """Only a symlinked fxgraph/ itself was refused: torch followed `fxgraph/<2ch>` or
+    `aotautograd/<key>` pointing elsewhere and import wrote the entries there, exit 0. Every
+    directory on each artifact's way is now looked at from the root: exit 7, one line naming
+    it, nothing written anywhere."""
+    arts = bundle.artifacts(bundle.read(str(cpu_bundle)).payload)
+    graph, aot = arts["inductor"][0][0], arts["aot_autograd"][0][0]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for where in (f"fxgraph/{graph[1:3]}", f"aotautograd/{aot}"):
+        cache = tmp_path / where.replace("/", "-")
+        (cache / where).parent.mkdir(parents=True)
+        (cache / where).symlink_to(outside)
+        before = sorted(p.relative_to(cache) for p in cache.rglob("*"))
+        r = Cli(cache, db_url).proc("import", str(cpu_bundle), timeout=900, env=ENV)
+        assert r.returncode == 7, r.stderr
+        assert r.stderr == (
+            f"cachemgr: error: cache directory {cache}: {where} is a symlink, not a directory: torch would "
+            "write the bundle's entries through it: refusing to import a bundle into it\n"
+        )
+        assert list(outside.iterdir()) == [] and sorted(p.relative_to(cache) for p in cache.rglob("*")) == before
+    (tmp_path / "m.toml").write_text(
+        '[[model]]\nname = "m"\nfactory = "prewarm_models:mlp"\ncompile = { backend = "eager" }\n'
+        'shapes = [["f32[2,16]"]]\n'
+    )
+    r = Cli(cache, db_url).proc(
+        "prewarm", "--manifest", str(tmp_path / "m.toml"), "--bundle", str(cpu_bundle), timeout=900, env=ENV
+    )
+    assert r.returncode == 7 and f"{where} is a symlink, not a directory" in r.stderr, r.stderr
+    assert list(outside.iterdir()) == []
+
+
+def test_import_says_which_autotune_results_it_replaced(cpu_bundle, tmp_path, db_url):
+    """An autotune result the cache held was replaced by the bundle's without a word."""
+    key = "ab/" + "d" * 62 + ".best_config"
+
+    def tuned(arts):
+        arts["autotune"] = [(key, b'{"XBLOCK": 999, "num_warps": 1}')]
+
+    path = tmp_path / "tuned.bundle"
+    _rewrite(cpu_bundle, path, tuned)
+    (tmp_path / "cache" / "ab").mkdir(parents=True)
+    (tmp_path / "cache" / key).write_text('{"XBLOCK": 1, "num_warps": 4}')
+    r = Cli(tmp_path / "cache", db_url).proc("import", str(path), timeout=900, env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert f"cachemgr: the bundle's autotune results replaced 1 this cache held (first: {key})\n" in r.stderr

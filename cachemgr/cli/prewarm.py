@@ -303,7 +303,11 @@ def _print_run(result, title: str) -> None:
     (3, "a model or bundle named does not exist"),
     (4, "the cache dir cannot be made"),
     5,
-    (7, "the cache dir a bundle goes into is not an Inductor cache"),
+    (
+        7,
+        "the cache dir a bundle goes into is not an Inductor cache (a symlink\n"
+        "where torch would write an entry of the bundle)",
+    ),
     (8, "a shape or model failed, or verify missed"),
     (9, "the bundle does not match this host"),
 )
@@ -352,7 +356,7 @@ def prewarm(
     errors += unrunnable
     if errors and not plans and not bundle_path:  # nothing to run: a bad manifest (2), said before torch starts
         raise UsageError("; ".join(e for _, e in errors))
-    _cache_to_write(app.settings.cache_dir, bundle_path is not None)
+    replaced = _cache_to_write(app.settings.cache_dir, bundle_path)
 
     def jobs_for() -> worker.Jobs:
         if devs:
@@ -405,6 +409,8 @@ def prewarm(
             click.echo(f"imported {bundle_path}: {_artifacts(result.imported.get('artifacts'))}")
         n = sum(1 for r in result.shapes if r.ok and not r.lead_in)
         click.echo(f"{n} shape(s) prewarmed in {result.seconds:.1f} s, {len(failures)} problem(s)")
+    if result.imported and result.imported.get("loaded"):
+        _say_replaced(replaced)
     if failures:
         for f in failures:
             click.echo(f"cachemgr: {f}", err=True)
@@ -511,20 +517,61 @@ def _index_loaded(app, imported: dict | None) -> None:
         app.store.mark_loaded(imported.pop("written_graphs", []))
 
 
-def _cache_to_write(cache_dir: str, bundle: bool) -> None:
+def _cache_to_write(cache_dir: str, bundle_path: str | None) -> list[str]:
     """The cache directory torch will write into, made if missing (exit 4 where it cannot be).
     One a bundle goes into must hold Inductor's own layout (exit 7 otherwise): torch writes a
-    bundle's entries by path, through a symlinked `fxgraph/` to wherever it points."""
+    bundle's entries by path, through a symlinked `fxgraph/` to wherever it points, or one below
+    it (`_refuse_write_hazards`, whose autotune results replaced are returned). Refused, the
+    directory is not made."""
     from cachemgr.errors import CacheDirError
 
-    if bundle:
+    replaced = []
+    if bundle_path:
         from cachemgr.evict.execute import refuse_foreign_root
 
         refuse_foreign_root(cache_dir, "import a bundle into it")
+        replaced = _refuse_write_hazards(cache_dir, bundle_path)
     try:
         os.makedirs(cache_dir, exist_ok=True)
     except OSError as e:
         raise CacheDirError(f"cannot create cache directory {cache_dir}: {e.strerror}") from None
+    return replaced
+
+
+def _refuse_write_hazards(cache_dir: str, bundle_path: str) -> list[str]:
+    """Refuse (exit 7) a cache in which torch would write the bundle's entries through a symlink or
+    a file below the top level: torch follows `fxgraph/r6` -> elsewhere out of the root. Nothing is
+    written then. Returns the bundle's autotune results the cache holds already (the load
+    replaces them). Reads the bundle (its keys) here, before torch starts."""
+    from cachemgr import safefs
+    from cachemgr.errors import CacheDirError, UnsafePath
+    from cachemgr.prewarm import bundle
+
+    arts = bundle.artifacts(bundle.read(bundle_path).payload, bundle_path)
+    try:
+        root = safefs.Root(cache_dir)
+    except FileNotFoundError:
+        return []  # (made empty next)
+    except OSError as e:
+        raise CacheDirError(f"cannot open cache directory {cache_dir}: {e.strerror}") from None
+    with root:
+        problems = bundle.write_hazards(root, arts)
+        replaced = bundle.replaced_autotune(root, arts)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UnsafePath(
+            f"cache directory {cache_dir}: {problems[0]}{more}: torch would write the bundle's entries "
+            "through it: refusing to import a bundle into it"
+        )
+    return replaced
+
+
+def _say_replaced(replaced: list[str]) -> None:
+    if replaced:
+        click.echo(
+            f"cachemgr: the bundle's autotune results replaced {len(replaced)} this cache held (first: {replaced[0]})",
+            err=True,
+        )
 
 
 @click.command("import")
@@ -547,7 +594,7 @@ def _cache_to_write(cache_dir: str, bundle: bool) -> None:
     (3, "no such bundle file"),
     (4, "the cache dir cannot be made"),
     5,
-    (7, "the cache dir is not an Inductor cache"),
+    (7, "the cache dir is not an Inductor cache (a symlink where torch would\nwrite an entry of the bundle)"),
     (
         9,
         "not a bundle; none of its graphs would hit here; partial (without\n"
@@ -587,8 +634,7 @@ def import_(
         manifest = mf.load(manifest_path)
     spec = check_spec(app, manifest, devs, check_only=check_only, allow_partial=allow_partial)
     existed = os.path.isdir(app.settings.cache_dir)
-    if not check_only:
-        _cache_to_write(app.settings.cache_dir, True)
+    replaced = [] if check_only else _cache_to_write(app.settings.cache_dir, bundle_path)
     with _progress(sys.stderr.isatty(), "import") as on:
         result = worker.run(
             [(worker_device(devs), [])],
@@ -613,6 +659,8 @@ def import_(
             click.echo(f"imported {bundle_path} into {app.settings.cache_dir}: {_artifacts(imp['artifacts'])}")
         elif imp.get("ok"):
             click.echo(f"check only: nothing written to {app.settings.cache_dir}")
+    if imp.get("loaded"):
+        _say_replaced(replaced)
     if not imp.get("ok"):
         raise bundle.BundleError(imp["error"])
 

@@ -62,6 +62,20 @@ def write(path: str, header: dict, payload: bytes) -> dict:
     return header
 
 
+def _kind_of(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "something else"
+
+
 MAX_HEADER = 1 << 20  # bytes of the header line (a few hundred real ones)
 
 
@@ -111,20 +125,100 @@ KEY_FORMS = {
 }
 
 
+def key_problem(kind: str, key: str) -> str | None:
+    """Why an artifact's key is not a name inside the cache directory (None: it is)."""
+    form = KEY_FORMS.get(kind)
+    if form is not None and form.fullmatch(key) and ".." not in key:
+        return None
+    return f"{kind[:40]} artifact key {key[:80]!r} is not a name inside the cache"
+
+
 def unsafe_keys(arts: Artifacts) -> list[str]:
     """Why torch's loader must not be handed these artifacts: a type cachemgr does not know, or a
     key that is not a name inside the cache directory."""
     out = []
     for kind, items in arts.items():
-        form = KEY_FORMS.get(kind)
-        if form is None:
+        if kind not in KEY_FORMS:
             out.append(f"{len(items)} artifact(s) of a type cachemgr does not know ({kind[:40]!r})")
             continue
-        out.extend(
-            f"{kind} artifact key {key[:80]!r} is not a name inside the cache"
-            for key, _ in items
-            if not form.fullmatch(key) or ".." in key
-        )
+        out.extend(why for key, _ in items if (why := key_problem(kind, key)))
+    return out
+
+
+def load_dirs(arts: Artifacts) -> set[str]:
+    """The directories under the cache root that torch's loader writes these artifacts into (and
+    makes where missing), as torch 2.5-2.13 name them; keys must be safe (`unsafe_keys`)."""
+    out = set()
+    for kind, items in arts.items():
+        for key, _ in items:
+            if kind == "inductor":
+                out.add(f"fxgraph/{key[1:3]}/{key}")
+            elif kind == "aot_autograd":
+                out.add(f"aotautograd/{key}")
+            elif kind == "autotune":
+                out.add(key.rpartition("/")[0])
+            elif kind == "pgo":
+                out.add("dynamo")
+            elif kind == "precompile":
+                out.add(f"dynamo/{key}")
+    return out
+
+
+def pgo_files(key: str) -> list[str]:
+    """The files torch writes a PGO artifact through (its lock and temporary file are opened
+    following a symlink), relative to the cache root."""
+    path = "dynamo/" + re.sub(r'[<>:"/\\|?*]', "_", f"code_state_{key}.pkl")
+    return [path, path + ".tmp", path + ".lock"]
+
+
+def write_hazards(root: safefs.Root, arts: Artifacts) -> list[str]:
+    """Where in the cache (`root`, opened once) torch would write these artifacts through
+    something that is not a directory of it, one line each: a symlink below the top level
+    (`fxgraph/r6` -> elsewhere) took the entries out of the root, torch follows it. Each
+    directory on each artifact's path is looked at (lstat) from the root down; a missing one is
+    fine (torch makes it). Kernels go into `triton/<device>/`: those present are looked at too."""
+    safe = {kind: [(k, c) for k, c in items if not key_problem(kind, k)] for kind, items in arts.items()}
+    dirs = {rel for rel in load_dirs(safe) if rel}  # (import refuses the others)
+    if arts.get("inductor"):
+        dirs.add("triton")
+        with contextlib.suppress(OSError):
+            dirs.update(f"triton/{d}" for d in root.listdir("triton") if d.isdigit())
+    parts = {"/".join(p[: i + 1]) for rel in dirs for p in [rel.split("/")] for i in range(len(p))}
+    files = [f for key, _ in safe.get("pgo", []) for f in pgo_files(key)]
+    is_file = set(files)
+    out: list[str] = []
+    below: set[str] = set()  # missing or refused: what is below them is not looked at
+    for rel in sorted(parts) + files:
+        parent, _, name = rel.rpartition("/")
+        if parent in below:
+            below.add(rel)
+            continue
+        try:
+            mode = os.stat(name, dir_fd=root.dir_fd(parent), follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            below.add(rel)
+            continue
+        except OSError as e:
+            out.append(f"{_shown(rel)} cannot be looked at ({e.strerror})")
+            below.add(rel)
+            continue
+        want, what = (stat.S_ISREG, "a regular file") if rel in is_file else (stat.S_ISDIR, "a directory")
+        if not want(mode):
+            out.append(f"{_shown(rel)} is {_kind_of(mode)}, not {what}")
+            below.add(rel)
+    return out
+
+
+def replaced_autotune(root: safefs.Root, arts: Artifacts) -> list[str]:
+    """The bundle's autotune results this cache holds already: torch's load replaces them."""
+    out = []
+    for key, _ in arts.get("autotune", []):
+        if key_problem("autotune", key):
+            continue
+        parent, _, name = key.rpartition("/")
+        with contextlib.suppress(OSError):
+            os.stat(name, dir_fd=root.dir_fd(parent), follow_symlinks=False)
+            out.append(key)
     return out
 
 
