@@ -731,6 +731,29 @@ def test_import_and_prewarm_never_write_through_a_symlink_below_the_top_level(cp
     assert list(outside.iterdir()) == []
 
 
+def test_export_never_replaces_what_is_not_a_regular_file(tmp_path, db_url):
+    """`export --out` renamed its bundle over whatever was there: a device node (as root,
+    --out /dev/null replaced /dev/null with a file), a FIFO, a symlink. Refused, exit 2."""
+    (tmp_path / "cache").mkdir()
+    fifo, link, target = tmp_path / "fifo", tmp_path / "link", tmp_path / "target"
+    os.mkfifo(fifo)
+    target.write_text("mine")
+    link.symlink_to(target)
+    odd = [(fifo, "a FIFO"), (link, "a symlink")]
+    if os.geteuid() == 0:
+        os.mknod(tmp_path / "null", 0o666 | __import__("stat").S_IFCHR, os.makedev(1, 3))
+        odd.append((tmp_path / "null", "a character device"))
+    for path, kind in odd:
+        r = Cli(tmp_path / "cache", db_url)("export", "--out", str(path), code=2)
+        assert r.stderr == (
+            f"cachemgr: error: export --out {path}: it is {kind}, not a regular file: refusing to replace it\n"
+        )
+        with pytest.raises(bundle.BundleError, match=f"is {kind}, not a regular file"):
+            bundle.write(str(path), {}, b"x")  # (the export worker's write: made there meanwhile)
+    assert fifo.is_fifo() and link.is_symlink() and target.read_text() == "mine"
+    assert all(not p.is_file() or p.is_symlink() for p, _ in odd)
+
+
 def test_import_says_which_autotune_results_it_replaced(cpu_bundle, tmp_path, db_url):
     """An autotune result the cache held was replaced by the bundle's without a word."""
     key = "ab/" + "d" * 62 + ".best_config"

@@ -431,7 +431,12 @@ def prewarm(
 @pass_app
 @exit_codes(
     (0, "the bundle was written"),
-    (2, "bad command line or manifest file, or --out in a missing folder"),
+    (
+        2,
+        "bad command line or manifest file, --out in a missing folder, or an\n"
+        "--out that is not a regular file (a device, FIFO or symlink is never\n"
+        "replaced)",
+    ),
     (3, "a model named does not exist"),
     (4, "the cache dir does not exist (without --manifest) or cannot be read"),
     5,
@@ -446,7 +451,7 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
         cachemgr export --out /seed/cache.bundle
         cachemgr export --out ranker.bundle --manifest models.toml --model ranker
     """
-    from cachemgr.prewarm import worker
+    from cachemgr.prewarm import bundle, worker
 
     if model and not manifest_path:
         raise UsageError("export --model needs --manifest: which entries a model uses is only known by replaying it")
@@ -455,6 +460,9 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
         raise UsageError(f"export --out {out}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"export --out {out}: folder {folder} is not writable")
+    odd = bundle.odd_target(out)  # the bundle is renamed over it: /dev/null would become a file
+    if odd:
+        raise UsageError(f"export --out {out}: it is {odd}, not a regular file: refusing to replace it")
     if not manifest_path:  # the whole cache, as it is (a replay fills a new one, as prewarm does)
         from cachemgr.index.result import check_root
 

@@ -44,6 +44,7 @@ class Bundle:
 def write(path: str, header: dict, payload: bytes) -> dict:
     header = {**header, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
     folder, name = os.path.split(os.path.abspath(path))
+    _refuse_odd_target(path)
     # a new file of an unpredictable name (O_EXCL): a symlink planted at a guessable one took the write
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
     try:
@@ -54,12 +55,29 @@ def write(path: str, header: dict, payload: bytes) -> dict:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # as open() would make it (mkstemp's is 0600)
+        _refuse_odd_target(path)  # (again: made meanwhile)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     return header
+
+
+def odd_target(path: str) -> str | None:
+    """What is at `path` where a bundle written there would replace something that is not a
+    regular file (the rename replaced a device node, FIFO or symlink: as root, /dev/null)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return None if stat.S_ISREG(st.st_mode) else _kind_of(st.st_mode)
+
+
+def _refuse_odd_target(path: str) -> None:
+    odd = odd_target(path)
+    if odd:
+        raise BundleError(f"{path} is {odd}, not a regular file: refusing to replace it")
 
 
 def _kind_of(mode: int) -> str:
