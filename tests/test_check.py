@@ -699,6 +699,11 @@ def cpu_bundle(fixture_masters, tmp_path_factory) -> Path:
     return base / "cpu.bundle"
 
 
+def _with_header(src: Path, dst: Path, **fields) -> None:
+    b = bundle.read(str(src))
+    bundle.write(str(dst), {**b.header, **fields}, b.payload)
+
+
 def test_import_and_prewarm_never_write_through_a_symlink_below_the_top_level(cpu_bundle, tmp_path, db_url):
     """Only a symlinked fxgraph/ itself was refused: torch followed `fxgraph/<2ch>` or
     `aotautograd/<key>` pointing elsewhere and import wrote the entries there, exit 0. Every
@@ -729,6 +734,76 @@ def test_import_and_prewarm_never_write_through_a_symlink_below_the_top_level(cp
     )
     assert r.returncode == 7 and f"{where} is a symlink, not a directory" in r.stderr, r.stderr
     assert list(outside.iterdir()) == []
+
+
+def _retyped(src: Path, dst: Path, kind: str) -> None:
+    """A payload whose `kind` record comes twice, the second empty (torch keeps only the last)."""
+    import base64
+    import zlib
+
+    body = bytearray(bundle.payload_of(bundle.artifacts(bundle.read(str(src)).payload))[4:])
+    name = base64.b64encode(kind.encode())
+    body += len(name).to_bytes(8, "big") + name + (0).to_bytes(8, "big")
+    bundle.write(str(dst), bundle.read(str(src)).header, zlib.crc32(body).to_bytes(4, "big") + bytes(body))
+
+
+def test_check_bundle_refuses_what_import_refuses(cpu_bundle, tmp_path, db_url):
+    """`check --bundle` said 7 graphs will hit of a bundle import refuses (a key of '../x'), and of
+    one that lists `inductor` twice (cachemgr counted both lists, torch loads only the last: no
+    graph at all); a header whose `expects` was a list crashed it (exit 70) and showed import a
+    raw exception. Each is now exit 9, one line, from both."""
+
+    def traversal(arts):
+        arts["aot_autograd"].append(("../../../outside", arts["aot_autograd"][0][1]))
+
+    bad = tmp_path / "traversal.bundle"
+    _rewrite(cpu_bundle, bad, traversal)
+    twice = tmp_path / "twice.bundle"
+    _retyped(cpu_bundle, twice, "inductor")
+    cases = [
+        (bad, "import refuses it: aot_autograd artifact key '../../../outside' is not a name inside the cache"),
+        (twice, "torch's artifacts do not read: artifact type 'inductor' is listed twice"),
+    ]
+    for name, expects in (("list", ["x"]), ("int", {"autotune": 5}), ("str", {"autotune": "abcdef"})):
+        path = tmp_path / f"expects-{name}.bundle"
+        _with_header(cpu_bundle, path, expects=expects)
+        cases.append((path, "its header is not one cachemgr writes (field 'expects')"))
+    cli = Cli(tmp_path / "cache", db_url)
+    for path, why in cases:
+        r = cli("check", "--bundle", str(path), code=9)
+        assert r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
+        if path is not bad:  # (import's own check of keys is test_a_bundle_is_never_let_write_outside_the_cache)
+            r = cli("import", str(path), code=9)
+            assert r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
+
+
+def test_a_bundle_is_never_held_whole_before_it_is_known_good(tmp_path, db_url):
+    """A bundle was read whole, at about twice its size, before its checksum was compared: a
+    3 GiB sparse file cost 6.6 GB. A file over MAX_BYTES is refused before anything is read, and
+    a payload's checksum is taken as it is read (a corrupt one is never held)."""
+    big = tmp_path / "big.bundle"
+    header = {"bytes": bundle.MAX_BYTES, "sha256": "0" * 64}
+    with open(big, "wb") as f:
+        f.write(bundle.MAGIC + json.dumps(header).encode() + b"\n")
+        f.truncate(f.tell() + bundle.MAX_BYTES)  # sparse: nothing is on disk
+    r = Cli(tmp_path / "cache", db_url)("check", "--bundle", str(big), code=9)
+    assert r.stderr == f"cachemgr: error: bundle {big} is larger than a bundle may be (4.0 GiB, at most 4.0 GiB)\n"
+    corrupt = tmp_path / "corrupt.bundle"
+    size = 600 << 20
+    with open(corrupt, "wb") as f:
+        f.write(bundle.MAGIC + json.dumps({"bytes": size, "sha256": "0" * 64}).encode() + b"\n")
+        f.truncate(f.tell() + size)
+    out = subprocess.run(
+        [sys.executable, "-c", OWN_PEAK_RSS_PROGRAM, *Cli(tmp_path / "cache", db_url).base()]
+        + ["check", "--bundle", str(corrupt)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 9 and "payload does not match its header" in out.stderr, out.stderr
+    peak = int(out.stderr.split("peak-rss-mib")[1].split()[0])
+    assert peak < 300, f"check's own peak RSS {peak} MiB for a 600 MiB bundle"
 
 
 def test_export_never_replaces_what_is_not_a_regular_file(tmp_path, db_url):

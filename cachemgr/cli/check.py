@@ -24,6 +24,8 @@ from cachemgr.cli.common import (
     wide_option,
 )
 from cachemgr.errors import PrewarmError, UsageError
+from cachemgr.prewarm.bundle import MAX_BYTES
+from cachemgr.units import format_size
 
 if TYPE_CHECKING:
     from cachemgr.check import Host
@@ -174,7 +176,11 @@ def render(report, width: int | None, shorts: dict[str, str] | None = None, show
     4,
     5,
     (8, "this host's side could not be computed (its torch worker failed)"),
-    (9, "--bundle names a file that is no bundle"),
+    (
+        9,
+        f"--bundle names a file that is no bundle (or over {format_size(MAX_BYTES)}), or one\n"
+        "import refuses (a key not a name inside the cache)",
+    ),
 )
 def check_cmd(
     app,
@@ -225,7 +231,12 @@ def check_cmd(
             from cachemgr.prewarm import bundle
 
             b = bundle.read(bundle_path)
-            contents = bundle.read_contents(b.header, bundle.artifacts(b.payload, bundle_path))
+            arts = bundle.artifacts(b.payload, bundle_path)
+            unsafe = bundle.unsafe_keys(arts)  # as import refuses it: a bundle that passes here imports
+            if unsafe:
+                more = f" (and {len(unsafe) - 1} more)" if len(unsafe) > 1 else ""
+                raise bundle.BundleError(f"bundle {bundle_path}: import refuses it: {unsafe[0]}{more}")
+            contents = bundle.read_contents(b.header, arts)
             names = _torch_names(target)
             graphs = [
                 replace(g, torch_version=names.get(g.torch_version_hash or "", g.torch_version))

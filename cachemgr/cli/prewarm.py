@@ -15,6 +15,10 @@ import click
 
 from cachemgr.cli.common import Col, emit_json, exit_codes, ingest_spool, json_option, pass_app, table
 from cachemgr.errors import PrewarmError, UsageError
+from cachemgr.prewarm.bundle import MAX_BYTES
+from cachemgr.units import format_size
+
+MAX_BUNDLE = format_size(MAX_BYTES)
 
 
 def _recorded(app, model: str | None = None) -> list[dict]:
@@ -605,8 +609,8 @@ def _say_replaced(replaced: list[str]) -> None:
     (7, "the cache dir is not an Inductor cache (a symlink where torch would\nwrite an entry of the bundle)"),
     (
         9,
-        "not a bundle; none of its graphs would hit here; partial (without\n"
-        "--allow-partial); or a key not a name inside the cache",
+        f"not a bundle, or over {MAX_BUNDLE}; none of its graphs would hit here;\n"
+        "partial (without --allow-partial); or a key not a name inside the cache",
     ),
 )
 def import_(

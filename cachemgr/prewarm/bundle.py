@@ -27,6 +27,7 @@ from typing import Any, cast
 
 from cachemgr import safefs
 from cachemgr.errors import CachemgrError, NotFound
+from cachemgr.units import format_size
 
 MAGIC = b"CACHEMGR-BUNDLE 1\n"
 
@@ -95,18 +96,45 @@ def _kind_of(mode: int) -> str:
 
 
 MAX_HEADER = 1 << 20  # bytes of the header line (a few hundred real ones)
+MAX_BYTES = 4 << 30  # bytes of a whole bundle file: a bigger one is refused before it is read (it is held in memory)
+
+
+def _header_problem(h: Any) -> str | None:
+    """The first field of a header that is not as cachemgr writes it (of those read), or None: a
+    list for `expects` crashed the check."""
+    if not isinstance(h, dict):
+        return "not an object"
+
+    def texts(v: Any) -> bool:
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+    size, expects = h.get("bytes"), h.get("expects")
+    ok = {
+        "bytes": isinstance(size, int) and not isinstance(size, bool) and size >= 0,
+        "sha256": isinstance(h.get("sha256"), str),
+        "torch": isinstance(h.get("torch"), (str, type(None))),
+        "models": h.get("models") is None or texts(h["models"]),
+        "expects": expects is None or (isinstance(expects, dict) and all(texts(v) for v in expects.values())),
+    }
+    return next((f"field {name!r}" for name, good in ok.items() if not good), None)
 
 
 def read(path: str, payload: bool = True) -> Bundle:
     """The bundle at `path`: only a regular file is opened (a FIFO would block, /dev/zero never
-    ends), its header line read up to MAX_HEADER bytes, and its payload only if the file holds
-    exactly the header's `bytes` of it (checked against its size before anything is read)."""
+    ends) and one of at most MAX_BYTES, its header line read up to MAX_HEADER bytes, and its
+    payload only if the file holds exactly the header's `bytes` of it (checked against its size
+    before anything is read) and they match its checksum (hashed as read, before being held)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise BundleError(f"bundle {path} is not a regular file")
+            if st.st_size > MAX_BYTES:
+                raise BundleError(
+                    f"bundle {path} is larger than a bundle may be ({format_size(st.st_size)}, "
+                    f"at most {format_size(MAX_BYTES)})"
+                )
             if f.readline(len(MAGIC)) != MAGIC:
                 raise BundleError(f"{path} is not a cachemgr bundle (made by `cachemgr export`)")
             line = f.readline(MAX_HEADER + 1)
@@ -114,20 +142,28 @@ def read(path: str, payload: bool = True) -> Bundle:
                 header = json.loads(line) if len(line) <= MAX_HEADER else None
             except (ValueError, RecursionError):
                 raise BundleError(f"bundle {path}: header is not JSON (truncated file?)") from None
-            if not isinstance(header, dict) or not isinstance(header.get("bytes"), int):
-                raise BundleError(f"bundle {path}: its header is not one cachemgr writes")
-            if payload and st.st_size - f.tell() != header["bytes"]:
+            problem = _header_problem(header)
+            if problem or not isinstance(header, dict):
+                raise BundleError(f"bundle {path}: its header is not one cachemgr writes ({problem})")
+            if st.st_size - f.tell() != header["bytes"]:
                 raise BundleError(f"bundle {path}: payload does not match its header (truncated or corrupt)")
-            data = f.read() if payload else b""
+            data = b""
+            if payload:
+                start, digest = f.tell(), hashlib.sha256()
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+                if digest.hexdigest() != header["sha256"]:
+                    raise BundleError(f"bundle {path}: payload does not match its header (truncated or corrupt)")
+                f.seek(start)
+                data = f.read(header["bytes"] + 1)
     except FileNotFoundError:
         raise NotFound(f"bundle {path} does not exist") from None
     except IsADirectoryError:
         raise BundleError(f"bundle {path} is not a regular file") from None
     except OSError as e:
         raise BundleError(f"cannot read bundle {path}: {e.strerror}") from None
-    if payload:
-        if len(data) != header.get("bytes") or hashlib.sha256(data).hexdigest() != header.get("sha256"):
-            raise BundleError(f"bundle {path}: payload does not match its header (truncated or corrupt)")
+    if payload and len(data) != header["bytes"]:  # (changed since it was hashed)
+        raise BundleError(f"bundle {path}: payload does not match its header (truncated or corrupt)")
     return Bundle(header, data)
 
 
@@ -289,8 +325,12 @@ def artifacts(payload: bytes, path: str = "bundle") -> Artifacts:
     if u64() != PAYLOAD_VERSION:
         raise bad("unknown version")
     out: Artifacts = {}
+    seen = set()
     while at < len(payload):
         kind = string()
+        if kind in seen:  # torch keeps only the last list of a type: a check of both counted what it never loads
+            raise bad(f"artifact type {kind[:40]!r} is listed twice")
+        seen.add(kind)
         for _ in range(u64()):
             key = string()
             out.setdefault(kind, []).append((key, blob()))
