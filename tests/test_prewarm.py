@@ -185,7 +185,7 @@ def test_export_then_import_into_an_empty_cache_is_warm(world, tmp_path, fixture
     fresh = ConfCli(tmp_path / "fresh2", cli.db_url, cli.config)
     had = cpp_builds.seed(fresh.cache_dir, HEAD_BUILDS)
     doc, err = proc_json(
-        fresh, "prewarm", "--manifest", str(world["base"] / "m.toml"), "--model", "head", "--bundle", str(other), code=8
+        fresh, "prewarm", "--manifest", str(world["base"] / "m.toml"), "--model", "head", "--bundle", str(other), code=9
     )
     cpp_builds.keep(HEAD_BUILDS, fresh.cache_dir, had)
     assert "torch_version differs" in doc["failures"][0]
@@ -375,3 +375,25 @@ def test_target_redis_fills_pytorchs_remote_cache(world, tmp_path, redis_url, cp
     assert out.returncode == 0, out.stderr[-3000:]
     counters = json.loads(out.stdout.strip().splitlines()[-1])
     assert counters["fxgraph_cache_hit"] == 3  # the three head shapes; mlp was never prewarmed
+
+
+def test_a_refused_bundle_is_exit_9_as_prewarm_help_says(fixture_cache, tmp_path, db_url):
+    """prewarm --help gives 9 for a bundle that does not match this host; a bundle of another
+    torch gave 8 (as a failed shape), a truncated one too. Both are 9 now; the shapes still ran."""
+    other = tmp_path / "other.bundle"
+    r = Cli(fixture_cache("torch-2.14.1-cpu"), db_url).proc("export", "--out", str(other), timeout=900, env=ENV)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "m.toml").write_text(
+        '[[model]]\nname = "m"\nfactory = "prewarm_models:mlp"\ncompile = { backend = "eager" }\n'
+        'shapes = [["f32[2,16]"]]\n'
+    )
+    cli = Cli(tmp_path / "cache", db_url)
+    prewarm = ("prewarm", "--manifest", str(tmp_path / "m.toml"), "--bundle")
+    doc, err = proc_json(cli, *prewarm, str(other), code=9)
+    assert "none of its 8 graphs would hit here" in doc["failures"][0] and [s["ok"] for s in doc["shapes"]] == [True]
+    truncated = tmp_path / "truncated.bundle"
+    truncated.write_bytes(other.read_bytes()[:-100])
+    r = cli(*prewarm, str(truncated), code=9)  # said before torch starts
+    assert (
+        r.stderr == f"cachemgr: error: bundle {truncated}: payload does not match its header (truncated or corrupt)\n"
+    )

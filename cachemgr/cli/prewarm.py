@@ -15,7 +15,7 @@ import click
 
 from cachemgr.cli.common import Col, emit_json, exit_codes, ingest_spool, json_option, pass_app, table
 from cachemgr.errors import PrewarmError, UsageError
-from cachemgr.prewarm.bundle import MAX_BYTES
+from cachemgr.prewarm.bundle import MAX_BYTES, BundleError
 from cachemgr.units import format_size
 
 MAX_BUNDLE = format_size(MAX_BYTES)
@@ -313,7 +313,12 @@ def _print_run(result, title: str) -> None:
         "where torch would write an entry of the bundle)",
     ),
     (8, "a shape or model failed, or verify missed"),
-    (9, "the bundle does not match this host"),
+    (
+        9,
+        f"the bundle was refused: not a bundle, over {MAX_BUNDLE}, none of its graphs\n"
+        "would hit here, partial, or a key not a name inside the cache (the\n"
+        "shapes are still replayed)",
+    ),
 )
 def prewarm(
     app,
@@ -353,7 +358,7 @@ def prewarm(
     if bundle_path:
         from cachemgr.prewarm import bundle
 
-        bundle.read(bundle_path, payload=False)  # missing (3) or not a bundle (9): said before torch starts
+        bundle.read(bundle_path, payload=False)  # missing (3), not a bundle or truncated (9): said before torch starts
     plans, errors = worker.plan(m, _recorded(app) if any(x.shapes == "recorded" for x in m.models) else [])
     # factories that are nowhere to import, CUDA on a host without it: said before torch starts
     plans, unrunnable = worker.precheck(plans, _search_path(env), devs)
@@ -418,7 +423,9 @@ def prewarm(
     if failures:
         for f in failures:
             click.echo(f"cachemgr: {f}", err=True)
-        raise PrewarmError(f"{len(failures)} problem(s) during prewarm (first: {failures[0]})")
+        refused = result.imported is not None and not result.imported.get("ok")  # (the first failure)
+        error = BundleError if refused else PrewarmError
+        raise error(f"{len(failures)} problem(s) during prewarm (first: {failures[0]})")
 
 
 @click.command("export")
