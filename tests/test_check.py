@@ -829,6 +829,28 @@ def test_export_never_replaces_what_is_not_a_regular_file(tmp_path, db_url):
     assert all(not p.is_file() or p.is_symlink() for p, _ in odd)
 
 
+def test_export_keeps_out_what_import_refuses():
+    """export handed torch every file it found: a directory name that is not UTF-8 made torch's
+    save fail whole ("nothing to export", exit 8), a .best_config in the trash made a bundle that
+    import refuses. `exportable` (the export worker's filter) keeps the rest and says why; a PGO
+    key with a newline (a file name of two lines) is not a name inside the cache either."""
+    records = [
+        ("inductor", "fr6kjgood", b"g"),
+        ("inductor", "fr6\udcff\udcfebad", b"g"),
+        ("autotune", "ab/" + "c" * 62 + ".best_config", {"XBLOCK": 8}),
+        ("autotune", ".cachemgr-trash/x/abc.best_config", {"XBLOCK": 8}),
+        ("pgo", "mast:x\nline", b"p"),
+    ]
+    skipped: list[str] = []
+    kept = list(bundle.exportable(records, skipped))
+    assert [key for _, key, _ in kept] == ["fr6kjgood", "ab/" + "c" * 62 + ".best_config"]
+    assert skipped == [
+        "inductor artifact key 'fr6\\udcff\\udcfebad' is not a name inside the cache",
+        "autotune artifact key '.cachemgr-trash/x/abc.best_config' is not a name inside the cache",
+        "pgo artifact key 'mast:x\\nline' is not a name inside the cache",
+    ]
+
+
 def test_import_says_which_autotune_results_it_replaced(cpu_bundle, tmp_path, db_url):
     """An autotune result the cache held was replaced by the bundle's without a word."""
     key = "ab/" + "d" * 62 + ".best_config"

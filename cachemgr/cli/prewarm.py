@@ -522,6 +522,12 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
             f"(first: {missing[0] if missing else '?'}); `import` refuses it without --allow-partial",
             err=True,
         )
+    if ex.get("skipped"):  # cache files that import would refuse: left out, the rest exported
+        click.echo(
+            f"cachemgr: left out {ex.get('skipped_count', len(ex['skipped']))} cache file(s) that import would "
+            f"refuse (first: {ex['skipped'][0]})",
+            err=True,
+        )
     if failures:
         raise PrewarmError("; ".join(failures))
 

@@ -22,6 +22,7 @@ import os
 import re
 import stat
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -175,7 +176,8 @@ KEY_FORMS = {
     "aot_autograd": _NAME,
     "precompile": _NAME,
     "autotune": re.compile(r"[A-Za-z0-9_]{2}/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}"),  # <2ch>/<hash>.best_config
-    "pgo": re.compile(r"[^\x00/\\]{1,1024}"),  # (torch makes it code_state_<key>.pkl, '/' and more replaced)
+    # (torch makes it code_state_<key>.pkl, '/' and more replaced; a newline made a file name of two lines)
+    "pgo": re.compile(r"[^\x00-\x1f\x7f/\\]{1,1024}"),
 }
 
 
@@ -197,6 +199,19 @@ def unsafe_keys(arts: Artifacts) -> list[str]:
             continue
         out.extend(why for key, _ in items if (why := key_problem(kind, key)))
     return out
+
+
+def exportable(records: Iterable[tuple[str, str, Any]], skipped: list[str]) -> Iterator[tuple[str, str, Any]]:
+    """The (type, key, content) records of cache files that `import` accepts; each other one is
+    left out, its reason added to `skipped`: a name that is not UTF-8 made torch's save fail
+    whole ("nothing to export"), and a .best_config in a dot folder (the trash) made a bundle
+    that import refuses."""
+    for kind, key, content in records:
+        why = key_problem(kind, key)
+        if why:
+            skipped.append(why)
+        else:
+            yield kind, key, content
 
 
 def load_dirs(arts: Artifacts) -> set[str]:
