@@ -751,7 +751,7 @@ def test_check_bundle_refuses_what_import_refuses(cpu_bundle, tmp_path, db_url):
     """`check --bundle` said 7 graphs will hit of a bundle import refuses (a key of '../x'), and of
     one that lists `inductor` twice (cachemgr counted both lists, torch loads only the last: no
     graph at all); a header whose `expects` was a list crashed it (exit 70) and showed import a
-    raw exception. Each is now exit 9, one line, from both."""
+    raw exception. Each is now exit 9, one line, from both. A refused import leaves no cache dir."""
 
     def traversal(arts):
         arts["aot_autograd"].append(("../../../outside", arts["aot_autograd"][0][1]))
@@ -775,6 +775,9 @@ def test_check_bundle_refuses_what_import_refuses(cpu_bundle, tmp_path, db_url):
         if path is not bad:  # (import's own check of keys is test_a_bundle_is_never_let_write_outside_the_cache)
             r = cli("import", str(path), code=9)
             assert r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
+    r = cli.proc("import", str(bad), timeout=900, env=ENV)  # refused in its worker, after torch made the dir
+    assert r.returncode == 9 and "refusing to import it" in r.stderr, r.stderr
+    assert not cli.cache_dir.exists()
 
 
 def test_a_bundle_is_never_held_whole_before_it_is_known_good(tmp_path, db_url):

@@ -397,3 +397,13 @@ def test_a_refused_bundle_is_exit_9_as_prewarm_help_says(fixture_cache, tmp_path
     assert (
         r.stderr == f"cachemgr: error: bundle {truncated}: payload does not match its header (truncated or corrupt)\n"
     )
+
+
+def test_shapes_of_an_empty_model_name_is_an_unknown_model(tmp_path, db_url):
+    """`shapes --model ''` printed "no shapes recorded" with exit 0; any other unknown model is 3."""
+    (tmp_path / "spool").mkdir()
+    (tmp_path / "config.toml").write_text(f'spool_dir = "{tmp_path / "spool"}"\n')
+    cli = ConfCli(tmp_path / "cache", db_url, tmp_path / "config.toml")
+    for name in ("", "nope"):
+        r = cli("shapes", "--model", name, code=3)
+        assert r.stderr.count("\n") == 1 and r.stdout == "", r.stderr

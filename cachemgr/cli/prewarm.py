@@ -92,7 +92,7 @@ def shapes(app, model: str | None, as_json: bool) -> None:
     # read twice, once for the widths and once to print, its ages both times as of `now`.
     ingest_spool(app)
     store = Store.of_index(app.db)
-    if model and model not in store.models():
+    if model is not None and model not in store.models():  # ('' too: no model has that name)
         raise store.no_model(model)
     if as_json:
         emit_json_list(each_shape(app.db, model))
@@ -669,11 +669,11 @@ def import_(
             import_bundle=os.path.abspath(bundle_path),
             check=spec,
         )
-    if check_only and not existed:
-        with suppress(OSError):  # torch makes its cache dir when it starts: a check leaves none behind
+    imp = result.imported or {"ok": False, "error": "the import worker reported nothing"}
+    if not existed and (check_only or not imp.get("ok")):
+        with suppress(OSError):  # torch makes its cache dir when it starts: a check or a refusal leaves none
             os.rmdir(app.settings.cache_dir)
     learn(app, result)
-    imp = result.imported or {"ok": False, "error": "the import worker reported nothing"}
     _index_loaded(app, imp)
     if as_json:
         emit_json(imp)
