@@ -407,3 +407,20 @@ def test_shapes_of_an_empty_model_name_is_an_unknown_model(tmp_path, db_url):
     for name in ("", "nope"):
         r = cli("shapes", "--model", name, code=3)
         assert r.stderr.count("\n") == 1 and r.stdout == "", r.stderr
+
+
+def test_export_leaves_out_what_import_would_refuse_and_says_so(fixture_cache, tmp_path, db_url):
+    """One fxgraph folder whose name is not UTF-8 made torch's save fail whole ("nothing to
+    export", exit 8), and a .best_config in the trash made a bundle `import` refuses: each is
+    left out, named, and the rest of the cache exported."""
+    root = fixture_cache("torch-2.14.1-cpu")
+    odd = root / "fxgraph" / os.fsdecode(b"f\xff") / os.fsdecode(b"f\xffbad")
+    odd.mkdir(parents=True)
+    (odd / "entry").write_bytes(b"not a pickle")
+    (root / ".cachemgr-trash" / "ab").mkdir(parents=True)
+    (root / ".cachemgr-trash" / "ab" / ("a" * 52 + ".best_config")).write_text('{"XBLOCK": 8}')
+    out = tmp_path / "cache.bundle"
+    doc, err = proc_json(Cli(root, db_url), "export", "--out", str(out), code=0)
+    assert "cachemgr: left out 2 cache file(s) that import would refuse" in err, err
+    b = bundle.read(str(out))
+    assert b.header["artifacts"]["inductor"] >= 8 and bundle.unsafe_keys(bundle.artifacts(b.payload)) == []

@@ -1071,11 +1071,12 @@ def _export(export: dict, models: list[str], device: str, adapter, fingerprint: 
 
     from cachemgr.prewarm import bundle
 
+    skipped: list[str] = []  # cache files import would refuse (a name not UTF-8, a .best_config in the trash)
     try:
         if not models:
             if adapter is None:
                 raise RuntimeError(f"torch {torch.__version__}: cachemgr has no adapter for it")
-            adapter.record_artifacts(_disk_artifacts(export["cache_dir"]))
+            adapter.record_artifacts(bundle.exportable(_disk_artifacts(export["cache_dir"]), skipped))
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             return {"ok": False, "error": "nothing to export: no cache artifacts were produced or found"}
@@ -1097,7 +1098,9 @@ def _export(export: dict, models: list[str], device: str, adapter, fingerprint: 
             "complete": not missing,
             "missing": missing[:100],
         }
-        return {"ok": True, "header": bundle.write(export["out"], header, payload), "out": export["out"]}
+        written = bundle.write(export["out"], header, payload)
+        out = {"ok": True, "header": written, "out": export["out"]}
+        return {**out, "skipped": skipped[:20], "skipped_count": len(skipped)}
     except Exception as e:  # noqa: BLE001
         return {"ok": False, "error": _first_line(e)}
 
