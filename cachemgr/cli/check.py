@@ -24,7 +24,7 @@ from cachemgr.cli.common import (
     wide_option,
 )
 from cachemgr.errors import PrewarmError, UsageError
-from cachemgr.prewarm.bundle import MAX_BYTES
+from cachemgr.prewarm import MAX_BUNDLE_BYTES
 from cachemgr.units import format_size
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ def render(report, width: int | None, shorts: dict[str, str] | None = None, show
     (8, "this host's side could not be computed (its torch worker failed)"),
     (
         9,
-        f"--bundle names a file that is no bundle (or over {format_size(MAX_BYTES)}), or one\n"
+        f"--bundle names a file that is no bundle (or over {format_size(MAX_BUNDLE_BYTES)}), or one\n"
         "import refuses (a key not a name inside the cache)",
     ),
 )

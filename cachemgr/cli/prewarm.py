@@ -15,10 +15,10 @@ import click
 
 from cachemgr.cli.common import Col, emit_json, exit_codes, ingest_spool, json_option, pass_app, table
 from cachemgr.errors import PrewarmError, UsageError
-from cachemgr.prewarm.bundle import MAX_BYTES, BundleError
+from cachemgr.prewarm import MAX_BUNDLE_BYTES
 from cachemgr.units import format_size
 
-MAX_BUNDLE = format_size(MAX_BYTES)
+MAX_BUNDLE = format_size(MAX_BUNDLE_BYTES)
 
 
 def _recorded(app, model: str | None = None) -> list[dict]:
@@ -424,6 +424,8 @@ def prewarm(
         for f in failures:
             click.echo(f"cachemgr: {f}", err=True)
         refused = result.imported is not None and not result.imported.get("ok")  # (the first failure)
+        from cachemgr.prewarm.bundle import BundleError
+
         error = BundleError if refused else PrewarmError
         raise error(f"{len(failures)} problem(s) during prewarm (first: {failures[0]})")
 

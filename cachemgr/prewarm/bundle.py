@@ -28,6 +28,7 @@ from typing import Any, cast
 
 from cachemgr import safefs
 from cachemgr.errors import CachemgrError, NotFound
+from cachemgr.prewarm import MAX_BUNDLE_BYTES
 from cachemgr.units import format_size
 
 MAGIC = b"CACHEMGR-BUNDLE 1\n"
@@ -97,7 +98,7 @@ def _kind_of(mode: int) -> str:
 
 
 MAX_HEADER = 1 << 20  # bytes of the header line (a few hundred real ones)
-MAX_BYTES = 4 << 30  # bytes of a whole bundle file: a bigger one is refused before it is read (it is held in memory)
+MAX_BYTES = MAX_BUNDLE_BYTES
 
 
 def _header_problem(h: Any) -> str | None:
