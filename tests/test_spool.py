@@ -4,6 +4,7 @@ value the worker cannot be sent). No torch: real files, real processes, a real S
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -163,7 +164,8 @@ def test_a_manifest_value_json_has_no_form_for_is_refused_by_every_command_that_
         f'[[model]]\nname = "lin"\nfactory = "prewarm_models:mlp"\n{DATETIME_IN[field]}shapes = [["f32[8,16]"]]\n'
     )
     bundle = tmp_path / "b.bundle"
-    bundle.write_bytes(b'CACHEMGR-BUNDLE 1\n{"bytes": 0}\n')  # a header is all import reads before the manifest
+    empty = hashlib.sha256(b"").hexdigest()  # (a header is all import reads before the manifest)
+    bundle.write_bytes(b'CACHEMGR-BUNDLE 1\n{"bytes": 0, "sha256": "%s"}\n' % empty.encode())
     (tmp_path / "cache").mkdir()
     cli = cli_for(tmp_path / "cache")
     key = "factory_kwargs.when" if field == "factory_kwargs" else "compile.options.x"
