@@ -221,20 +221,27 @@ def _db_url(v: Any) -> str:
     return v
 
 
-_SECRET = re.compile(r"(?i)([?&](?:ssl_)?password=)[^&#]*")  # (?password= of libpq and redis-py, ?ssl_password=)
+_OPTION = re.compile(r"([?&;])([^=&;#]*)=([^&;#]*)")
+URL_OPTIONS = ("db", "redis_url")  # the settings that are URLs: shown only through redact_url
 
 
 def redact_url(url: str) -> str:
-    """A URL fit for messages and `config show`: its passwords replaced (USER:PASSWORD@, and
-    ?password= / ?ssl_password=). Never fails: a URL too odd to parse is shown as it is, less those."""
-    url = _SECRET.sub(r"\1***", url)
+    """A URL fit for messages and `config show`: every password replaced (USER:PASSWORD@, and
+    any option whose name, percent-decoded, holds "pass": libpq's ?password= and ?sslpassword=,
+    redis-py's ?ssl_password=, ?pass%77ord=) and control characters escaped. Where an '@' follows
+    '://', all before the last one is taken for credentials, so a password holding '?' or '/' is
+    hidden too (an '@' in an option's value may hide more than it must, never less)."""
+
+    def hide(m: re.Match) -> str:
+        secret = "pass" in urllib.parse.unquote(m.group(2)).lower()
+        return f"{m.group(1)}{m.group(2)}={'***' if secret else m.group(3)}"
+
+    url = _OPTION.sub(hide, url)
     scheme, sep, rest = url.partition("://")
-    head, q, query = rest.partition("?")
-    if sep and "@" in head:  # (the last '@' before any query: a password may hold '@' or '/')
-        creds, host = head.rsplit("@", 1)
-        if ":" in creds:
-            return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}{q}{query}"
-    return url
+    creds, at, host = rest.rpartition("@")
+    if sep and at and ":" in creds:
+        url = f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
+    return url if url.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in url)
 
 
 def _host(v: Any) -> str:
@@ -443,7 +450,10 @@ def load(
         except UsageError as e:
             raise ConfigError(f"{o.name} from {src}: {e}") from e
         except (TypeError, ValueError, OverflowError) as e:
-            shown = repr(v)
+            if o.name in URL_OPTIONS:  # (a password stays hidden, whatever is wrong with the rest)
+                shown = repr(redact_url(v)) if isinstance(v, str) else f"of type {type(v).__name__}"
+            else:
+                shown = repr(v)
             shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise ConfigError(f"{o.name} from {src}: invalid value {shown}: {e}") from e
         sources[o.name] = src

@@ -475,6 +475,41 @@ def test_passwords_are_never_shown(fixture_cache, cli_for, tmp_path):
     assert "u:***@127.0.0.1" in cli.proc("config", "show", env=env).stdout
 
 
+@pytest.mark.parametrize(
+    "db, env, config",
+    [
+        ("postgresql://u:s3cretA@h/db%00", {}, None),  # a bad value: its message
+        (None, {"CACHEMGR_REDIS_URL": "redis://u:s3cretB@h/0\udcff"}, None),  # (not UTF-8, as the shell gives it)
+        (None, {}, 'redis_url = ["redis://u:s3cretC@h/0"]\n'),  # a list
+        (None, {}, 'redis_url = { url = "redis://u:s3cretD@h/0" }\n'),  # a table
+        (None, {"CACHEMGR_REDIS_URL": "rediss://h/0?pass%77ord=s3cretE"}, None),  # percent-encoded: redis-py's password
+        ("postgresql+psycopg://u@127.0.0.1:1/db?sslpassword=s3cretF", {}, None),  # libpq's
+        (None, {"CACHEMGR_REDIS_URL": "redis://u:pa?s3cretG@h/0"}, None),  # a password holding '?' (a URL that fails)
+    ],
+)
+def test_no_password_is_shown_whatever_the_url_holds(fixture_cache, cli_for, tmp_path, db, env, config):
+    """A setting refused for its value was shown whole (repr), its password too; and a password
+    given percent-encoded, as libpq's sslpassword, or holding a '?' was not recognised."""
+    env = dict(env)
+    if config:
+        (tmp_path / "c.toml").write_text(config)
+        env["CACHEMGR_CONFIG"] = str(tmp_path / "c.toml")
+    cli = cli_for(fixture_cache(), **({"db": db} if db else {}))
+    for args in (["config", "show"], ["config", "show", "--json"], ["stats"], ["remote", "stats"]):
+        r = cli.proc(*args, env=env)
+        assert "s3cret" not in r.stdout + r.stderr, r.stdout + r.stderr
+        assert r.returncode in (0, 2, 5, 6), r.stderr
+
+
+def test_an_error_quoting_hostile_text_sends_no_escape(fixture_cache, cli_for, tmp_path):
+    """A setting (or a server's answer) holding an escape sequence reached the terminal as it was
+    in the one error line: a forged line, a window title. It is shown escaped."""
+    (tmp_path / "c.toml").write_text('redis_url = "redis://h/0?x=\\u001b]0;T\\u0007\\r\\ncachemgr: ok"\n')
+    r = cli_for(fixture_cache()).proc("remote", "stats", env={"CACHEMGR_CONFIG": str(tmp_path / "c.toml")})
+    assert r.returncode == 2 and "\x1b" not in r.stderr and "\x07" not in r.stderr and "\r" not in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "\\x1b]0;T\\x07" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("value", ["a b:80", "999.1.1.1:80", "\u00fcn\u00ef:80", "-x:80"])
 def test_a_metrics_address_that_names_no_host_is_a_usage_error(fixture_cache, cli_for, value):
     """It was taken, and the daemon then failed to start with exit 1 (a code its help does not list)."""

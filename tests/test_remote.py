@@ -630,7 +630,16 @@ def test_an_lfu_policy_keeps_no_idle_times(fake_redis):
     assert plan.victims == () and plan.kept_young == 1
 
 
-@pytest.mark.parametrize("answer", [b"+OK\r\n", b":5\r\n", b"*1\r\n:1\r\n", b"*3\r\n:0\r\n*1\r\n:1\r\n*0\r\n"])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"+OK\r\n",
+        b":5\r\n",
+        b"*1\r\n:1\r\n",
+        b"*3\r\n:0\r\n*1\r\n:1\r\n*0\r\n",
+        b"*1\r\n" * 100_000 + b":1\r\n",  # nested deeper than Python recurses (redis-py's parser: RecursionError)
+    ],
+)
 def test_a_server_that_is_not_redis_is_exit_6(tmp_path, db_url, fake_redis, answer):
     """A server answering every command with one thing Redis would not (redis-py read +OK for its
     handshake's map, or our SCAN step's list): `remote stats` was exit 70 (AttributeError)."""
@@ -650,3 +659,123 @@ def test_remote_evict_dry_run_writes_nothing(tmp_path, db_url, redis_url, rconn)
     doc = remote_json(Cli(tmp_path / "cache", db_url), redis_url, "evict", "--max-age", "1d", "--dry-run")
     assert doc["skipped"] == [{"key": k, "reason": "the graphs it needs are not known yet: a dry run reads no value"}]
     assert rconn.object("idletime", k) >= 3600 and not rconn.exists("cachemgr:meta")
+
+
+def test_an_answer_larger_than_redis_would_give_is_refused(tmp_path, db_url, fake_redis):
+    """A server announcing a bulk string of 3 GB and sending it as fast as it can: redis-py read it
+    all into memory (5.6 GiB before the timeout). A round trip stops at MAX_ANSWER bytes: exit 6."""
+    from cachemgr.fleet.remote import MAX_ANSWER
+
+    chunk = b"x" * (1 << 20)
+    url = fake_redis(lambda args: [b"$3000000000\r\n"] + [chunk] * (MAX_ANSWER // len(chunk) + 8))
+    r = Cli(tmp_path / "cache", db_url).proc("remote", "--redis", f"{url}?protocol=2", "stats", timeout=120)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 6 and len(lines) == 1, r.stderr
+    assert lines[0].endswith(f"answered what Redis would not: over {MAX_ANSWER} bytes in one answer"), lines
+
+
+def _one_key_server(key: bytes, scans: list[bytes], object_answer: bytes = b":100000\r\n"):
+    """A server holding one 100-byte string `key`, its SCAN steps given (the cursor each step
+    returns, in order), OBJECT answered with `object_answer`."""
+    steps = iter(scans)
+
+    def answer(args):
+        name = args[0].upper()
+        if name == b"EVALSHA":
+            if args[4] != b"pt2:*":
+                return [b"*3\r\n$1\r\n0\r\n*0\r\n*0\r\n"]
+            return [next(steps)]
+        if name == b"TYPE":
+            return [b"+none\r\n" if args[1] == b"cachemgr:meta" else b"+string\r\n"]
+        if name == b"OBJECT":
+            return [object_answer]
+        return [
+            {b"HELLO": b"-ERR unknown command\r\n", b"MEMORY": b":100\r\n", b"DBSIZE": b":1\r\n"}.get(name, b"+OK\r\n")
+        ]
+
+    return answer
+
+
+def test_a_key_scan_gives_twice_counts_once(fake_redis):
+    """SCAN may give a key twice (a rehash between steps): it was counted twice, and a size cap it
+    met was taken for one it did not (the key planned for deletion)."""
+    from cachemgr.fleet.remote import Remote
+
+    key = b"pt2:fx-graph-v1::fk:c1"
+    one = b"*1\r\n$22\r\n" + key + b"\r\n"
+    rem = Remote(
+        fake_redis(
+            _one_key_server(
+                key, [b"*3\r\n$1\r\n5\r\n" + one + b"*0\r\n"] * 2 + [b"*3\r\n$1\r\n0\r\n" + one + b"*0\r\n"]
+            )
+        )
+    )
+    s = rem.stats()
+    assert (s.entries, s.bytes) == (1, 100)
+
+
+@pytest.mark.parametrize(
+    "answer, outcome",
+    [
+        (b"-NOPERM this user has no permissions to run the 'object|idletime' command\r\n", "refused"),
+        (b"-ERR something odd\r\n", "skipped"),
+        (b"+not a number\r\n", "skipped"),
+    ],
+)
+def test_a_key_redis_gives_no_idle_time_for_is_said(fake_redis, answer, outcome):
+    """An error for OBJECT IDLETIME other than an LFU policy's read every key as gone: 0 entries,
+    nothing evicted, nothing said. A refusal (an ACL) is Redis refusing us (exit 6); anything else
+    is the key skipped, with Redis's answer."""
+    from cachemgr.errors import RemoteError
+    from cachemgr.fleet.remote import Remote
+
+    key = b"pt2:fx-graph-v1::fk:c1"
+    rem = Remote(fake_redis(_one_key_server(key, [b"*3\r\n$1\r\n0\r\n*1\r\n$22\r\n" + key + b"\r\n*0\r\n"], answer)))
+    if outcome == "refused":
+        with pytest.raises(RemoteError, match=r"refused us: this user has no permissions"):
+            rem.stats()
+        return
+    skipped = []
+    assert rem.inspect(skipped=skipped) == []
+    assert [x.key for x in skipped] == [key.decode()] and "neither counted nor deleted" in skipped[0].reason
+
+
+def test_what_redis_holds_reaches_no_terminal_as_escapes(tmp_path, db_url, redis_url, rconn):
+    """cachemgr:meta is anyone's to write: its 'unreadable' text was printed as it was (a window
+    title, a forged 'cachemgr:' line)."""
+    k = "pt2:autograd-experimental::aesc:c1"
+    rconn.set(k, "x")
+    evil = "\x1b]0;PWNED\x07\r\ncachemgr: deleted everything"
+    rconn.hset("cachemgr:meta", k, json.dumps({"unreadable": evil}))
+    r = Cli(tmp_path / "cache", db_url).proc("remote", "--redis", redis_url, "evict", "--max-age", "1d", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stderr and "\x07" not in r.stderr and "\r" not in r.stderr, r.stderr
+    assert [x for x in r.stderr.splitlines() if "deleted everything" in x] == [
+        f"cachemgr: remote: skipped {k}: cannot read it (seen before): "
+        "\\x1b]0;PWNED\\x07\\r\\ncachemgr: deleted everything"
+    ]
+
+
+def test_push_skips_what_an_edited_index_holds(cpu_cache, cli_for, redis_url, rconn, db_url):
+    """One infinite compile time was exit 70 (OverflowError) for the whole push; a NULL ref was
+    pushed as the key 'pt2:fx-graph-v1::None:c1', one with control characters as a key that
+    `remote stats` then refused. The time reads as unknown (0 ms), the odd refs are skipped."""
+    import sqlite3
+
+    a = cli_for(cpu_cache)
+    a("scan")
+    fx = a.json("ls", "--kind", "fxgraph")
+    assert len(fx) >= 3
+    db = sqlite3.connect(db_url.removeprefix("sqlite:///"))
+    with db:
+        db.execute("UPDATE entries SET compile_seconds = 9e999 WHERE key = ?", (fx[0]["key"],))
+        db.execute("UPDATE entries SET ref = NULL WHERE key = ?", (fx[1]["key"],))
+        db.execute("UPDATE entries SET ref = ? WHERE key = ?", ("evil\x1b]0;T\x07", fx[2]["key"]))
+    db.close()
+    r = a.proc("remote", "--redis", redis_url, "push", "--no-scan", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert sorted(x["key"] for x in doc["skipped"]) == sorted([fx[1]["key"], fx[2]["key"]]), doc["skipped"]
+    keys = torch_keys(rconn)
+    assert all(k.isprintable() and "None" not in k for k in keys), keys
+    assert json.loads(rconn.get(f"pt2:fx-graph-v1::{fx[0]['graph_key']}:c1"))["time_taken_ms"] == 0

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(e.format_message())
         code = 0
     except click.ClickException as e:
-        click.echo(f"cachemgr: error: {e.format_message()}", err=True)
+        click.echo(f"cachemgr: error: {_one_line(e.format_message())}", err=True)
         code = e.exit_code
     except click.exceptions.Abort:
         click.echo("cachemgr: aborted", err=True)
@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         if type(e).__module__.startswith(("sqlalchemy.", "sqlite3", "psycopg")):
             orig = str(getattr(e, "orig", None) or e).strip()
             click.echo(
-                f"cachemgr: error: index database: {orig.splitlines()[0] if orig else type(e).__name__}", err=True
+                f"cachemgr: error: index database: {_one_line(orig.splitlines()[0]) if orig else type(e).__name__}",
+                err=True,
             )
             code = DatabaseError.exit_code
         elif _short_of(e):
@@ -210,5 +211,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _one_line(message: str) -> str:
     """An error as the one line the exit codes promise: a database error can quote a statement's
-    text, newlines and all (a damaged index named a column by its SQL)."""
-    return " ".join(message.split()) if "\n" in message or "\r" in message else message
+    text, newlines and all (a damaged index named a column by its SQL), and a message can quote
+    what a hostile file, server or setting holds (an escape sequence is shown, never sent)."""
+    from cachemgr.cli.common import clean
+
+    return clean(" ".join(message.split()) if "\n" in message or "\r" in message else message)

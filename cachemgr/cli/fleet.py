@@ -6,7 +6,19 @@ from dataclasses import replace
 
 import click
 
-from cachemgr.cli.common import COUNT, DURATION, SIZE, Col, age, emit_json, human_size, json_option, pass_app, table
+from cachemgr.cli.common import (
+    COUNT,
+    DURATION,
+    SIZE,
+    Col,
+    age,
+    clean,
+    emit_json,
+    human_size,
+    json_option,
+    pass_app,
+    table,
+)
 from cachemgr.errors import UsageError
 
 
@@ -164,7 +176,7 @@ def _remote(app):
 def _say_skipped(skipped) -> None:
     """What was under a torch key but could not be used, and why: one line each (stderr)."""
     for x in skipped[:50]:
-        click.echo(f"cachemgr: remote: skipped {x.key}: {x.reason}", err=True)
+        click.echo(f"cachemgr: remote: skipped {clean(x.key)}: {clean(x.reason)}", err=True)
     if len(skipped) > 50:
         click.echo(f"cachemgr: remote: skipped {len(skipped) - 50} more keys", err=True)
 
@@ -234,11 +246,11 @@ def push(app, model: str | None, graph: str | None, force: bool, no_scan: bool, 
             from cachemgr.cli.inspect import run_scan
 
             run_scan(app, quiet_progress=as_json)
-        items, extra = push_items(app.store, model=model, graph=graph)
+        items, extra, refused = push_items(app.store, model=model, graph=graph)
         r = rem.push(items, app.settings.cache_dir, app.settings.host, force=force)
     finally:
         rem.close()
-    r = replace(r, skipped_guard_sets=extra)
+    r = replace(r, skipped_guard_sets=extra, skipped=refused + list(r.skipped))
     if as_json:
         emit_json(r.as_dict())
         return

@@ -71,6 +71,9 @@ MAX_KEY = 1024  # bytes in a key; torch's are under 100
 MAX_VALUE = 64 * 1024 * 1024  # bytes of a value cachemgr reads (an AOT entry, to learn its graphs)
 MAX_PUSH = 256 * 1024 * 1024  # bytes of a local entry file pushed (base64 must stay under Redis's 512 MB)
 MAX_META = 64 * 1024  # bytes of one META_KEY field
+# bytes one round trip may bring: the largest answer of ours is a value (MAX_VALUE) or a pipeline
+# of BATCH meta fields; a server that sends more (a bulk string of gigabytes) is not Redis
+MAX_ANSWER = MAX_VALUE + BATCH * MAX_META + (1 << 20)
 READERS = 4  # parse workers reading AOT values at once (each may take WORKER_MEMORY)
 BUDGET = 3600.0  # seconds a command may spend waiting on Redis in all (an endless SCAN cursor ends here)
 
@@ -307,6 +310,9 @@ class Remote:
             raise UsageError(f"bad Redis URL {self.shown}: {_line(e)}") from e
         self.timeout = float(self.r.connection_pool.connection_kwargs.get("socket_timeout") or timeout)
         self.budget, self.spent = budget, 0.0
+        self.received = _Received()
+        pool = self.r.connection_pool  # (no connection made yet: each one made from now on is counted)
+        pool.connection_class = _counted(pool.connection_class, self.received)
 
     def call(self, fn: Callable[[], T]) -> T:
         import redis
@@ -315,12 +321,18 @@ class Remote:
             raise RemoteError(f"Redis at {self.shown} took {self.budget:g} s of this command in all: stopped")
         limit = min(self.timeout, self.budget - self.spent)
         started = time.monotonic()
+        self.received.bytes = 0
         try:
             with _deadline(limit):
                 return fn()
         except _Late:
             self.r.connection_pool.disconnect()  # (its connection stopped in the middle of an answer)
             raise RemoteError(f"Redis at {self.shown} timed out: no whole answer within {limit:g} s") from None
+        except _TooLarge:
+            self.r.connection_pool.disconnect()
+            raise RemoteError(
+                f"Redis at {self.shown} answered what Redis would not: over {MAX_ANSWER} bytes in one answer"
+            ) from None
         except redis.exceptions.AuthenticationError as e:
             raise RemoteError(f"Redis at {self.shown} refused our credentials: {_line(e)}") from e
         except redis.exceptions.TimeoutError as e:
@@ -328,14 +340,15 @@ class Remote:
         except redis.exceptions.ConnectionError as e:
             raise RemoteError(f"cannot reach Redis at {self.shown}: {_line(e)}") from e
         except redis.exceptions.ResponseError as e:
-            if str(e).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+            if _refusal(e):
                 raise RemoteError(f"Redis at {self.shown} refused us: {_line(e)}") from e
             raise RemoteError(f"Redis at {self.shown} answered an error: {_line(e)}") from e
         except redis.exceptions.RedisError as e:
             raise RemoteError(f"Redis at {self.shown}: {type(e).__name__}: {_line(e)}") from e
-        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError, RecursionError) as e:
             # a server that answers what Redis would not: redis-py reads its handshake's answer
-            # as a map (AttributeError on +OK); our scripts' answers are checked in the call (`_answers`)
+            # as a map (AttributeError on +OK), and recurses once per level of a nested answer;
+            # our scripts' answers are checked in the call (`_answers`)
             raise RemoteError(
                 f"Redis at {self.shown} answered what Redis would not: {type(e).__name__}: {_line(e)}"
             ) from e
@@ -372,16 +385,16 @@ class Remote:
 
     def torch_keys(self, skipped: list[Skipped] | None = None) -> list[str]:
         """Every torch remote-cache key; keys under `pt2:` that are not torch's go to `skipped`."""
-        keys = []
+        keys: dict[str, None] = {}  # (SCAN may give a key twice: counted, and planned, once)
         for k, n in self.scan("pt2:*"):
             key, problem = (
                 check_key(k) if n == len(k) else (None, f"key of {n} bytes, over the {MAX_KEY} a torch key may have")
             )
             if key is not None:
-                keys.append(key)
+                keys[key] = None
             elif skipped is not None:
                 skipped.append(Skipped(shown_key(k) + ("..." if n > len(k) else ""), problem or "?"))
-        return keys
+        return list(keys)
 
     def inspect(self, keys: list[str] | None = None, skipped: list[Skipped] | None = None) -> list[RemoteKey]:
         """Size and idle time of every remote-cache key holding a string, read without moving its
@@ -409,8 +422,20 @@ class Remote:
                     if NO_IDLE not in skipped:
                         skipped.append(NO_IDLE)
                 parsed = parse_key(k)
-                if typ == "none" or parsed is None or not isinstance(size, int) or not isinstance(idle, int):
+                for answer in (typ, size, idle):
+                    if _refusal(answer):
+                        raise RemoteError(f"Redis at {self.shown} refused us: {_line(answer)}")
+                if typ == "none" or parsed is None or size is None or idle is None:
                     continue  # gone between SCAN and now
+                problem = next((a for a in (typ, size, idle) if isinstance(a, Exception)), None)
+                if problem is not None or not isinstance(size, int) or not isinstance(idle, int):
+                    why = (
+                        f"Redis answered an error: {_line(problem)[:200]}"
+                        if problem
+                        else "an answer Redis would not give"
+                    )
+                    skipped.append(Skipped(k, f"{why}; neither counted nor deleted"))
+                    continue
                 if typ != "string":
                     skipped.append(Skipped(k, f"a Redis {typ} under a torch key, not a value Inductor wrote"))
                     continue
@@ -659,6 +684,41 @@ class Remote:
 
 class _Late(BaseException):
     """A round trip past its deadline (a BaseException: redis-py retries and wraps Exceptions)."""
+
+
+class _TooLarge(BaseException):
+    """A round trip that brought more than MAX_ANSWER bytes (a BaseException, as _Late)."""
+
+
+class _Received:
+    bytes = 0  # received in the round trip under way (Remote.call sets it back to 0)
+
+
+def _counted(connection_class: type, received: _Received) -> type:
+    """`connection_class` (plain, TLS or unix socket, as the URL chose) whose socket counts what
+    it receives into `received`: past MAX_ANSWER, the read stops (_TooLarge) before memory grows
+    with what a server that is not Redis sends (redis-py reads a bulk string's whole length)."""
+
+    class Counted(connection_class):  # type: ignore[misc, valid-type]
+        def _connect(self):
+            return _CountingSocket(super()._connect(), received)
+
+    return Counted
+
+
+class _CountingSocket:
+    def __init__(self, sock, received: _Received) -> None:
+        self._sock, self._received = sock, received
+
+    def recv(self, n: int, *flags: int) -> bytes:
+        data = self._sock.recv(n, *flags)
+        self._received.bytes += len(data)
+        if self._received.bytes > MAX_ANSWER:
+            raise _TooLarge
+        return data
+
+    def __getattr__(self, name: str) -> Any:  # everything else as the socket does it
+        return getattr(self._sock, name)
 
 
 @contextmanager
@@ -952,8 +1012,11 @@ def plan_eviction(
 # -- what to push (reads the local index) ---------------------------------------------------
 
 
-def push_items(store: Store, model: str | None = None, graph: str | None = None) -> tuple[list[PushItem], int]:
-    """The local fxgraph and AOT entries to publish, and how many extra guard sets were left out.
+def push_items(
+    store: Store, model: str | None = None, graph: str | None = None
+) -> tuple[list[PushItem], int, list[Skipped]]:
+    """The local fxgraph and AOT entries to publish, how many extra guard sets were left out, and
+    the entries whose key makes no remote key.
 
     No selector: every entry. `graph`: that fxgraph or AOT key. `model`: the fxgraph entries whose
     input signature was recorded for that model (the shapes table). Either way the AOT <-> FX
@@ -978,23 +1041,42 @@ def push_items(store: Store, model: str | None = None, graph: str | None = None)
             )
         wanted = _closure(seeds, rows, edges)
 
+    from cachemgr.index.store import MAX_SECONDS, moment
+
     best: dict[str, Any] = {}
     extra = 0
+    refused: list[Skipped] = []
     for eid, key, kind, ref, mtime, seconds, version, _ in rows:
         if ref not in wanted:
             continue
+        # (an edited index's values: a ref no torch key is made of is not pushed; odd numbers read as unknown)
+        cache = FX_CACHE_ID if kind == "fxgraph" else AOT_CACHE_ID
+        rkey, why = check_key(redis_key(cache, ref).encode()) if isinstance(ref, str) else (None, "it has no key")
+        if rkey is None:
+            refused.append(Skipped(shown_key(str(key)), f"local entry: not pushed: {why}"))
+            continue
+        mtime, seconds = moment(mtime), moment(seconds)
         if ref in best:
             extra += 1
             if mtime <= best[ref][4]:
                 continue
-        best[ref] = (eid, key, kind, ref, mtime, seconds, version)  # several guard sets under one key: Redis holds one
+        best[ref] = (
+            eid,
+            key,
+            kind,
+            ref,
+            mtime,
+            seconds,
+            version,
+            rkey,
+        )  # several guard sets of one key: Redis holds one
     items = []
-    for eid, key, kind, ref, _, seconds, version in sorted(best.values(), key=lambda x: (x[2] != "fxgraph", x[1])):
-        cache = FX_CACHE_ID if kind == "fxgraph" else AOT_CACHE_ID
-        items.append(
-            PushItem(redis_key(cache, ref), kind, ref, key, int((seconds or 0) * 1000), version, edges.get(eid, []))
-        )
-    return items, extra
+    for eid, key, kind, ref, _, seconds, version, rkey in sorted(
+        best.values(), key=lambda x: (x[2] != "fxgraph", x[1])
+    ):
+        ms = int(seconds * 1000) if 0 <= seconds < MAX_SECONDS else 0
+        items.append(PushItem(rkey, kind, ref, key, ms, version, edges.get(eid, [])))
+    return items, extra, refused
 
 
 def _closure(seeds: set[str], rows: list, edges: dict[int, list[str]]) -> set[str]:
@@ -1010,6 +1092,16 @@ def _closure(seeds: set[str], rows: list, edges: dict[int, list[str]]) -> set[st
         if more <= wanted:
             return wanted
         wanted |= more
+
+
+def _refusal(answer: object) -> bool:
+    """Is this answer Redis refusing us (no such user, a wrong password, an ACL)? redis-py gives
+    NOAUTH and NOPERM their own classes, and takes the code off their text."""
+    import redis
+
+    if isinstance(answer, (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError)):
+        return True
+    return isinstance(answer, Exception) and str(answer).startswith(("NOAUTH", "WRONGPASS", "NOPERM"))
 
 
 def _line(e: BaseException) -> str:
