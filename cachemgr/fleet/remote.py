@@ -423,7 +423,7 @@ class Remote:
                         skipped.append(NO_IDLE)
                 parsed = parse_key(k)
                 for answer in (typ, size, idle):
-                    if _refusal(answer):
+                    if isinstance(answer, Exception) and _refusal(answer):
                         raise RemoteError(f"Redis at {self.shown} refused us: {_line(answer)}")
                 if typ == "none" or parsed is None or size is None or idle is None:
                     continue  # gone between SCAN and now
@@ -699,7 +699,7 @@ def _counted(connection_class: type, received: _Received) -> type:
     it receives into `received`: past MAX_ANSWER, the read stops (_TooLarge) before memory grows
     with what a server that is not Redis sends (redis-py reads a bulk string's whole length)."""
 
-    class Counted(connection_class):  # type: ignore[misc, valid-type]
+    class Counted(connection_class):
         def _connect(self):
             return _CountingSocket(super()._connect(), received)
 
