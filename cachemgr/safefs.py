@@ -40,9 +40,6 @@ Identity = tuple[int, int]  # (st_dev, st_ino)
 SHORT = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
-MAX_MOUNTINFO = 16 << 20  # bytes of /proc/self/mountinfo read (a host with 100,000 mounts)
-
-
 class Refused(OSError):
     """A path cachemgr will not touch: not a regular file, a symlink, changed since it was seen."""
 
@@ -72,22 +69,45 @@ def mounts_below(root: Root | str) -> frozenset[str]:
     A file system, or a bind mount of any directory, mounted inside the cache is not the cache's:
     nothing at or below one is moved or deleted (a descriptor walk crosses a mount point as it
     crosses any directory; a bind mount of the same file system even keeps its device number).
-    Empty where mountinfo cannot be read."""
+    Empty where mountinfo cannot be read (no /proc: `mount_id` then cannot tell either)."""
     try:
         top = os.readlink(f"/proc/self/fd/{root.fd}") if isinstance(root, Root) else os.path.realpath(root)
         top = top.rstrip("/") + "/"
+        out = set()
         with open("/proc/self/mountinfo", "rb") as f:
-            lines = f.read(MAX_MOUNTINFO).splitlines()
+            for line in f:  # (binary lines end at b"\n" alone: the kernel escapes it in a path, not "\r")
+                fields = line.split(b" ", 5)
+                if len(fields) > 4:  # (the mount point is the fifth, with space, tab, newline, backslash as \ooo)
+                    point = os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m.group(1), 8) & 0xFF]), fields[4]))
+                    if point.startswith(top):
+                        out.add(point[len(top) :])
     except OSError:
         return frozenset()
-    out = set()
-    for line in lines:
-        fields = line.split(b" ", 5)
-        if len(fields) > 4:  # (the mount point is the fifth, with space, tab, newline, backslash as \ooo)
-            point = os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8) & 0xFF]), fields[4]))
-            if point.startswith(top):
-                out.add(point[len(top) :])
     return frozenset(out)
+
+
+_OCTAL = re.compile(rb"\\([0-7]{3})")
+
+
+def mount_id(fd: int) -> int | None:
+    """The id of the mount a descriptor's file is on (/proc/self/fdinfo), None where it cannot be
+    read. A directory reached through the root's descriptors that is on another mount than the
+    root's was mounted there since the run read the mount table."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class OtherMount(OSError):
+    """A directory on another mount than the root's (mounted during the run): nothing there goes."""
+
+    def __init__(self, rel: str) -> None:
+        super().__init__(errno.EXDEV, "a mount point (another file system's)", rel)
 
 
 def at_or_below_a_mount(rel: str, mounts: frozenset[str]) -> bool:
@@ -117,6 +137,7 @@ class Root:
         # it is resolved once, here; nothing below it ever is.
         self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.id = identity(os.fstat(self.fd))
+        self.mount = mount_id(self.fd)  # (what is deleted in place must be on this mount, checked at the time)
         # One descriptor cache per thread: a descriptor another thread let go (and the kernel
         # then gave to some other directory) is never used.
         self._local = threading.local()
@@ -281,9 +302,17 @@ class Root:
 
     def delete(self, rel: str, expect: Identity, inodes: frozenset[int] | None = None) -> None:
         """Delete `rel` in place: a file by unlink, a directory of files by remove_at (with
-        `inodes`: only those files go; refused if others are there)."""
+        `inodes`: only those files go; refused if others are there). OtherMount where its folder,
+        or the directory itself, is on another mount than the root's now (a mount made since the
+        run read the mount table: a rename would fail across it, an unlink would not)."""
         pfd, name, st = self.check(rel, expect, reachable=True)
-        remove_at(pfd, name, st, inodes)
+        self.same_mount(pfd, rel)
+        remove_at(pfd, name, st, inodes, mount=self.mount)
+
+    def same_mount(self, fd: int, rel: str) -> None:
+        """OtherMount unless directory descriptor `fd` is on the root's mount."""
+        if self.mount is not None and mount_id(fd) != self.mount:
+            raise OtherMount(rel)
 
 
 _RENAME_NOREPLACE = 1  # <linux/fs.h>
@@ -325,12 +354,19 @@ def open_dir(root: str, rel: str) -> int:
     return fd
 
 
-def remove_at(dir_fd: int, name: str, st: os.stat_result | None = None, inodes: frozenset[int] | None = None) -> None:
+def remove_at(
+    dir_fd: int,
+    name: str,
+    st: os.stat_result | None = None,
+    inodes: frozenset[int] | None = None,
+    mount: int | None = None,
+) -> None:
     """Remove `name` in directory `dir_fd`: unlink a file or symlink (never what it points at),
     or a directory of files (one level: a folder inside it stays, and so does the directory).
     Without `st`, whatever `name` is now goes (an unlink first: one call for a file). With
     `inodes`, only the files of a directory that are among them go: the directory stays,
-    refused, if anything else is in it."""
+    refused, if anything else is in it. With `mount`, a directory on another mount (a mount
+    point) is not emptied (OtherMount)."""
     if st is None:
         try:
             os.unlink(name, dir_fd=dir_fd)
@@ -344,6 +380,8 @@ def remove_at(dir_fd: int, name: str, st: os.stat_result | None = None, inodes: 
     try:
         if st is not None and identity(os.fstat(fd)) != identity(st):
             raise Refused("changed since it was looked at", name)
+        if mount is not None and mount_id(fd) != mount:
+            raise OtherMount(name)
         with os.scandir(fd) as it:
             found = [(d.name, d.inode()) for d in it]
         if inodes is not None and not inodes.issuperset(ino for _, ino in found):

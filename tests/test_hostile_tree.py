@@ -30,6 +30,7 @@ from hostile import (
     snapshot,
     victim_tree,
 )
+from test_daemon import start  # noqa: F401 - a fixture (daemon processes)
 
 HOUR = 3600
 ROOTLESS = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"] if os.geteuid() == 0 else []
@@ -353,6 +354,119 @@ def test_eviction_keeps_what_was_mounted_after_the_scan(gpu_cache, tmp_path, db_
         assert held == mine, r.skipped
         assert not (gpu_cache / "yy" / f"cyy{1:049d}.py").exists()  # (the rest of that folder went)
         assert {name: snapshot(v) for name, v in victims.items()} == before
+    finally:
+        _unmount(mounted)
+
+
+def test_a_mount_whose_source_path_holds_a_carriage_return_is_seen(gpu_cache, tmp_path):
+    """/proc/self/mountinfo was split at every line end Python knows: a '\\r' in a bind mount's
+    source (the kernel escapes only space, tab, newline and backslash) cut its line before the
+    mount point, which was then indexed and counted, and emptied by an eviction deleting in place."""
+    from cachemgr import safefs
+
+    source = tmp_path / "someone\rs-folder"
+    source.mkdir()
+    (gpu_cache / "zz").mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "--bind", str(source), str(gpu_cache / "zz")]).returncode:
+        pytest.skip("needs root to bind-mount a folder")
+    try:
+        assert safefs.mounts_below(str(gpu_cache)) == {"zz"}
+    finally:
+        _unmount([gpu_cache / "zz"])
+
+
+def test_a_first_scan_with_a_file_mounted_on_a_cache_file_succeeds(gpu_cache, tmp_path, cli_for):
+    """A file mounted on a module's file (or anything inside a kernel directory) before the first
+    scan: its folder was written with its batch, then again, RACY, when the walk settled: UNIQUE
+    constraint failed, exit 5 for every command until the mount went."""
+    kernel = sorted(p for p in (gpu_cache / "triton" / "0").iterdir() if p.is_dir())[0]
+    (gpu_cache / "lf").mkdir()
+    for i in range(2):
+        (gpu_cache / "lf" / f"clf{i:049d}.py").write_text("the cache's")
+    points = {"file": gpu_cache / "lf" / f"clf{0:049d}.py", "kernel": kernel / "sub"}
+    _, mounted = _bind_mounts(tmp_path, points)
+    try:
+        cli = cli_for(gpu_cache)
+        for args in (["scan"], ["stats"], ["scan"]):
+            r = run(cli, *args)
+            assert r.returncode == 0, r.stderr
+        doc = cli.json("stats")
+        assert (doc["files"], doc["bytes"]) == find_totals(gpu_cache, tuple(mounted))
+    finally:
+        _unmount(mounted)
+
+
+def test_a_folder_mounted_while_eviction_deletes_in_place_is_left_whole(gpu_cache, tmp_path, db_url, monkeypatch):
+    """Eviction reads the mount table once: a folder mounted on a kernel directory after that was
+    looked at (its files and inodes are those confirmed) and emptied where the trash could not be
+    used, and an empty folder of someone's mounted on an fxgraph folder lost its empty subfolder.
+    What is deleted in place, and each empty folder dropped, is checked to be on the root's mount."""
+    from cachemgr.evict import Limits, evict, look
+    from cachemgr.index.db import Database
+    from cachemgr.index.scan import reconcile
+
+    kernel = sorted(p for p in (gpu_cache / "triton" / "0").iterdir() if p.is_dir())[0]
+    empty = gpu_cache / "fxgraph" / "zq" / ("fzq" + "a" * 49)
+    empty.mkdir(parents=True)
+    (gpu_cache / ".cachemgr-trash").write_text("not a folder: units are deleted in place")
+    age(gpu_cache)
+    db = Database(db_url)
+    cid = db.cache_id("h", str(gpu_cache))
+    reconcile(db, cid, str(gpu_cache))
+    victims = {"kernel": tmp_path / "someones-kernel", "fx": tmp_path / "someones-fx"}
+    for i in range(3):
+        (victims["kernel"] / f"triton_{i}.cubin").parent.mkdir(exist_ok=True)
+        (victims["kernel"] / f"triton_{i}.cubin").write_text("someone's")
+    (victims["fx"] / empty.name).mkdir(parents=True)
+    for v in victims.values():
+        age(v)
+    before = {name: snapshot(v) for name, v in victims.items()}
+    mounted: list[Path] = []
+    init = look.Looker.__init__
+
+    def mount_after_the_table_is_read(self, *a, **kw):
+        init(self, *a, **kw)
+        for point, source in ((kernel, victims["kernel"]), (empty.parent, victims["fx"])):
+            if not mounted or point not in mounted:
+                if subprocess.run(["mount", "--bind", str(source), str(point)]).returncode:
+                    pytest.skip("bind mounts are not allowed here")
+                mounted.append(point)
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to bind-mount a folder")
+    monkeypatch.setattr(look.Looker, "__init__", mount_after_the_table_is_read)
+    try:
+        r = evict(db, cid, str(gpu_cache), Limits(max_size=0, grace=0))
+        assert r.evicted > 0 and r.in_place
+        assert (kernel.relative_to(gpu_cache).as_posix(), "another mount") in r.skipped, r.skipped
+        assert {name: snapshot(v) for name, v in victims.items()} == before
+        assert (victims["fx"] / empty.name).is_dir()
+    finally:
+        _unmount(mounted)
+
+
+def test_the_daemon_reads_again_what_a_mount_made_while_it_runs_hides(gpu_cache, tmp_path, start, cli_for):  # noqa: F811
+    """Mounting makes no inotify event and moves no mtime: what a folder mounted while the daemon
+    ran hid stayed indexed, and counted against max_size (eviction took other entries for it),
+    until the full rescan an hour later. The daemon reads the mount table before each eviction
+    and rescan, and reads the folder of each mount point made or gone since, whole."""
+    from test_daemon import index_keys, wait_until
+
+    (gpu_cache / "zz").mkdir()
+    for i in range(3):
+        (gpu_cache / "zz" / f"czz{i:049d}.py").write_text("the cache's")
+    age(gpu_cache)
+    d = start(gpu_cache, env={"CACHEMGR_EVICT_INTERVAL": "1"})
+    cli = cli_for(gpu_cache)
+    ours = {f"zz/czz{i:049d}" for i in range(3)}
+    assert ours <= index_keys(cli)
+    _, mounted = _bind_mounts(tmp_path, {"module": gpu_cache / "zz"})
+    try:
+        wait_until(lambda: not {k for k in index_keys(cli) if k.startswith("zz/")}, timeout=30)
+        d.wait_log("mount points inside the cache changed (zz): read again")
+        _unmount(mounted)
+        mounted.clear()
+        wait_until(lambda: ours <= index_keys(cli), timeout=30)
     finally:
         _unmount(mounted)
 

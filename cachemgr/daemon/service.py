@@ -38,7 +38,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from cachemgr import layout
+from cachemgr import layout, safefs
 from cachemgr.config import Settings, redact_url, state_dir
 from cachemgr.daemon import systemd
 from cachemgr.daemon.watcher import Watcher
@@ -56,6 +56,7 @@ SPOOL_INTERVAL = 30.0  # seconds between spool ingests: recorded shapes reach th
 
 STOP_DEADLINE = 3.5  # seconds for jobs to finish after SIGTERM; systemd's stop timeout is longer
 TRIGGER_GAP = 5.0  # seconds between evictions started by crossing max_size / max_files
+MOUNT_RESCANS = 16  # folders read again for changed mount points, past which the whole cache is
 RESTART_KEYS = ("cache_dir", "db", "host")  # a reload that changes these reopens everything
 
 
@@ -348,6 +349,7 @@ class Daemon:
         self.evict_pending = False
         self.last_trigger = -1e9  # monotonic time eviction was last started by crossing a cap
         self.locks = DaemonLocks()
+        self.mounts: frozenset[str] = frozenset()  # below the cache root, at the last look (_follow_mounts)
 
     # -- the process ---------------------------------------------------------------------------------
 
@@ -468,6 +470,7 @@ class Daemon:
             )
             w.start()
             try:
+                self.mounts = safefs.mounts_below(s.cache_dir)  # (those made from now on: _follow_mounts)
                 # full: every file stat'ed, since anything may have happened while no daemon watched.
                 # Phase one only (READY after it); its pending entries are read on the consumer thread.
                 r = self._scanned(w.request_scan("", full=True))
@@ -558,6 +561,7 @@ class Daemon:
         except ImportError as e:
             log.error("eviction unavailable: %s", e)
             return
+        self._follow_mounts(w)
         limits = Limits.from_settings(s)
         try:
             t0 = time.monotonic()
@@ -579,10 +583,28 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.eviction(result)
 
+    def _follow_mounts(self, w: Watcher) -> None:
+        """Mounting or unmounting inside the cache moves no mtime and makes no inotify event: the
+        folder holding each mount point made or gone since the last look is read again, whole,
+        before eviction counts the index (what a new mount hides leaves it; what an old one hid
+        comes back). Many at once: the whole cache is."""
+        now = safefs.mounts_below(self.settings.cache_dir)
+        changed, self.mounts = now ^ self.mounts, now
+        if not changed:
+            return
+        folders = {p.rpartition("/")[0] for p in changed}
+        for sub in sorted(folders) if len(folders) <= MOUNT_RESCANS else [""]:
+            try:
+                w.request_scan(sub, full=True).result(timeout=max(600.0, self.settings.scan_interval))
+            except Exception as e:  # noqa: BLE001 - logged; eviction goes on with the index as it is
+                log.error("rescan of %s/ after a mount change failed: %s", sub, e)
+        log.info("mount points inside the cache changed (%s): read again", ", ".join(sorted(changed)[:5]))
+
     def _scan_job(self) -> None:
         w = self.watcher
         if w is None:
             return
+        self._follow_mounts(w)
         try:
             r = w.request_scan("").result(timeout=max(600.0, self.settings.scan_interval))
         except (CachemgrError, TimeoutError) as e:

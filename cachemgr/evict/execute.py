@@ -390,6 +390,7 @@ class Executor:
             try:  # (Refused: a hand-edited row that names no directory)
                 parent, name = safefs.split(layout.fs_path(d))
                 pfd = self.root.reachable_dir_fd(parent)
+                self.root.same_mount(pfd, d)  # (a folder mounted over its parent since the scan: not ours)
                 st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode) and st.st_mtime < cutoff:
                     os.rmdir(name, dir_fd=pfd)  # fails unless empty

@@ -311,7 +311,7 @@ class Looker:
                         Held.CHANGED
                         if isinstance(e, safefs.Refused)
                         else Held.MOUNTED
-                        if e.errno == errno.EXDEV  # (mounted since the look)
+                        if e.errno in (errno.EXDEV, errno.EBUSY)  # (mounted since the look; EBUSY: a mount point)
                         else (Held.UNSAFE if e.errno in (errno.ELOOP, errno.ENOTDIR) else Held.FAILED)
                     )
                     if took.deleted:  # part of it is gone already: the rest goes in the commit's repair

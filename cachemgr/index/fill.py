@@ -60,7 +60,12 @@ NEW_ROW = (
 _COLUMNS = ", ".join('"' + c + '"' for c in ("id", *NEW_ROW))  # (quoted: 'key' is a keyword)
 INSERT_ENTRY = f"INSERT INTO entries ({_COLUMNS}) VALUES ({', '.join('?' * (1 + len(NEW_ROW)))})"
 INSERT_REF = "INSERT INTO entry_refs (entry_id, kind, ref) VALUES (?, ?, ?)"
-INSERT_DIR = "INSERT INTO dirs (cache_id, path, mtime_ns) VALUES (?, ?, ?)"
+# (an upsert: a directory written with one batch may be settled RACY at the walk's end, having
+# lost a subfolder or holding a mount point)
+INSERT_DIR = (
+    "INSERT INTO dirs (cache_id, path, mtime_ns) VALUES (?, ?, ?)"
+    " ON CONFLICT (cache_id, path) DO UPDATE SET mtime_ns = excluded.mtime_ns"
+)
 
 PARALLEL_WALK = 256  # walk units (kernel directories, module folders...) below which a walk stays here
 WALK_JOB = (16, 512)  # fewest and most units per worker job
