@@ -49,6 +49,17 @@ HIT_FOLDERS = frozenset({"fxgraph", "aotautograd"})  # top folders of the entrie
 _TWO_CHAR = re.compile(r"^[a-z0-9]{2}$")
 _CODE_NAME = re.compile(r"^(c[a-z0-9]{20,})(\..+)$")
 _AOT_KEY = re.compile(r"^a[a-z0-9]{51}$")
+# The keys torch's artifact loader joins onto the root (a bundle's: import checks each), as
+# Inductor makes them: what another name would write (fxgraph/-/, a dot folder) no scan indexes,
+# no eviction takes, or makes eviction refuse the whole cache (foreign_root).
+ARTIFACT_KEYS = {
+    "inductor": re.compile(r"f[a-z0-9]{51}"),  # -> fxgraph/<key[1:3]>/<key>/
+    "aot_autograd": re.compile(r"a[a-z0-9]{51}"),  # -> aotautograd/<key>/
+    "autotune": re.compile(r"[a-z0-9]{2}/[A-Za-z0-9_]{1,200}\.best_config"),  # -> <2ch>/<hash>.best_config
+    "precompile": re.compile(r"[A-Za-z0-9_-]{1,200}"),  # -> dynamo/<key> (a sha256's hex in torch 2.13)
+    # -> dynamo/code_state_<key>.pkl, '/' and more replaced (a newline made a name of two lines)
+    "pgo": re.compile(r"[^\x00-\x1f\x7f/\\]{1,200}"),
+}
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _DEVICE = re.compile(r"^\d{1,3}$")
 

@@ -640,9 +640,9 @@ def test_a_bundle_s_entries_are_read_in_bounded_workers(fixture_cache, tmp_path,
     arts = {
         "inductor": [
             (real.parent.name, real.read_bytes()),
-            ("bomb", b"\x80\x02](" + b"K\x01\x85" * 14_000_000 + b"e."),  # [(1,), (1,), ...]
+            ("f" + "b" * 51, b"\x80\x02](" + b"K\x01\x85" * 14_000_000 + b"e."),  # [(1,), (1,), ...]
         ],
-        "aot_autograd": [("notapickle", b"\x00" * 64)],
+        "aot_autograd": [("a" + "n" * 51, b"\x00" * 64)],
     }
     path = tmp_path / "hostile.bundle"
     bundle.write(str(path), {"torch": "2.13.0"}, bundle.payload_of(arts))
@@ -658,8 +658,9 @@ def test_a_bundle_s_entries_are_read_in_bounded_workers(fixture_cache, tmp_path,
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads(out.stdout)
     assert doc["graphs"] == 2 and not doc["complete"], doc
-    assert "graph bomb: its entry does not read: out of memory (a parse worker may take 512 MiB)" in doc["missing"]
-    aot = "aotautograd entry notapickle: its entry does not read: unpickle failed"
+    bomb = "graph f" + "b" * 51 + ": its entry does not read: out of memory (a parse worker may take 512 MiB)"
+    assert bomb in doc["missing"], doc["missing"]
+    aot = "aotautograd entry a" + "n" * 51 + ": its entry does not read: unpickle failed"
     assert any(m.startswith(aot) for m in doc["missing"]), doc["missing"]
     peak = int(out.stderr.split("peak-rss-mib")[1].split()[0])
     assert peak < 450, f"check's own peak RSS {peak} MiB"
@@ -837,21 +838,79 @@ def test_export_keeps_out_what_import_refuses():
     save fail whole ("nothing to export", exit 8), a .best_config in the trash made a bundle that
     import refuses. `exportable` (the export worker's filter) keeps the rest and says why; a PGO
     key with a newline (a file name of two lines) is not a name inside the cache either."""
+    good = "fr6kj" + "g" * 47
     records = [
-        ("inductor", "fr6kjgood", b"g"),
+        ("inductor", good, b"g"),
         ("inductor", "fr6\udcff\udcfebad", b"g"),
         ("autotune", "ab/" + "c" * 62 + ".best_config", {"XBLOCK": 8}),
         ("autotune", ".cachemgr-trash/x/abc.best_config", {"XBLOCK": 8}),
         ("pgo", "mast:x\nline", b"p"),
+        ("inductor", "a-", b"g"),  # (a stray fxgraph/zz/a-/: torch writes fxgraph/-/, which eviction refuses)
     ]
     skipped: list[str] = []
     kept = list(bundle.exportable(records, skipped))
-    assert [key for _, key, _ in kept] == ["fr6kjgood", "ab/" + "c" * 62 + ".best_config"]
+    assert [key for _, key, _ in kept] == [good, "ab/" + "c" * 62 + ".best_config"]
+    tail = "is not a name inside the cache that Inductor makes"
     assert skipped == [
-        "inductor artifact key 'fr6\\udcff\\udcfebad' is not a name inside the cache",
-        "autotune artifact key '.cachemgr-trash/x/abc.best_config' is not a name inside the cache",
-        "pgo artifact key 'mast:x\\nline' is not a name inside the cache",
+        f"inductor artifact key 'fr6\\udcff\\udcfebad' {tail}",
+        f"autotune artifact key '.cachemgr-trash/x/abc.best_config' {tail}",
+        f"pgo artifact key 'mast:x\\nline' {tail}",
+        f"inductor artifact key 'a-' {tail}",
     ]
+
+
+@pytest.mark.parametrize(
+    "kind, key",
+    [
+        ("inductor", "a"),  # torch writes fxgraph/a/ (key[1:3] is empty): eviction refuses the cache
+        ("inductor", "a-"),  # fxgraph/-/
+        ("inductor", "a:b"),
+        ("inductor", "a.b"),  # fxgraph/.b/: a dot folder no scan indexes
+        ("inductor", "fab.tmp"),  # a write in progress for ever
+        ("aot_autograd", "a:b"),
+        ("autotune", "ab/x"),  # no .best_config: "ab/ holds no generated modules"
+        ("autotune", "ab/x.tmp"),
+        ("pgo", "k" * 250),  # code_state_<key>.pkl.lock over 255 bytes: torch failed half way
+    ],
+)
+def test_a_bundle_key_inductor_never_makes_is_refused(kind, key):
+    """Keys far looser than Inductor's were let in: torch wrote them where no scan sees them, or
+    where eviction, purge, the daemon and import then refused the whole cache (exit 7) for good."""
+    assert bundle.key_problem(kind, key) is not None
+    real = {"inductor": "f" + "a" * 51, "aot_autograd": "a" + "b" * 51, "autotune": "2t/" + "9e" * 32 + ".best_config"}
+    if kind in real:
+        assert bundle.key_problem(kind, real[kind]) is None
+
+
+def test_a_bundle_of_too_many_artifacts_is_refused(monkeypatch):
+    """1,000,000 artifacts of 21 bytes (a 21 MB bundle) took check --bundle 4 GB and two minutes:
+    a bundle holds at most MAX_ARTIFACTS."""
+    monkeypatch.setattr(bundle, "MAX_ARTIFACTS", 10)
+    arts = {"autotune": [(f"ab/{i:064x}.best_config", b"{}") for i in range(11)]}
+    with pytest.raises(bundle.BundleError, match="over 10 artifacts"):
+        bundle.artifacts(bundle.payload_of(arts))
+    arts["autotune"].pop()
+    assert len(bundle.artifacts(bundle.payload_of(arts))["autotune"]) == 10
+
+
+def test_a_hard_link_at_torch_s_pgo_file_is_a_write_hazard(tmp_path):
+    """torch opens dynamo/code_state_<key>.pkl.tmp (and .lock) for writing: a hard link planted
+    there made an import write a file outside the cache."""
+    from cachemgr import safefs
+
+    root = tmp_path / "cache"
+    (root / "dynamo").mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("important")
+    os.link(victim, root / "dynamo" / "code_state_k.pkl.tmp")
+    with safefs.Root(str(root)) as r:
+        hazards = bundle.write_hazards(r, {"pgo": [("k", b"p")]})
+    assert hazards == ["dynamo/code_state_k.pkl.tmp is a hard link (another name of a file elsewhere)"]
+
+
+def test_export_onto_a_name_too_long_is_a_usage_error(fixture_cache, tmp_path, db_url):
+    r = Cli(fixture_cache("torch-2.13.0-cpu"), db_url).proc("export", "--out", str(tmp_path / ("a" * 260)))
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "File name too long" in r.stderr, r.stderr
 
 
 def test_import_says_which_autotune_results_it_replaced(cpu_bundle, tmp_path, db_url):

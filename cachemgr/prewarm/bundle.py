@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
-from cachemgr import safefs
+from cachemgr import layout, safefs
 from cachemgr.errors import CachemgrError, NotFound
 from cachemgr.prewarm import MAX_BUNDLE_BYTES
 from cachemgr.units import format_size
@@ -74,6 +74,8 @@ def odd_target(path: str) -> str | None:
         st = os.lstat(path)
     except FileNotFoundError:
         return None
+    except OSError as e:  # (a name too long, a folder that is no folder: nothing can be written there)
+        return f"a name that cannot be written ({e.strerror})"
     return None if stat.S_ISREG(st.st_mode) else _kind_of(st.st_mode)
 
 
@@ -171,23 +173,17 @@ def read(path: str, payload: bool = True) -> Bundle:
 
 # The keys torch's loader joins onto the cache directory, per artifact type: a bundle is another
 # host's, and a key of '../x' or '/etc/x' would be written there (torch checks nothing).
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:+=-]{0,254}")
-KEY_FORMS = {
-    "inductor": _NAME,
-    "aot_autograd": _NAME,
-    "precompile": _NAME,
-    "autotune": re.compile(r"[A-Za-z0-9_]{2}/[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}"),  # <2ch>/<hash>.best_config
-    # (torch makes it code_state_<key>.pkl, '/' and more replaced; a newline made a file name of two lines)
-    "pgo": re.compile(r"[^\x00-\x1f\x7f/\\]{1,1024}"),
-}
+KEY_FORMS = layout.ARTIFACT_KEYS
 
 
 def key_problem(kind: str, key: str) -> str | None:
-    """Why an artifact's key is not a name inside the cache directory (None: it is)."""
+    """Why an artifact's key is not one Inductor makes, a name inside the cache directory that a
+    scan indexes and eviction takes (None: it is)."""
     form = KEY_FORMS.get(kind)
     if form is not None and form.fullmatch(key) and ".." not in key:
-        return None
-    return f"{kind[:40]} artifact key {key[:80]!r} is not a name inside the cache"
+        if kind != "pgo" or len(pgo_files(key)[-1].rpartition("/")[2].encode()) <= 255:  # (its lock's name)
+            return None
+    return f"{kind[:40]} artifact key {key[:80]!r} is not a name inside the cache that Inductor makes"
 
 
 def unsafe_keys(arts: Artifacts) -> list[str]:
@@ -264,7 +260,8 @@ def write_hazards(root: safefs.Root, arts: Artifacts) -> list[str]:
             below.add(rel)
             continue
         try:
-            mode = os.stat(name, dir_fd=root.dir_fd(parent), follow_symlinks=False).st_mode
+            st = os.stat(name, dir_fd=root.dir_fd(parent), follow_symlinks=False)
+            mode, nlinks = st.st_mode, st.st_nlink
         except FileNotFoundError:
             below.add(rel)
             continue
@@ -276,6 +273,8 @@ def write_hazards(root: safefs.Root, arts: Artifacts) -> list[str]:
         if not want(mode):
             out.append(f"{_shown(rel)} is {_kind_of(mode)}, not {what}")
             below.add(rel)
+        elif rel in is_file and nlinks > 1:  # torch opens it for writing: a hard link writes the file it names too
+            out.append(f"{_shown(rel)} is a hard link (another name of a file elsewhere)")
     return out
 
 
@@ -299,6 +298,7 @@ def replaced_autotune(root: safefs.Root, arts: Artifacts) -> list[str]:
 # u64 count, and per artifact its key (base64 string) and content (u64 length + bytes).
 
 PAYLOAD_VERSION = 1
+MAX_ARTIFACTS = 50_000  # in one bundle: a large model's cache holds a few thousand
 BINARIES = (".cubin", ".hsaco", ".zebin", ".spv")  # a Triton kernel's binary, per backend
 Artifacts = dict[str, list[tuple[str, bytes]]]  # type ('inductor', 'aot_autograd', 'autotune', ...) -> (key, content)
 
@@ -342,12 +342,16 @@ def artifacts(payload: bytes, path: str = "bundle") -> Artifacts:
         raise bad("unknown version")
     out: Artifacts = {}
     seen = set()
+    count = 0
     while at < len(payload):
         kind = string()
         if kind in seen:  # torch keeps only the last list of a type: a check of both counted what it never loads
             raise bad(f"artifact type {kind[:40]!r} is listed twice")
         seen.add(kind)
         for _ in range(u64()):
+            count += 1
+            if count > MAX_ARTIFACTS:  # (each costs a few KiB to check: 1,000,000 of 21 bytes took 4 GB)
+                raise bad(f"over {MAX_ARTIFACTS:,} artifacts")
             key = string()
             out.setdefault(kind, []).append((key, blob()))
     return out
@@ -579,6 +583,6 @@ def graphs(contents: Contents) -> list:
     for i, (key, parsed, _) in enumerate(contents.graphs):
         g = graph_of(f"{key}#{i}", parsed)
         if not g.recorded and claimed:
-            g = replace(g, torch_version=str(claimed))
+            g = replace(g, torch_version=_shown(str(claimed)))
         out.append(g)
     return out

@@ -1054,6 +1054,9 @@ def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: di
         root = os.environ["TORCHINDUCTOR_CACHE_DIR"]
         graphs = (layout.fxgraph_entry_key(key, content) for key, content in arts.get("inductor", []))
         fresh = [k for k in graphs if not os.path.lexists(os.path.join(root, k))]  # what the load writes
+        hazards = _write_hazards(root, arts)  # (the command looked seconds ago: again, just before torch writes)
+        if hazards:
+            return {**base, "ok": False, "error": f"cache directory {root}: {hazards}: refusing to import into it"}
         info = torch.compiler.load_cache_artifacts(b.payload)
         if info is None:
             return {**base, "ok": False, "error": f"bundle {path}: torch could not read its artifacts"}
@@ -1061,6 +1064,21 @@ def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: di
         return {**base, "ok": True, "loaded": True, "artifacts": artifacts, "written_graphs": fresh}
     except Exception as e:  # noqa: BLE001 - reported to the parent as the import's failure
         return {"ok": False, "error": str(e) if hasattr(e, "exit_code") else _first_line(e)}
+
+
+def _write_hazards(root: str, arts) -> str | None:
+    """What in the cache torch would write these artifacts through (bundle.write_hazards), now."""
+    from cachemgr import safefs
+    from cachemgr.prewarm import bundle
+
+    try:
+        with safefs.Root(root) as r:
+            problems = bundle.write_hazards(r, arts)
+    except FileNotFoundError:
+        return None  # (torch makes it)
+    if not problems:
+        return None
+    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
 
 
 def _export(export: dict, models: list[str], device: str, adapter, fingerprint: dict | None) -> dict:
