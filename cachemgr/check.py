@@ -554,16 +554,20 @@ def graph_of(key: str, parsed: Any) -> Graph:
 # -- option sets cachemgr knows -------------------------------------------------------------------
 
 
-def option_sets(manifest: Any | None, recorded: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+MAX_RECORDED_MODELS = 1000  # recorded models whose options a check compares (a spool's writers name any number)
+
+
+def option_sets(manifest: Any | None, recorded: Iterable[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
     """The torch.compile kwargs the host's workload uses, as far as cachemgr knows: each manifest
     model's `compile` table (and, for a model that takes the recorded options, those), and the
-    options recorded per model. Each: {"label", "mode", "dynamic", "options"}."""
+    options recorded per model (its latest row's; the first MAX_RECORDED_MODELS models). Each:
+    {"label", "mode", "dynamic", "options"}."""
     out: list[dict[str, Any]] = []
     by_model: dict[str, Mapping[str, Any]] = {}
     for r in recorded:
-        opts = r.get("options")
-        if isinstance(opts, Mapping):
-            by_model[str(r.get("model"))] = opts
+        opts, model = r.get("options"), str(r.get("model"))
+        if isinstance(opts, Mapping) and (model in by_model or len(by_model) < MAX_RECORDED_MODELS):
+            by_model[model] = opts
     named = set()
     for m in getattr(manifest, "models", ()) or ():
         kw = m.compile if m.compile is not None else by_model.get(m.name)

@@ -908,6 +908,24 @@ def test_a_hard_link_at_torch_s_pgo_file_is_a_write_hazard(tmp_path):
     assert hazards == ["dynamo/code_state_k.pkl.tmp is a hard link (another name of a file elsewhere)"]
 
 
+def test_recorded_options_are_read_a_row_at_a_time_and_bounded(monkeypatch):
+    """check, import and prewarm --bundle held every recorded row decoded (4,000 rows of a hostile
+    spool: 4.2 GB and ten minutes) to keep each model's latest options: the rows now stream by,
+    and at most MAX_RECORDED_MODELS models' options are kept."""
+    from cachemgr import check
+
+    monkeypatch.setattr(check, "MAX_RECORDED_MODELS", 3)
+    taken = []
+
+    def rows():
+        for i in range(10_000):
+            taken.append(i)
+            yield {"model": f"m{i % 5}", "options": {"options": {"max_autotune": i % 2 == 0}, "mode": None}}
+
+    sets = check.option_sets(None, rows())
+    assert len(taken) == 10_000 and sorted(s["label"] for s in sets) == ["recorded m0", "recorded m1", "recorded m2"]
+
+
 def test_export_onto_a_name_too_long_is_a_usage_error(fixture_cache, tmp_path, db_url):
     r = Cli(fixture_cache("torch-2.13.0-cpu"), db_url).proc("export", "--out", str(tmp_path / ("a" * 260)))
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "File name too long" in r.stderr, r.stderr

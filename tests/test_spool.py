@@ -147,6 +147,34 @@ def test_locked_files_cost_one_short_wait_in_all_and_are_named(db, spool_dir, mo
 
 # -- manifests ------------------------------------------------------------------------------------
 
+
+def test_a_manifest_shape_nested_too_deep_is_refused(tmp_path, cli_for):
+    """Shapes nested 300 lists deep killed the run's driver thread (RecursionError): a traceback,
+    then '0 shape(s) prewarmed, 0 problem(s)' and exit 0; 400 levels, exit 70. The manifest is
+    refused as it loads (exit 2), and a driver thread's failure fails the run (exit 8)."""
+    manifest = tmp_path / "m.toml"
+    deep = "[" * 300 + "1" + "]" * 300
+    manifest.write_text(f'[[model]]\nname = "m"\nfactory = "prewarm_models:mlp"\nshapes = [[{deep}]]\n')
+    (tmp_path / "cache").mkdir()
+    r = cli_for(tmp_path / "cache").proc("prewarm", "--manifest", str(manifest))
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "lists nested deeper than 16" in r.stderr, r.stderr
+
+
+def test_a_driver_thread_that_fails_fails_the_run(monkeypatch):
+    from cachemgr.errors import PrewarmError
+    from cachemgr.prewarm import worker
+
+    def broken(*args):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(worker, "_drive", broken)
+    with pytest.raises(
+        PrewarmError, match=r"^the run on cpu: RecursionError: maximum recursion depth exceeded: stopped$"
+    ):
+        worker.run([("cpu", [])], {})
+
+
 DATETIME_IN = {
     "factory_kwargs": "factory_kwargs = { when = 1979-05-27T07:32:00Z, t = 07:32:00 }\n",
     "compile.options": "compile = { options = { x = 1979-05-27 } }\n",

@@ -51,14 +51,18 @@ def check_spec(app, manifest, devices: list[str] | None, **extra) -> dict:
     """What the worker needs for the check: the option sets cachemgr knows (the manifest's, and
     those cachemgr.record recorded per model), the devices, whether the manifest is complete."""
     from cachemgr import check
-    from cachemgr.cli.prewarm import _recorded
+    from cachemgr.cli.common import ingest_spool
+    from cachemgr.prewarm.spool import each_recorded
 
     try:
-        recorded = _recorded(app)
+        ingest_spool(app)
+        # a row at a time: a spool's writers may have made any number (holding them all decoded
+        # took gigabytes); each model's latest options are all that is kept
+        sets = check.option_sets(manifest, each_recorded(app.db))
     except Exception:  # noqa: BLE001 - no index (or an unreachable one): no recorded options
-        recorded = []
+        sets = check.option_sets(manifest)
     return {
-        "option_sets": check.option_sets(manifest, recorded),
+        "option_sets": sets,
         "devices": devices,
         "complete": manifest is not None,
         **extra,

@@ -283,7 +283,10 @@ def _shapes(s: Any, train: bool) -> str | list:
     return out
 
 
-def _arg(a: Any, where: str) -> dict:
+MAX_NESTING = 16  # lists in lists of one argument (a replay, a signature, a job recurse over them)
+
+
+def _arg(a: Any, where: str, depth: int = 0) -> dict:
     """One argument: 'f32[8,32]' ('*' after: requires_grad), a tensor table, a scalar, a list."""
     if isinstance(a, bool):
         return {"t": "bool", "v": a}
@@ -292,7 +295,9 @@ def _arg(a: Any, where: str) -> dict:
     if isinstance(a, (int, float)):
         return {"t": type(a).__name__, "v": a}
     if isinstance(a, list):
-        return {"t": "list", "items": [_arg(x, f"{where}[{i}]") for i, x in enumerate(a)]}
+        if depth >= MAX_NESTING:
+            raise _FieldError(where, f"lists nested deeper than {MAX_NESTING}")
+        return {"t": "list", "items": [_arg(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(a)]}
     if isinstance(a, str):
         m = SHAPE_RE.match(a.replace(" ", ""))
         if not m:

@@ -585,6 +585,13 @@ def list_shapes(db: Database, model: str | None = None) -> list[dict]:
     return out
 
 
+def each_recorded(db: Database, model: str | None = None) -> Iterator[dict]:
+    """The rows list_shapes gives, without `varied`, a row at a time."""
+    from cachemgr.index.store import Store
+
+    return _readable(Store.of_index(db).each_shape(model))
+
+
 def each_shape(db: Database, model: str | None = None) -> Iterator[dict]:
     """list_shapes, a row at a time: memory holds a few rows (and one model's dims), however many
     the spool's writers made. A model's `varied` comes from a pass over its rows before its first."""

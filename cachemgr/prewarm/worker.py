@@ -365,11 +365,20 @@ def run(
                 on_event(ev)
 
     threads = []
+    failed: list[str] = []  # a driver thread's own failure (a bug, a recursion): the run fails with it
+
+    def drive(*args) -> None:
+        try:
+            _drive(*args)
+        except Exception as e:  # noqa: BLE001 - said by run(), never lost with the thread
+            failed.append(f"{args[0]}: {_first_line(e)}")
+            workers.stop()
+
     try:
         for i, (d, slices) in enumerate(jobs or [("cpu", [])]):
             # daemon threads: an interrupted run never waits at exit for a thread whose worker is dead
             t = threading.Thread(
-                target=_drive,
+                target=drive,
                 daemon=True,
                 args=(
                     d,
@@ -394,6 +403,10 @@ def run(
     except BaseException:
         workers.stop()
         raise
+    if failed:
+        from cachemgr.errors import PrewarmError
+
+        raise PrewarmError(f"the run on {failed[0]}: stopped")
     results.sort(key=lambda r: (r.model, r.phase, r.index, r.device, not r.lead_in))
     return RunResult(
         results,
