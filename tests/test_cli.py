@@ -505,9 +505,13 @@ def test_an_error_quoting_hostile_text_sends_no_escape(fixture_cache, cli_for, t
     """A setting (or a server's answer) holding an escape sequence reached the terminal as it was
     in the one error line: a forged line, a window title. It is shown escaped."""
     (tmp_path / "c.toml").write_text('redis_url = "redis://h/0?x=\\u001b]0;T\\u0007\\r\\ncachemgr: ok"\n')
-    r = cli_for(fixture_cache()).proc("remote", "stats", env={"CACHEMGR_CONFIG": str(tmp_path / "c.toml")})
+    cli = cli_for(fixture_cache())
+    r = cli.proc("remote", "stats", env={"CACHEMGR_CONFIG": str(tmp_path / "c.toml")})
     assert r.returncode == 2 and "\x1b" not in r.stderr and "\x07" not in r.stderr and "\r" not in r.stderr, r.stderr
     assert len(r.stderr.splitlines()) == 1 and "\\x1b]0;T\\x07" in r.stderr, r.stderr
+    (tmp_path / "c.toml").write_text('keep_torch = ["2.13.0\\u001b]0;T\\u0007"]\n')
+    r = cli.proc("config", "show", env={"CACHEMGR_CONFIG": str(tmp_path / "c.toml")})
+    assert r.returncode == 0 and "\x1b" not in r.stdout and "2.13.0\\x1b]0;T\\x07" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("value", ["a b:80", "999.1.1.1:80", "\u00fcn\u00ef:80", "-x:80"])

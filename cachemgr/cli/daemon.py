@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from cachemgr.cli.common import DURATION, SIZE, emit_json, exit_codes, json_option, pass_app
+from cachemgr.cli.common import DURATION, SIZE, clean, emit_json, exit_codes, json_option, pass_app
 from cachemgr.config import BY_NAME
 from cachemgr.units import format_duration, format_size
 
@@ -90,7 +90,7 @@ def config_show(app, as_json: bool) -> None:
         return
     # plain aligned lines, never wrapped: paths and URLs are long and this output gets grepped
     click.echo(f"# config file: {s.config_file or 'none'}")
-    shown = {k: _show(v, BY_NAME[k].unit) for k, v in values.items()}
+    shown = {k: clean(_show(v, BY_NAME[k].unit)) for k, v in values.items()}  # (a config file's text: escaped)
     width = max(map(len, shown.values()))
     for k, v in shown.items():
         click.echo(f"{k:<15} {v:<{width}}  {s.sources[k]}")
