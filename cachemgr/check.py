@@ -105,6 +105,7 @@ class Graph:
     components: Mapping[str, Comp]
     torch_version: str | None = None  # version string, or a family ('2.5.*') where nothing records it
     torch_version_hash: str | None = None
+    corrupt: str | None = None  # why its entry does not read (a bundle's: its parse result says)
 
     @property
     def recorded(self) -> bool:
@@ -305,6 +306,8 @@ def _option_diff(graph: Graph, cand: Candidate, names: set[str]) -> list[str]:
 
 def predict(graph: Graph, host: Host) -> Prediction:
     """Will this host's workload find this entry?"""
+    if graph.corrupt:
+        return Prediction(graph, UNKNOWN, reason=f"its entry does not read: {graph.corrupt}")
     if not graph.recorded:
         who = f"torch {graph.torch_version}" if graph.torch_version else "its torch"
         if graph.torch_version and "*" not in graph.torch_version and graph.torch_version != host.torch:
@@ -548,7 +551,7 @@ def graphs_from_store(store: Any) -> list[Graph]:
 def graph_of(key: str, parsed: Any) -> Graph:
     """From a parse result (cachemgr.parse.parse_fxgraph) of an entry read directly (a bundle)."""
     comps = {c.name: (c.hash, c.value) for c in parsed.components}
-    return Graph(key, parsed.graph_key, comps, parsed.torch_version, parsed.torch_version_hash)
+    return Graph(key, parsed.graph_key, comps, parsed.torch_version, parsed.torch_version_hash, parsed.corrupt)
 
 
 # -- option sets cachemgr knows -------------------------------------------------------------------

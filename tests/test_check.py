@@ -660,6 +660,9 @@ def test_a_bundle_s_entries_are_read_in_bounded_workers(fixture_cache, tmp_path,
     assert doc["graphs"] == 2 and not doc["complete"], doc
     bomb = "graph f" + "b" * 51 + ": its entry does not read: out of memory (a parse worker may take 512 MiB)"
     assert bomb in doc["missing"], doc["missing"]
+    # (its prediction says so too: it said "its torch records no hash components")
+    why = {p["graph_key"] or p["key"]: p["reason"] for p in doc["predictions"] if p["verdict"] == "unknown"}
+    assert why["f" + "b" * 51].startswith("its entry does not read: unpickle failed: needs more memory"), why
     aot = "aotautograd entry a" + "n" * 51 + ": its entry does not read: unpickle failed"
     assert any(m.startswith(aot) for m in doc["missing"]), doc["missing"]
     peak = int(out.stderr.split("peak-rss-mib")[1].split()[0])
