@@ -315,9 +315,9 @@ def _print_run(result, title: str) -> None:
     (8, "a shape or model failed, or verify missed"),
     (
         9,
-        f"the bundle was refused: not a bundle, over {MAX_BUNDLE}, none of its graphs\n"
-        "would hit here, partial, or a key not a name inside the cache (the\n"
-        "shapes are still replayed)",
+        f"the bundle was refused: not a bundle or over {MAX_BUNDLE} (nothing is\n"
+        "replayed), or none of its graphs would hit here, partial, or a key\n"
+        "Inductor never makes (the shapes are still replayed)",
     ),
 )
 def prewarm(
