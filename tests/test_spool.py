@@ -148,6 +148,21 @@ def test_locked_files_cost_one_short_wait_in_all_and_are_named(db, spool_dir, mo
 # -- manifests ------------------------------------------------------------------------------------
 
 
+def test_a_spool_file_whose_name_leaves_no_room_for_a_suffix_is_taken_once(db, spool_dir, tmp_path):
+    """A file named 249 characters (`.ingesting` makes it 259, over a file name's 255 bytes) could
+    not be taken, a symlink so named not set aside either: each was reported again by every ingest,
+    for ever. They are taken (and set aside) under a shortened name of their own."""
+    (spool_dir / ("b" * 243 + ".jsonl")).write_bytes(line("lin", (8, 16)))
+    (tmp_path / "elsewhere").write_text("someone's")
+    (spool_dir / ("c" * 243 + ".jsonl")).symlink_to(tmp_path / "elsewhere")
+    r = ingest(db, str(spool_dir))
+    assert (r.files, r.lines, r.new_shapes) == (1, 1, 1), r
+    assert len(r.bad_lines) == 1 and "renamed to " + "c" * 40 in r.bad_lines[0], r.bad_lines
+    assert (tmp_path / "elsewhere").read_text() == "someone's"
+    again = ingest(db, str(spool_dir))
+    assert (again.files, again.lines, again.bad_lines) == (0, 0, []), again
+
+
 def test_a_manifest_shape_nested_too_deep_is_refused(tmp_path, cli_for):
     """Shapes nested 300 lists deep killed the run's driver thread (RecursionError): a traceback,
     then '0 shape(s) prewarmed, 0 problem(s)' and exit 0; 400 levels, exit 70. The manifest is

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import json
 import math
 import os
@@ -110,7 +111,7 @@ def ingest(db: Database, spool_dir: str) -> IngestResult:
     for name, recovering in [(n, True) for n in leftovers] + [(n, False) for n in fresh]:
         path = os.path.join(spool_dir, name)
         if not recovering:
-            taken = path + TAKEN
+            taken = os.path.join(spool_dir, _fitting(name, TAKEN))
             try:
                 os.rename(path, taken)
             except FileNotFoundError:  # another ingester took it
@@ -151,9 +152,25 @@ def shown(name: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in name)
 
 
+_NAME_MAX = 255  # bytes in a file name
+_shortened = itertools.count()
+
+
+def _fitting(name: str, suffix: str) -> str:
+    """`name + suffix`, or where that is longer than a file name may be, the start of `name` made
+    this process's own and then `suffix`: a name with no room for the suffix was never taken, and
+    reported again by every ingest."""
+    if len(os.fsencode(name + suffix)) <= _NAME_MAX:
+        return name + suffix
+    own = f"-{os.getpid()}-{next(_shortened)}"
+    room = _NAME_MAX - len(os.fsencode(own + suffix))
+    return os.fsdecode(os.fsencode(name)[:room]) + own + suffix
+
+
 def _set_aside(path: str, reason: str, bad: list[str]) -> None:
     """Rename a file (or anything) that cannot be ingested out of the spool's way, saying why."""
-    aside = f"{path}{SET_ASIDE}-{int(time.time())}-{os.getpid()}"
+    folder, name = os.path.split(path)
+    aside = os.path.join(folder, _fitting(name, f"{SET_ASIDE}-{int(time.time())}-{os.getpid()}"))
     try:
         os.rename(path, aside)
         bad.append(f"{shown(os.path.basename(path))}: {reason}; renamed to {shown(os.path.basename(aside))}")
