@@ -934,6 +934,30 @@ def test_export_onto_a_name_too_long_is_a_usage_error(fixture_cache, tmp_path, d
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "File name too long" in r.stderr, r.stderr
 
 
+def test_an_import_moves_what_torch_wrote_in_without_following_a_symlink(cpu_bundle, tmp_path):
+    """The command looks for symlinks on torch's way before the worker starts; one made in
+    between (`fxgraph/<2ch>` -> elsewhere) took the bundle's entry out of the cache, torch follows
+    it. torch now writes into a folder of the cache's own, and each file is moved into place
+    through descriptors that follow no symlink: the entry stays out, named; the rest goes in."""
+    import torch
+
+    from cachemgr.prewarm import worker
+
+    payload = bundle.read(str(cpu_bundle)).payload
+    keys = [k for k, _ in bundle.artifacts(payload)["inductor"]]
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    (root / "fxgraph").mkdir(parents=True)
+    outside.mkdir()
+    (root / "fxgraph" / keys[0][1:3]).symlink_to(outside)
+    info, refused = worker.load_staged(torch, payload, str(root))
+    assert info is not None and list(outside.iterdir()) == []
+    assert refused and all(r.startswith(f"fxgraph/{keys[0][1:3]}/") for r in refused), refused
+    written = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and not p.is_symlink()}
+    others = {k for k in keys if k[1:3] != keys[0][1:3]}
+    assert others and all(any(w.startswith(f"fxgraph/{k[1:3]}/{k}/") for w in written) for k in others), written
+    assert [p.name for p in root.iterdir() if p.name.startswith("tmp")] == []  # (the folder torch wrote into is gone)
+
+
 def test_import_says_which_autotune_results_it_replaced(cpu_bundle, tmp_path, db_url):
     """An autotune result the cache held was replaced by the bundle's without a word."""
     key = "ab/" + "d" * 62 + ".best_config"

@@ -1067,31 +1067,80 @@ def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: di
         root = os.environ["TORCHINDUCTOR_CACHE_DIR"]
         graphs = (layout.fxgraph_entry_key(key, content) for key, content in arts.get("inductor", []))
         fresh = [k for k in graphs if not os.path.lexists(os.path.join(root, k))]  # what the load writes
-        hazards = _write_hazards(root, arts)  # (the command looked seconds ago: again, just before torch writes)
-        if hazards:
-            return {**base, "ok": False, "error": f"cache directory {root}: {hazards}: refusing to import into it"}
-        info = torch.compiler.load_cache_artifacts(b.payload)
+        info, refused = load_staged(torch, b.payload, root)
         if info is None:
             return {**base, "ok": False, "error": f"bundle {path}: torch could not read its artifacts"}
+        if refused:
+            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+            return {
+                **base,
+                "ok": False,
+                "error": f"cache directory {root}: {refused[0]}{more}: not moved in (the rest of the bundle was)",
+            }
         artifacts = {k: len(v) for k, v in info.artifacts.items()}
         return {**base, "ok": True, "loaded": True, "artifacts": artifacts, "written_graphs": fresh}
     except Exception as e:  # noqa: BLE001 - reported to the parent as the import's failure
         return {"ok": False, "error": str(e) if hasattr(e, "exit_code") else _first_line(e)}
 
 
-def _write_hazards(root: str, arts) -> str | None:
-    """What in the cache torch would write these artifacts through (bundle.write_hazards), now."""
-    from cachemgr import safefs
-    from cachemgr.prewarm import bundle
+def load_staged(torch, payload: bytes, root: str) -> tuple[Any, list[str]]:
+    """torch.compiler.load_cache_artifacts into a folder of the cache's own, then each file it
+    wrote moved into place under `root` through its descriptors: torch follows any symlink on its
+    way, and one made in the cache after the command's check took entries out of it; a move
+    follows none (a file whose way holds one stays out, and is named). The folder is
+    tempfile-named, as Inductor's own temporary folders are: scans and eviction leave it be.
+    Returns torch's answer and what was not moved in, and why."""
+    import shutil
+    import tempfile
 
+    from cachemgr import layout, safefs
+
+    staging = tempfile.mkdtemp(dir=root)
     try:
-        with safefs.Root(root) as r:
-            problems = bundle.write_hazards(r, arts)
-    except FileNotFoundError:
-        return None  # (torch makes it)
-    if not problems:
-        return None
-    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+        before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = staging  # (torch reads it on every write)
+        try:
+            info = torch.compiler.load_cache_artifacts(payload)
+        finally:
+            if before is None:
+                del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+        refused: list[str] = []
+        with safefs.Root(root) as into, safefs.Root(staging) as made:
+            for folder, _, names in os.walk(staging):
+                rel_folder = "" if folder == staging else os.path.relpath(folder, staging)
+                if rel_folder.split("/")[0] == layout.LOCKS_DIR:
+                    continue  # (torch's locks of the load: its own)
+                for name in names:
+                    rel = f"{rel_folder}/{name}" if rel_folder else name
+                    if layout.is_transient(name) or not stat.S_ISREG(made.lstat(rel).st_mode):
+                        continue
+                    try:
+                        os.rename(
+                            name, name, src_dir_fd=made.dir_fd(rel_folder), dst_dir_fd=_made_dir(into, rel_folder)
+                        )
+                    except OSError as e:
+                        refused.append(f"{layout.key_of(rel)}: {e.strerror or e}")
+        return info, refused
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _made_dir(root, rel: str) -> int:
+    """The descriptor of folder `rel` below `root` (a safefs.Root), each missing part made first;
+    OSError where a part is not a real folder (a symlink: ELOOP)."""
+    if not rel:
+        return root.fd
+    parts = rel.split("/")
+    for i in range(len(parts)):
+        here = "/".join(parts[: i + 1])
+        try:
+            os.mkdir(parts[i], dir_fd=root.dir_fd("/".join(parts[:i])))
+        except FileExistsError:
+            pass
+        root.dir_fd(here)  # (O_NOFOLLOW: refuses a symlink, a file)
+    return root.dir_fd(rel)
 
 
 def _export(export: dict, models: list[str], device: str, adapter, fingerprint: dict | None) -> dict:
