@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -956,6 +957,18 @@ def test_an_import_moves_what_torch_wrote_in_without_following_a_symlink(cpu_bun
     others = {k for k in keys if k[1:3] != keys[0][1:3]}
     assert others and all(any(w.startswith(f"fxgraph/{k[1:3]}/{k}/") for w in written) for k in others), written
     assert [p.name for p in root.iterdir() if p.name.startswith("tmp")] == []  # (the folder torch wrote into is gone)
+    # a killed import's folder (eviction keeps tempfile-named folders) goes at the next import;
+    # Inductor's own, and a live import's, stay
+    for name, marked, hours in (("tmpdead0001", True, 7), ("tmplive0001", True, 0), ("tmpindu0001", False, 7)):
+        (root / name).mkdir()
+        (root / name / "x.py").write_text("x")
+        if marked:
+            (root / name / worker.STAGING_MARK).touch()
+        t = time.time() - hours * 3600
+        for p in (root / name).iterdir():
+            os.utime(p, (t, t))
+    worker.load_staged(torch, payload, str(root))
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("tmp")) == ["tmpindu0001", "tmplive0001"]
 
 
 def test_import_says_which_autotune_results_it_replaced(cpu_bundle, tmp_path, db_url):

@@ -1095,8 +1095,10 @@ def load_staged(torch, payload: bytes, root: str) -> tuple[Any, list[str]]:
 
     from cachemgr import layout, safefs
 
+    _remove_dead_stagings(root)
     staging = tempfile.mkdtemp(dir=root)
     try:
+        open(os.path.join(staging, STAGING_MARK), "x").close()
         before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = staging  # (torch reads it on every write)
         try:
@@ -1125,6 +1127,29 @@ def load_staged(torch, payload: bytes, root: str) -> tuple[Any, list[str]]:
         return info, refused
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+STAGING_MARK = ".cachemgr-import"  # in the folder a bundle is loaded into (a dotfile: never moved in)
+STAGING_DEAD = 6 * 3600  # seconds after which such a folder is an import's that was killed
+
+
+def _remove_dead_stagings(root: str) -> None:
+    """Remove the folders killed imports left (eviction keeps every tempfile-named folder, as
+    Inductor's): those that hold STAGING_MARK, made over STAGING_DEAD seconds ago."""
+    import re
+    import shutil
+
+    try:
+        names = [n for n in os.listdir(root) if re.fullmatch(r"tmp[a-z0-9_]{8}", n)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            st = os.stat(os.path.join(root, name, STAGING_MARK), follow_symlinks=False)
+        except OSError:
+            continue  # (not ours)
+        if stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > STAGING_DEAD:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)  # (never follows a symlink)
 
 
 def _made_dir(root, rel: str) -> int:
