@@ -674,6 +674,24 @@ def test_an_answer_larger_than_redis_would_give_is_refused(tmp_path, db_url, fak
     assert lines[0].endswith(f"answered what Redis would not: over {MAX_ANSWER} bytes in one answer"), lines
 
 
+def test_an_answer_read_into_a_buffer_is_counted_too(monkeypatch):
+    """redis-py's hiredis parser reads with recv_into, not recv: the cap on one round trip's
+    bytes must hold for it as well."""
+    import socket
+
+    from cachemgr.fleet import remote
+
+    monkeypatch.setattr(remote, "MAX_ANSWER", 100)
+    a, b = socket.socketpair()
+    with a, b:
+        counted = remote._CountingSocket(a, remote._Received())
+        b.sendall(b"x" * 150)
+        buf = bytearray(64)
+        assert counted.recv_into(buf) == 64 and counted.recv(36) == b"x" * 36
+        with pytest.raises(remote._TooLarge):
+            counted.recv_into(buf)
+
+
 def _one_key_server(key: bytes, scans: list[bytes], object_answer: bytes = b":100000\r\n"):
     """A server holding one 100-byte string `key`, its SCAN steps given (the cursor each step
     returns, in order), OBJECT answered with `object_answer`."""

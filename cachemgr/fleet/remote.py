@@ -712,10 +712,18 @@ class _CountingSocket:
 
     def recv(self, n: int, *flags: int) -> bytes:
         data = self._sock.recv(n, *flags)
-        self._received.bytes += len(data)
+        self._count(len(data))
+        return data
+
+    def recv_into(self, buffer, *args: int) -> int:  # (redis-py's hiredis parser reads so)
+        n = self._sock.recv_into(buffer, *args)
+        self._count(n)
+        return n
+
+    def _count(self, n: int) -> None:
+        self._received.bytes += n
         if self._received.bytes > MAX_ANSWER:
             raise _TooLarge
-        return data
 
     def __getattr__(self, name: str) -> Any:  # everything else as the socket does it
         return getattr(self._sock, name)
@@ -1060,16 +1068,8 @@ def push_items(
             extra += 1
             if mtime <= best[ref][4]:
                 continue
-        best[ref] = (
-            eid,
-            key,
-            kind,
-            ref,
-            mtime,
-            seconds,
-            version,
-            rkey,
-        )  # several guard sets of one key: Redis holds one
+        # several guard sets of one key: Redis holds one, the newest
+        best[ref] = (eid, key, kind, ref, mtime, seconds, version, rkey)
     items = []
     for eid, key, kind, ref, _, seconds, version, rkey in sorted(
         best.values(), key=lambda x: (x[2] != "fxgraph", x[1])
