@@ -662,8 +662,10 @@ _TOLERATED_FILES = re.compile(
 # runtime, behind a `done` marker), tools' state (the compiler bisector's, 2.14's QuACK cache),
 # and what only looks like torch's: tempfile's names, which fresh_cache(dir=cache_dir(),
 # delete=False) leaves under FORCE_DISABLE_CACHES, as would any other program's mkdtemp there.
-_KEPT_DIRS = re.compile(r"c[a-z0-9]{20,}|halide-runtime-.+|bisect|quack|tmp[a-z0-9_]{8}")
-_KEPT_FILES = re.compile(r"tmp[a-z0-9_]{8}\.py")  # a wrapper kept for its output_code log (codegen/wrapper.py)
+TEMP_NAME = r"tmp[a-z0-9_]{8}"  # tempfile's names (mkdtemp, NamedTemporaryFile), Inductor's and cachemgr's import's
+TEMP_FOLDER = re.compile(TEMP_NAME)
+_KEPT_DIRS = re.compile(rf"c[a-z0-9]{{20,}}|halide-runtime-.+|bisect|quack|{TEMP_NAME}")
+_KEPT_FILES = re.compile(rf"{TEMP_NAME}\.py")  # a wrapper kept for its output_code log (codegen/wrapper.py)
 # In a <2ch>/ folder, beside or after its modules: the folder g++ ran in for a C++ build (cpp_builder's
 # _BUILD_TEMP_DIR, left when a build fails; a probe's is named by its bare key), a debug dump of a
 # kernel's launch tensors (triton_<kernel>_run_<n>/), ROCm's kept temporaries (c<hash>-hip-...)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import functools
 import os
 import re
 import stat
@@ -137,7 +138,6 @@ class Root:
         # it is resolved once, here; nothing below it ever is.
         self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.id = identity(os.fstat(self.fd))
-        self.mount = mount_id(self.fd)  # (what is deleted in place must be on this mount, checked at the time)
         # One descriptor cache per thread: a descriptor another thread let go (and the kernel
         # then gave to some other directory) is never used.
         self._local = threading.local()
@@ -308,6 +308,12 @@ class Root:
         pfd, name, st = self.check(rel, expect, reachable=True)
         self.same_mount(pfd, rel)
         remove_at(pfd, name, st, inodes, mount=self.mount)
+
+    @functools.cached_property
+    def mount(self) -> int | None:
+        """The mount the root is on (what is deleted in place must be on it, checked at the time);
+        read when first asked: an open descriptor's mount never changes."""
+        return mount_id(self.fd)
 
     def same_mount(self, fd: int, rel: str) -> None:
         """OtherMount unless directory descriptor `fd` is on the root's mount."""

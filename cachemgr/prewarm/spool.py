@@ -593,9 +593,7 @@ def _upsert_batch(db: Database, lines: list[_Row], recovering: bool) -> tuple[in
 def list_shapes(db: Database, model: str | None = None) -> list[dict]:
     """Recorded shapes, per model in first-seen order (the order prewarm replays them in). A row
     that cannot be replayed (written by an older ingest that checked less) is left out."""
-    from cachemgr.index.store import Store
-
-    out = list(_readable(Store.of_index(db).each_shape(model)))
+    out = list(each_recorded(db, model))
     varied = varied_dims(out)
     for d in out:
         d["varied"] = varied.get(d["model"], [])

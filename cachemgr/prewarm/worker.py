@@ -1114,14 +1114,17 @@ def load_staged(torch, payload: bytes, root: str) -> tuple[Any, list[str]]:
                 rel_folder = "" if folder == staging else os.path.relpath(folder, staging)
                 if rel_folder.split("/")[0] == layout.LOCKS_DIR:
                     continue  # (torch's locks of the load: its own)
-                for name in names:
-                    rel = f"{rel_folder}/{name}" if rel_folder else name
-                    if layout.is_transient(name) or not stat.S_ISREG(made.lstat(rel).st_mode):
-                        continue
+                rels = [f"{rel_folder}/{n}" if rel_folder else n for n in names if not layout.is_transient(n)]
+                rels = [rel for rel in rels if stat.S_ISREG(made.lstat(rel).st_mode)]
+                try:
+                    src, dst = made.dir_fd(rel_folder), _made_dir(into, rel_folder)
+                except OSError as e:  # (its way into the cache holds a symlink, a file: none of them goes)
+                    refused.extend(f"{layout.key_of(rel)}: {e.strerror or e}" for rel in rels)
+                    continue
+                for rel in rels:
+                    name = rel.rpartition("/")[2]
                     try:
-                        os.rename(
-                            name, name, src_dir_fd=made.dir_fd(rel_folder), dst_dir_fd=_made_dir(into, rel_folder)
-                        )
+                        os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
                     except OSError as e:
                         refused.append(f"{layout.key_of(rel)}: {e.strerror or e}")
         return info, refused
@@ -1136,11 +1139,12 @@ STAGING_DEAD = 6 * 3600  # seconds after which such a folder is an import's that
 def _remove_dead_stagings(root: str) -> None:
     """Remove the folders killed imports left (eviction keeps every tempfile-named folder, as
     Inductor's): those that hold STAGING_MARK, made over STAGING_DEAD seconds ago."""
-    import re
     import shutil
 
+    from cachemgr import layout
+
     try:
-        names = [n for n in os.listdir(root) if re.fullmatch(r"tmp[a-z0-9_]{8}", n)]
+        names = [n for n in os.listdir(root) if layout.TEMP_FOLDER.fullmatch(n)]
     except OSError:
         return
     for name in names:
