@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -14,9 +15,11 @@ from pathlib import Path
 
 import pytest
 from conftest import NO_TORCH_PROGRAM, REPO, run_program, subprocess_env
+from test_fleet import pg_url  # noqa: F401 - fixture: a throwaway PostgreSQL database
 
 from cachemgr import layout
 from cachemgr.errors import UnsafePath
+from cachemgr.units import format_size as human_size
 
 HOUR = 3600
 
@@ -269,6 +272,71 @@ def test_cost_keeps_the_expensive_graph_where_lru_does_not(aged_cpu, db_url):
     assert done.freed_bytes == cost.freed_bytes
 
 
+def test_the_cost_policy_reads_numbers_no_cache_has_as_unknown(aged_cpu, cli_for, tmp_path, pg_url):  # noqa: F811
+    """A compile of 1e308 s (a full scan does not rewrite it), a hit count near PostgreSQL's
+    INTEGER's top, negative counts: GreedyDual's priority and clock became infinite or NaN. On
+    SQLite an infinite clock was kept (and read back as none); on PostgreSQL its history was
+    refused as JSON after the deletions were committed, and the run failed, exit 5."""
+    from test_fleet import pg_query
+
+    copy = shutil.copytree(aged_cpu, tmp_path / "twin", symlinks=True)
+    for cache, url in ((aged_cpu, None), (copy, pg_url)):
+        cli = cli_for(cache, **({"db": url} if url else {}))
+        cli("scan")
+        edits = (
+            "UPDATE entries SET compile_seconds = 1e308, hit_count = 2000000000"
+            " WHERE id = (SELECT MIN(id) FROM entries WHERE kind = 'aotautograd')",
+            "UPDATE entries SET hit_count = -5, compile_seconds = -3 WHERE id = (SELECT MIN(id) FROM entries"
+            " WHERE kind = 'fxgraph')",
+        )
+        for sql in edits:
+            if url:
+                pg_query(url, sql)
+            else:
+                with sqlite3.connect(db_path(cli.db_url)) as c:
+                    c.execute(sql)
+        out = cli.json("evict", "--policy", "cost", "--max-size", "200KiB", "--grace", "0")
+        assert out["evicted"] > 0 and out["unreachable"] is None
+        query = "SELECT gds_clock, CAST(gds_history AS TEXT) FROM caches"
+        if url:
+            ((clock, history),) = pg_query(url, query)
+        else:
+            with sqlite3.connect(db_path(cli.db_url)) as c:
+                ((clock, history),) = c.execute(query).fetchall()
+        rises = json.loads(history, parse_constant=pytest.fail)  # (Infinity, NaN: not JSON)
+        assert rises and 0 < clock < 1e12 and rises[-1][1] == clock, (clock, history)
+
+
+def test_deletes_the_file_system_refuses_fail_the_run(aged_cpu, cli_for, tmp_path):
+    """A read-only mount refuses every delete: evict said "evicted 0 entries", exit 0, and
+    nothing of the limit it did not meet (`unreachable` came from the plan, made before the run);
+    purge too. Now the run says what remains over the limit and fails, exit 1."""
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "--bind", str(aged_cpu), str(ro)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+        cli = cli_for(ro)
+        before = disk(ro)
+        r = cli("evict", "--max-size", "0", "--json", code=1)
+        doc = json.loads(r.stdout)
+        assert doc["evicted"] == doc["freed_bytes"] == 0 and doc["skipped"]
+        assert {s["reason"] for s in doc["skipped"]} == {"delete failed"}
+        assert doc["unreachable"] == f"cannot get under max_size 0 B: {human_size(doc['remaining_bytes'])} remain"
+        n = len(doc["skipped"])
+        refused = f"cachemgr: error: the file system refused to delete {n} planned entries (read-only, or not"
+        assert r.stderr.startswith(refused)
+        r = cli("evict", "--max-size", "0", code=1)
+        assert r.stdout.splitlines()[-1] == doc["unreachable"] and r.stderr.startswith(refused)
+        assert "dry run: would free" in cli("evict", "--max-size", "0", "--dry-run").stdout  # (exit 0: tries no delete)
+        assert cli.json("purge", "--all", "--yes", "--grace", "0", code=1)["evicted"] == 0
+        assert disk(ro) == before
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
 def test_recompiles_after_eviction(aged_cpu, cpu_cache_master, cli_for, tmp_path):
     reference = run_program(shutil.copytree(cpu_cache_master, tmp_path / "ref"))
     assert reference["fxgraph_cache_miss"] == 0  # the untouched cache is all hits
@@ -312,6 +380,23 @@ def test_grace_and_transient_files(aged_cpu, cli_for):
     # --grace 0 takes it (the transient files still stay)
     cli.json("evict", "--max-size", "0", "--grace", "0")
     assert not fresh.exists() and tmp.exists() and (tdir / "k.cubin").exists()
+
+
+def test_a_restored_copy_is_in_use_once_read(aged_cpu, cli_for, tmp_path):
+    """A copy that keeps its times (cp -a, rsync -a, tar x: a cache being restored) looks an hour
+    old, and what nobody reads goes by its age. What a compile reads of it is in use: the first
+    read after the copy moves the file's atime even on a relatime mount (its atime is then before
+    its ctime), so the grace period keeps it. (A file's ctime is not counted: every entry a scan
+    reads gets a new one, linked for the read.)"""
+    copy = tmp_path / "restored"
+    subprocess.run(["cp", "-a", str(aged_cpu), str(copy)], check=True)
+    graphs = sorted(copy.glob("fxgraph/*/*/*"))
+    assert len(graphs) >= 2 and all(p.stat().st_mtime < time.time() - HOUR / 2 for p in graphs)
+    graphs[0].read_bytes()  # as a compile's hit reads it
+    cli = cli_for(copy)
+    r = cli.json("evict", "--max-size", "0", "--grace", "1m")
+    assert r["evicted"] > 0 and graphs[0].exists() and not graphs[-1].exists()
+    assert {s["reason"] for s in r["skipped"]} == {"grace"}
 
 
 def test_grace_counts_access_not_only_write(aged_cpu, cli_for):

@@ -562,7 +562,8 @@ def test_roots_that_are_no_cache_are_refused(tmp_path, cli_for, shape):
 @pytest.mark.slow  # real cachemgr processes, several per case
 def test_a_failure_inside_a_batch_leaves_index_and_disk_in_agreement(gpu_cache, cli_for):
     """One kernel folder the process may not change (permissions, with root's override dropped):
-    everything else is evicted and recorded, that one is kept with its reason."""
+    everything else is evicted and recorded, that one is kept with its reason, and the run
+    fails (exit 1) once its result is out."""
     age(gpu_cache)
     cli = cli_for(gpu_cache)
     assert run(cli, "scan").returncode == 0
@@ -574,7 +575,7 @@ def test_a_failure_inside_a_batch_leaves_index_and_disk_in_agreement(gpu_cache, 
     finally:
         locked.chmod(0o755)
         (gpu_cache / "triton" / "0").chmod(0o755)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1 and r.stderr.startswith("cachemgr: error: the file system refused to delete "), r.stderr
     doc = json.loads(r.stdout)
     kept = dict((s["key"], s["reason"]) for s in doc["skipped"])
     assert doc["evicted"] > 0 and "delete failed" in kept.values()

@@ -34,7 +34,7 @@ from cachemgr.cli.common import (
     table,
     wide_option,
 )
-from cachemgr.errors import CacheDirError, NotFound, UsageError
+from cachemgr.errors import CacheDirError, CachemgrError, NotFound, UsageError
 from cachemgr.layout import KINDS
 from cachemgr.vocab import Fate, Held, Kind, Policy
 
@@ -43,7 +43,14 @@ SHOWN_PINS = 6  # pinned entries named where a plan says why it kept what it wan
 RECENT_HITS = 7 * 86400  # purge --stale: torch versions hit this recently are still in use
 
 grace_option = click.option(
-    "--grace", type=DURATION, help="Leave files written or read more recently than this (default from settings: 60s)."
+    "--grace",
+    type=DURATION,
+    help="Leave files written or read more recently than this (default from settings: 60s).",
+)
+REFUSED = (
+    1,
+    "the file system refused deletes (said after the result);"
+    "\nshort of memory or descriptors, or an eviction worker died",
 )
 dry_run_option = click.option("--dry-run", is_flag=True, help="Show what would go; delete nothing.")
 
@@ -183,24 +190,37 @@ def _model_rows(app, rows, model: str) -> set[str]:
     return {rows.key[i] for i in mine}
 
 
-def _unreachable(p, limits, disk) -> str | None:
-    """What the plan leaves over a cap it cannot meet, or short of the free-space floor (everything
-    else it would take is kept); `disk`: the file system as the plan found it."""
+def _unreachable(p, limits, disk, freed_bytes: int, freed_files: int, dry_run: bool) -> str | None:
+    """What a run leaves over a cap it cannot meet, or short of the free-space floor (everything
+    else it would take is kept, or could not be deleted); `disk`: the file system as the plan
+    found it; `freed_*`: what the run took (or, dry, would take)."""
     from cachemgr.evict.policy import needs
 
-    left_bytes = p.total_bytes - p.expected_freed_bytes
-    left_files = p.total_files - p.expected_freed_files
+    left_bytes = p.total_bytes - freed_bytes
+    left_files = p.total_files - freed_files
+    remain = "would remain" if dry_run else "remain"
     if limits.max_size is not None and left_bytes > limits.max_size:
-        return f"cannot get under max_size {human_size(limits.max_size)}: {human_size(left_bytes)} would remain"
+        return f"cannot get under max_size {human_size(limits.max_size)}: {human_size(left_bytes)} {remain}"
     if limits.max_files is not None and left_files > limits.max_files:
-        return f"cannot get under max_files {limits.max_files:,}: {left_files:,} files would remain"
+        return f"cannot get under max_files {limits.max_files:,}: {left_files:,} files {remain}"
     short_free = needs(limits, p.total_bytes, p.total_files, disk)[2]
-    if short_free > p.expected_freed_bytes:
+    if short_free > freed_bytes:
         return (
-            f"cannot reach min_free {limits.min_free} ({human_size(disk.free_bytes + short_free)} free): "
-            f"{human_size(disk.free_bytes + p.expected_freed_bytes)} would be free"
+            f"cannot reach min_free {limits.min_free} (needs {human_size(disk.free_bytes + short_free)} free): "
+            f"{human_size(disk.free_bytes + freed_bytes)} {'would be' if dry_run else 'is'} free"
         )
     return None
+
+
+def _refused(r) -> None:
+    """Exit 1 where the file system refused to delete what the run planned (a read-only mount,
+    permissions): the run's result is out (and --json's `skipped` names each), its limits unmet."""
+    failed = sum(why == Held.FAILED for _, why in r.skipped)
+    if failed and not r.dry_run:
+        raise CachemgrError(
+            f"the file system refused to delete {plural(failed, 'planned entry', 'planned entries')} "
+            "(read-only, or not permitted): they stay"
+        )
 
 
 @click.command()
@@ -220,7 +240,7 @@ def _unreachable(p, limits, disk) -> str | None:
 @wide_option
 @json_option
 @pass_app
-@exit_codes(0, 1, 2, 3, 4, 5, 7, 130)
+@exit_codes(0, REFUSED, 2, 3, 4, 5, 7, 130)
 def evict(app, max_size, max_age, max_files, min_free, policy, model, grace, dry_run, quiet, wide, as_json) -> None:
     """Evict entries until the cache is within its limits.
 
@@ -271,7 +291,7 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
 
     now = time.time()
     p, rows = plan_eviction(app, root, s, limits, now, model)
-    unreachable = _unreachable(p, limits, disk_state(root))  # (measured before anything is deleted)
+    disk = disk_state(root)  # (measured before anything is deleted)
     loud = not (as_json or quiet)
     if loud:
         if not p.units and p.skipped:
@@ -279,13 +299,14 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
                 f"nothing can be evicted now: {human_size(p.total_bytes)} in {p.total_files:,} files is over "
                 f"the limits, but the entries it would take are kept ({_kept_text(app, p, rows, limits.grace)})"
             )
-        elif not p.units and unreachable is None:
+        elif not p.units and _unreachable(p, limits, disk, 0, 0, True) is None:
             say(
                 f"nothing to evict: {human_size(p.total_bytes)} in {p.total_files:,} files is within the limits"
                 + (f" (only {model}'s entries were candidates)" if model else "")
             )
         _print_plan(app, p, rows, "evict", wide)
     r = carry_out(app.db, app.cache_id, root, p, rows, limits.grace, dry_run, now)
+    unreachable = _unreachable(p, limits, disk, r.freed_bytes, r.freed_files, dry_run)
     if as_json:
         emit_json({**r.as_dict(), "unreachable": unreachable})
     elif quiet:
@@ -295,6 +316,7 @@ def _evict(app, root, s, limits, model, dry_run: bool, quiet: bool, wide: bool, 
             _print_result(r, s.cache_dir, limits.grace, "evicted")
         if unreachable is not None:
             say(unreachable + (f" ({_kept_text(app, p, rows, limits.grace)})" if p.skipped else ""))
+    _refused(r)
 
 
 # -- what eviction would do with one entry (show) --------------------------------------------------
@@ -465,7 +487,7 @@ class _Reach:
 @wide_option
 @json_option
 @pass_app
-@exit_codes(0, 1, 2, 3, 4, 5, 7, (130, "interrupted (Ctrl-C), or declined at the prompt"))
+@exit_codes(0, REFUSED, 2, 3, 4, 5, 7, (130, "interrupted (Ctrl-C), or declined at the prompt"))
 def purge(
     app,
     all_,
@@ -610,6 +632,7 @@ def _purge(app, root, s, tests, orphans, include_pinned, dry_run, yes, quiet, wi
         _print_keys(app, rows, [k for k, *_ in r.entries], wide)
     else:
         _print_result(r, s.cache_dir, s.grace, "purged")
+    _refused(r)
 
 
 def _torch_in_use(app, rows, now: float, keep_torch: list[str]) -> fingerprint.Keep:

@@ -36,6 +36,7 @@ from cachemgr.evict.policy import (
     select,
     table_of,
 )
+from cachemgr.index.store import MAX_BYTES, MAX_HITS, MAX_SECONDS, moment, whole
 from cachemgr.vocab import PARSED as PARSE_DONE
 from cachemgr.vocab import Kind
 
@@ -138,12 +139,12 @@ def _table(batches: Iterable[list[tuple]], pins: dict, full: bool) -> Table:
         t.alias.extend(aliases)
         t.graph_key.extend(graph_keys)
         t.corrupt.extend(corrupt)
-        _numbers(t.bytes, nbytes)
-        _numbers(t.files, files)
+        _numbers(t.bytes, nbytes, top=MAX_BYTES)
+        _numbers(t.files, files, top=MAX_BYTES)
         _numbers(t.mtime, mtimes, math.inf)  # an unknown time: as if just used, the last to go
         _numbers(t.last_access, accessed, math.inf)
-        _numbers(t.compile_seconds, [UNKNOWN if cs is None else cs for cs in seconds], UNKNOWN)
-        _numbers(t.hit_count, [h or 0 for h in hits])
+        _numbers(t.compile_seconds, [UNKNOWN if cs is None else cs for cs in seconds], UNKNOWN, MAX_SECONDS)
+        _numbers(t.hit_count, [h or 0 for h in hits], top=MAX_HITS)
         if pins:
             t.flags.extend(
                 PINNED * any(k in pins for k in names if k) | PARSED * (state == PARSE_DONE)
@@ -169,22 +170,35 @@ def _texts(values: Sequence) -> Sequence:
     return tuple(text(v) for v in values)
 
 
-def _numbers(column: array, values: Sequence, missing: float = 0.0) -> None:
+def _numbers(column: array, values: Sequence, missing: float = 0.0, top: float | None = None) -> None:
     """`column.extend(values)`, in C. Where a value is not a number of the column's kind (text in
-    a hand-edited SQLite index), or a time is not finite (NaN or Infinity in a PostgreSQL one), the
-    batch goes again with each such value read as `store.whole` / `store.moment` read it (times
-    unknown: `missing`). compile_seconds (`missing` NaN) keeps NaN: its own "unknown"."""
-    from cachemgr.index.store import moment, whole
-
+    a hand-edited SQLite index), a time is not finite (NaN or Infinity in a PostgreSQL one), or,
+    with `top`, a value is outside [0, top) (a negative size, a compile of 1e308 s: the cost
+    policy's sums and its clock would be NaN or infinite), the batch goes again with each such
+    value read as `store.whole` / `store.moment` read it, or as unknown: 0, or `missing` for
+    times. compile_seconds (`missing` NaN) keeps NaN: its own "unknown"."""
     n = len(column)
     try:
         column.extend(values)
-        if column.typecode == "q" or math.isnan(missing) or math.isfinite(sum(values)):
+        if _all_fit(column[n:], missing, top):
             return
     except (TypeError, OverflowError):
         pass
     del column[n:]
-    column.extend([whole(v) for v in values] if column.typecode == "q" else [moment(v, missing) for v in values])
+    if column.typecode == "q":
+        column.extend([v if top is None or 0 <= v < top else 0 for v in map(whole, values)])
+    else:
+        column.extend([v if top is None or 0.0 <= v < top else missing for v in (moment(v, missing) for v in values)])
+
+
+def _all_fit(new: array, missing: float, top: float | None) -> bool:
+    if not new:
+        return True
+    if new.typecode == "q":
+        return top is None or (min(new) >= 0 and max(new) < top)
+    if top is None:
+        return math.isnan(missing) or math.isfinite(sum(new))
+    return all(0.0 <= v < top for v in new if v == v)  # (NaN: unknown, as `missing` says)
 
 
 def _holds_binary(root: safefs.Root, key: str) -> bool:
@@ -244,16 +258,24 @@ def _finite(x: object) -> bool:
 
 
 def keep_clock(db: Database, cache_id: int, clock: Clock) -> None:
+    """Keep the cost policy's clock for the next run. Called once the run's deletions are
+    committed: a failure to write it (a full disk) is not the run's, and the next run's clock
+    starts again, as load_clock starts one it cannot read."""
     from sqlalchemy import update
+    from sqlalchemy.exc import SQLAlchemyError
 
     from cachemgr.index.models import Cache
 
-    with db.engine.begin() as conn:
-        conn.execute(
-            update(Cache)
-            .where(Cache.id == cache_id)
-            .values(gds_clock=clock.value, gds_history=[list(p) for p in clock.history])
-        )
+    history = [list(p) for p in clock.history if all(map(math.isfinite, p))]
+    try:
+        with db.engine.begin() as conn:
+            conn.execute(
+                update(Cache)
+                .where(Cache.id == cache_id)
+                .values(gds_clock=clock.value if math.isfinite(clock.value) else 0.0, gds_history=history)
+            )
+    except SQLAlchemyError:
+        pass
 
 
 def carry_out(

@@ -67,6 +67,9 @@ class _Files:
     inodes: frozenset[int] | None = None  # of the files in a directory moved whole, as looked at
 
     def add(self, st: os.stat_result) -> None:
+        # (not ctime: a scan's own reads link each entry they read (describe.read_unseen), and a
+        # copy that keeps its times is in use only once read, which moves its atime past the
+        # copy's ctime even on a relatime mount)
         self.newest = max(self.newest, st.st_atime, st.st_mtime)
         self.nbytes += st.st_size
         self.nfiles += 1

@@ -117,7 +117,7 @@ class Clock:
         return self.history[i - 1][1] if i else 0.0
 
     def rise(self, to: float, now: float) -> None:
-        if to > self.value:
+        if to > self.value and math.isfinite(to):  # (an infinite L would stop every later rise)
             self.value = to
             self.history.append((now, to))
             del self.history[: -self.HISTORY]
