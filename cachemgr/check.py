@@ -95,6 +95,8 @@ def is_host_fact(name: str) -> bool:
 
 # -- the two sides -------------------------------------------------------------------------------
 
+NOT_READ_YET = "its entry is not read yet (the next scan reads it)"  # a Graph's `corrupt` till then
+
 
 @dataclass(frozen=True)
 class Graph:
@@ -306,6 +308,8 @@ def _option_diff(graph: Graph, cand: Candidate, names: set[str]) -> list[str]:
 
 def predict(graph: Graph, host: Host) -> Prediction:
     """Will this host's workload find this entry?"""
+    if graph.corrupt == NOT_READ_YET:
+        return Prediction(graph, UNKNOWN, reason=NOT_READ_YET)
     if graph.corrupt:
         return Prediction(graph, UNKNOWN, reason=f"its entry does not read: {graph.corrupt}")
     if not graph.recorded:
@@ -531,8 +535,8 @@ def check(graphs: Iterable[Graph], host: Host, source: str) -> Report:
 
 
 def graphs_from_store(store: Any) -> list[Graph]:
-    """Every parsed fxgraph entry of the index's cache, with its components (the graph code by
-    hash only)."""
+    """Every fxgraph entry of the index's cache: those parsed with their components (the graph
+    code by hash only), then those that do not read or are not read yet (predicted unknown)."""
     entries = store.graph_entries()
     code = {e.sets["code"] for e in entries if "code" in e.sets}
     rest = {s for e in entries for p, s in e.sets.items() if p != "code"}
@@ -545,6 +549,8 @@ def graphs_from_store(store: Any) -> list[Graph]:
             comps.update(values.get(s, {}))
         tv = comps.get("torch_version")
         out.append(Graph(e.key, e.graph_key, comps, e.torch_version, tv[0] if tv else None))
+    for key, graph_key, why in store.unread_graphs():
+        out.append(Graph(key, graph_key, {}, corrupt=why or NOT_READ_YET))
     return out
 
 

@@ -231,7 +231,7 @@ class Diff:
             if c.name in GRAPH_ROLES:
                 yes, no = GRAPH_ROLES[c.name]
                 this, other = (yes, no) if c.b == "True" else (no, yes)
-                return f"{this} graph; the nearest earlier entry is {other}"
+                return f"{this} graph; the nearest earlier entry is {other} graph"
         if not self.dynamic and self.code_similarity is not None and self.code_similarity < NEW_GRAPH_RATIO:
             return f"no earlier entry has similar code ({self.code_similarity:.0%} of lines alike)"
         return None

@@ -985,3 +985,36 @@ def test_import_says_which_autotune_results_it_replaced(cpu_bundle, tmp_path, db
     r = Cli(tmp_path / "cache", db_url).proc("import", str(path), timeout=900, env=ENV)
     assert r.returncode == 0, r.stderr
     assert f"cachemgr: the bundle's autotune results replaced 1 this cache held (first: {key})\n" in r.stderr
+
+
+def test_graphs_that_do_not_read_or_are_not_read_yet_count_as_unknown(fixture_cache, db_url):
+    """check counted the graphs that parsed only: a cache whose every entry was corrupt said "0
+    graphs: 0 will hit, 0 will miss, 0 unknown", and the entries an interrupted phase two left
+    were not counted at all. What came from the index (a corrupt reason, a component's name: a
+    BLOB of a hand edit, which also failed explain and check with a TypeError, exit 70) reached
+    the terminal unescaped."""
+    import sqlite3
+
+    root = fixture_cache("torch-2.13.0-cpu")
+    cli = Cli(root, db_url)
+    cli("scan")
+    with sqlite3.connect(db_url.split(":///", 1)[1]) as c:
+        ids = [i for (i,) in c.execute("SELECT id FROM entries WHERE kind = 'fxgraph' ORDER BY id")]
+        c.execute("UPDATE entries SET parse_state = 2 WHERE id IN (?, ?)", ids[:2])
+        c.execute("UPDATE entries SET corrupt = ? WHERE id = ?", ("bad \x1b]0;title\x07 pickle", ids[2]))
+        c.execute(
+            "UPDATE component_set_items SET name = ? WHERE name = 'inductor_config[epilogue_fusion]'",
+            (b"inductor_config[\x1b[1mepilogue\xff]",),
+        )
+    report = json.loads(cli("check", "--json").stdout)
+    assert report["graphs"] == len(ids) == 8
+    reasons = [p.get("reason") for p in report["predictions"]]
+    assert reasons.count(check.NOT_READ_YET) == 2, reasons
+    assert reasons.count("its entry does not read: bad \x1b]0;title\x07 pickle") == 1, reasons
+    assert report["unknown"] >= 3 and report["hit"] + report["miss"] + report["unknown"] == 8
+    text = cli("check", "--all").stdout
+    assert "\x1b" not in text and "\x07" not in text and "bad \\x1b]0;title\\x07 pickle" in text
+    assert "2 graphs unknown: its entry is not read yet (the next scan reads it)" in text
+    assert "inductor_config[\\x1b[1mepilogue\\xff]" in text  # (a BLOB read as text, then escaped)
+    cli("explain", "--since", "10000d")
+    cli("diff", report["predictions"][3]["key"], report["predictions"][4]["key"])

@@ -1150,6 +1150,34 @@ def test_numbers_of_a_hand_edited_sqlite_index_that_are_no_numbers_fail_no_comma
         assert not conn.execute("SELECT 1 FROM entries WHERE typeof(mtime) = 'text'").fetchall()
 
 
+def test_numbers_no_real_cache_has_read_as_unknown_and_fit_80_columns(fixture_cache, cli_for, db_url, monkeypatch):
+    """A compile of 1e308 s printed a 300-digit day count, and every line of `ls` grew to 386
+    columns; a negative size and a hit count of 2**63 - 1 were shown and summed as they were. They
+    read as unknown (the sums already did so). A cache dir whose name holds escapes reached the
+    terminal raw from `scan` and the never-scanned note."""
+    import sqlite3
+
+    root = fixture_cache()
+    odd = root.rename(root.with_name("cache\x1b]0;title\x07dir"))
+    cli = cli_for(odd)
+    r = cli("scan")
+    assert "\x1b" not in r.stdout + r.stderr and "cache\\x1b]0;title\\x07dir" in r.stdout
+    path = db_url.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as conn:
+        key = conn.execute("SELECT key FROM entries WHERE kind = 'fxgraph' ORDER BY id LIMIT 1").fetchone()[0]
+        conn.execute(
+            "UPDATE entries SET compile_seconds = 1e308, hit_count = 9223372036854775807, bytes = -5 WHERE key = ?",
+            (key,),
+        )
+    monkeypatch.setenv("COLUMNS", "80")
+    out = cli("ls").stdout
+    assert max(map(len, out.splitlines())) <= 80, out
+    (e,) = [e for e in cli.json("ls") if e["key"] == key]
+    assert (e["compile_seconds"], e["hit_count"], e["bytes"]) == (None, 0, 0)
+    shown = cli("show", key).stdout
+    assert max(map(len, shown.splitlines())) <= 80 and "-5 B" not in shown, shown
+
+
 def test_text_of_a_hand_edited_sqlite_index_that_is_no_utf8_is_one_line_exit_5(fixture_cache, cli_for, db_url):
     """Text that is not UTF-8 in the index (an edit) stops a command that reads it as a database
     error: exit 5 and one line, though SQLite's message quotes the column's SQL, newlines and all

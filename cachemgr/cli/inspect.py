@@ -48,7 +48,9 @@ def run_scan(app, quiet_progress: bool = False, full: bool = False):
     if s.defaulted("cache_dir") and not os.path.exists(root):
         # Inductor's default directory appears with the first compile: nothing to index yet.
         # A directory named for cachemgr (flag, CACHEMGR_ env, config) that is missing stays an error.
-        click.echo(f"cachemgr: {root} does not exist yet (nothing compiled on this host); index is empty", err=True)
+        click.echo(
+            f"cachemgr: {clean(root)} does not exist yet (nothing compiled on this host); index is empty", err=True
+        )
         return ScanResult(root)
     check_root(root)
     result = None
@@ -74,6 +76,12 @@ def run_scan(app, quiet_progress: bool = False, full: bool = False):
     return result
 
 
+def _ago(ts: float | None) -> str:
+    """'5m ago', or 'unknown' (a time no clock gives, from an index edited by hand)."""
+    shown = age(ts)
+    return "unknown" if shown == "-" else f"{shown} ago"
+
+
 def scanned_store(app):
     """The index of this cache, scanned first if it never was (a missing cache dir: exit 4).
     On the embedded SQLite index of a scanned cache, read without SQLAlchemy."""
@@ -82,7 +90,7 @@ def scanned_store(app):
         return store
     if not app.store.scanned():
         if os.path.isdir(app.settings.cache_dir):
-            click.echo(f"cachemgr: {app.settings.cache_dir} was never scanned; scanning it now", err=True)
+            click.echo(f"cachemgr: {clean(app.settings.cache_dir)} was never scanned; scanning it now", err=True)
         run_scan(app)
     return app.store
 
@@ -116,15 +124,23 @@ def scan(app, full: bool, as_json: bool) -> None:
         emit_json(r.as_dict())
         return
     click.echo(
-        f"scanned {r.root}: {r.added} added, {r.changed} changed, {r.removed} removed, "
+        f"scanned {clean(r.root)}: {r.added} added, {r.changed} changed, {r.removed} removed, "
         f"{r.unchanged} unchanged ({r.seconds:.2f} s)"
     )
     for key, reason in r.corrupt:
         say(f"corrupt: {key}: {clean(reason)}", err=True)  # (wrapped to the terminal; the key whole)
     for d in r.unreadable:
-        say(f"cachemgr: warning: cannot read {d or '.'}/ under {r.root}: its entries are kept as last indexed", True)
+        say(
+            f"cachemgr: warning: cannot read {clean(d or '.')}/ under {clean(r.root)}: "
+            "its entries are kept as last indexed",
+            True,
+        )
     for d in r.mounted:
-        say(f"cachemgr: warning: {d}/ under {r.root} is a mount point (another file system's): not indexed", True)
+        say(
+            f"cachemgr: warning: {clean(d)}/ under {clean(r.root)} is a mount point (another file system's): "
+            "not indexed",
+            True,
+        )
 
 
 # -- stats ------------------------------------------------------------------------------------------
@@ -489,11 +505,11 @@ def ls(
     shown = [(e, e.key if wide else s) for e, s, _ in listed]
     if quiet:
         for _, key in shown:
-            click.echo(key)
+            click.echo(clean(key))
         return
     if not shown:
         filtered = any(x not in (None, False) for x in (kind, older_than, larger_than, graph, model, pinned, corrupt))
-        click.echo("no entries match" if filtered else f"no entries in the index of {app.settings.cache_dir}")
+        click.echo("no entries match" if filtered else f"no entries in the index of {clean(app.settings.cache_dir)}")
     else:
         table(
             [Col("key"), Col("kind"), Col("bytes", True), Col("idle", True), Col("hits", True), Col("compile", True)]
@@ -658,8 +674,8 @@ def _show_lines(e, d: dict, wide: bool) -> list[str]:
         ("not recorded", e.unrecorded),
         ("corrupt", e.corrupt),
         ("pinned", (f"yes, as {e.pin}" + (f": {e.pin_reason}" if e.pin_reason else "")) if e.pinned else None),
-        ("hits", f"{e.hit_count:,}, last used {age(e.last_access)} ago"),
-        ("written", f"{age(e.mtime)} ago"),
+        ("hits", f"{e.hit_count:,}, last used {_ago(e.last_access)}"),
+        ("written", _ago(e.mtime)),
         ("components", f"{d['components']:,} hash components" if e.kind == Kind.FXGRAPH and e.parsed else None),
         ("if lost", d["loss"]),
         ("eviction", _fate_text(d["eviction"])),

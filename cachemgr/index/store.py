@@ -251,6 +251,11 @@ MAX_SECONDS = 1e9
 MAX_HITS = 1 << 31
 
 
+def _bounded(n: int, top: int) -> int:
+    """A count or size read from a row: 0 where no real cache has it (negative, or `top` or more)."""
+    return n if 0 <= n < top else 0
+
+
 def _known(column: str, top: float) -> str:
     """SQL: `column` where it is a number in [0, top), else NULL."""
     return f"CASE WHEN {column} >= 0 AND {column} < {top!r} THEN {column} END"
@@ -404,15 +409,16 @@ def _entry(row: Sequence[Any], pins: Mapping[str, str | None] | None = None) -> 
         row = [text(v) if i in _TEXT else v for i, v in enumerate(row)]
     e = Entry(*row)
     seconds = None if e.compile_seconds is None else moment(e.compile_seconds, -1.0)
+    # (numbers no real cache has read as unknown, as the sums read them: a table 386 columns wide)
     e = replace(
         e,
-        bytes=whole(e.bytes),
-        files=whole(e.files),
+        bytes=_bounded(whole(e.bytes), MAX_BYTES),
+        files=_bounded(whole(e.files), MAX_BYTES),
         mtime=moment(e.mtime),
         first_seen=moment(e.first_seen),
         last_access=moment(e.last_access),
-        hit_count=whole(e.hit_count),
-        compile_seconds=seconds if seconds is not None and seconds >= 0 else None,
+        hit_count=_bounded(whole(e.hit_count), MAX_HITS),
+        compile_seconds=seconds if seconds is not None and 0 <= seconds < MAX_SECONDS else None,
         parse_state=whole(e.parse_state),
     )
     if pins:
@@ -1137,6 +1143,17 @@ class Store:
             for i, k, r, g, m, gu, un, tv in rows
         ]
 
+    def unread_graphs(self) -> list[tuple[str, str | None, str | None]]:
+        """(key, graph key, why it does not read) of each fxgraph entry of the cache that did
+        not parse, or (why None) is not parsed yet: what graph_entries leaves out."""
+        return [
+            (str(text(k)), text(g), None if c is None else str(text(c)))
+            for k, g, c in self._rows(
+                "SELECT key, graph_key, corrupt FROM entries WHERE cache_id = :cache AND kind = 'fxgraph' "
+                "AND (corrupt IS NOT NULL OR parse_state <> 0) ORDER BY mtime, id"
+            )
+        ]
+
     def component_sets(self, set_ids: Iterable[int], values: bool = True) -> dict[int, dict[str, Component]]:
         """set id -> {component name: (hash, value)}; without `values` the value is None (the
         graph code is one long value)."""
@@ -1145,7 +1162,8 @@ class Store:
         for set_id, name, h, value in self._chunked(
             f"SELECT set_id, name, hash, {column} FROM component_set_items WHERE {{in}}", "set_id", sorted(set(set_ids))
         ):
-            out.setdefault(set_id, {})[name] = (h, value)
+            # (as text: a BLOB or a number where a hand edit put one)
+            out.setdefault(set_id, {})[str(text(name))] = (str(text(h)), None if value is None else str(text(value)))
         return out
 
     # -- fleet: every cache of the index ------------------------------------------------------------
