@@ -569,6 +569,91 @@ def test_cache_dir_removed_while_running_then_back(tmp_path, start, cli_for, cpu
     assert d.stop() == 0
 
 
+def _new_entry(cache: Path, master: Path, n: int) -> str:
+    """A copy of an fxgraph entry of `master` under a graph key of its own (number `n`): its key."""
+    src = an_fxgraph(master)
+    rel = Path("fxgraph", "zz", f"fzz{n:049d}"[:52], src.name)
+    write_atomic(cache / rel, src.read_bytes())
+    return rel.as_posix()
+
+
+def test_a_failure_after_a_batch_does_not_end_the_indexing(tmp_path, start, cli_for, cpu_cache_master, db_url):
+    """Two entries sized 2**62 bytes (a hand edit; sparse files of 4 EiB on a tmpfs say the same):
+    the limit check after each batch summed them past int64, and the error ended the thread that
+    applies batches. The daemon ran on, and never indexed anything again."""
+    cache = tmp_path / "cache"
+    shutil.copytree(cpu_cache_master, cache)
+    cli = cli_for(cache, host=HOST)
+    d = start(cache, "--max-size", "1TiB")
+    with sqlite3.connect(db_url.removeprefix("sqlite:///")) as c:
+        c.execute("UPDATE entries SET bytes = 4611686018427387904 WHERE id IN (SELECT id FROM entries LIMIT 2)")
+    for n in range(3):  # each its own batch, each after a batch that checked the limits
+        key = _new_entry(cache, cpu_cache_master, n)
+        wait_until(lambda key=key: key in index_keys(cli), timeout=30)
+    assert "Traceback" not in d.logs() and d.stop() == 0
+
+
+def test_a_trash_folder_another_process_locks_does_not_stop_a_running_daemon(
+    tmp_path, start, cli_for, cpu_cache_master
+):
+    """Whoever may write to the cache could swap the trash folder for one of their own and lock
+    it: the daemon took that for a second daemon and stopped (exit 10). The state dir's locks
+    still keep one daemon per cache; it says so and goes on."""
+    import fcntl
+
+    cache = tmp_path / "cache"
+    shutil.copytree(cpu_cache_master, cache)
+    cli = cli_for(cache, host=HOST)
+    d = start(cache)
+    trash = cache / layout.TRASH_DIR
+    wait_until(lambda: trash.rmdir() is None if not any(trash.iterdir()) else False)  # (reads link through it)
+    trash.mkdir()
+    fd = os.open(trash, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        d.wait_log("cannot lock the new trash folder")
+        key = _new_entry(cache, cpu_cache_master, 1)
+        wait_until(lambda: key in index_keys(cli), timeout=30)
+        assert d.proc.poll() is None
+    finally:
+        os.close(fd)
+    assert d.stop() == 0
+
+
+def test_a_cache_dir_replaced_by_a_symlink_to_another_folder_is_not_indexed(tmp_path, start, cli_for, cpu_cache_master):
+    """The start refuses a folder that is no Inductor cache (a home dir by mistake); the root
+    swapped for a symlink to one while the daemon ran was watched, indexed and given a trash."""
+    cache = tmp_path / "cache"
+    shutil.copytree(cpu_cache_master, cache)
+    cli = cli_for(cache, host=HOST)
+    d = start(cache)
+    home = tmp_path / "home"
+    (home / "sub").mkdir(parents=True)
+    (home / "notes").write_text("mine")
+    (home / "sub" / "file.txt").write_text("mine too")
+    cache.rename(tmp_path / "moved")
+    cache.symlink_to(home)
+    d.wait_log("does not look like an Inductor cache directory")
+    time.sleep(2)  # (ticks of the loop, each checking the root)
+    assert sorted(p.name for p in home.iterdir()) == ["notes", "sub"]
+    assert not {"notes", "sub/file.txt"} & index_keys(cli) and d.proc.poll() is None
+    assert d.stop() == 0
+
+
+def test_a_reload_does_not_restart_the_scan_and_evict_intervals(tmp_path, start):
+    """Each SIGHUP rescheduled both jobs, restarting their intervals: config management that
+    reloads more often than the hourly rescan kept it from ever running."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    d = start(cache, "--scan-interval", "3s")
+    t = time.monotonic()
+    while time.monotonic() - t < 8:
+        d.proc.send_signal(signal.SIGHUP)
+        time.sleep(1)
+    assert d.logs().count("rescan (directories whose mtime moved)") >= 1, d.logs()
+    assert d.stop() == 0
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
 def test_unreadable_cache_dir_then_readable(tmp_path, start, cli_for):
     cache = tmp_path / "cache"

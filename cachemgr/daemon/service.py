@@ -68,6 +68,20 @@ def _exit_now(why: str) -> NoReturn:
     os._exit(0)
 
 
+def _check_usable(root: str) -> None:
+    """CacheDirError unless `root` is there, readable and an Inductor cache: checked at every
+    (re)start of watching, not only at start (the root replaced by a symlink to a home dir, or
+    a reload naming another folder, was watched and indexed)."""
+    from cachemgr.errors import UnsafePath
+    from cachemgr.evict.execute import refuse_foreign_root
+
+    check_root(root)
+    try:
+        refuse_foreign_root(root, "watch and evict it")
+    except UnsafePath as e:
+        raise CacheDirError(str(e)) from e
+
+
 def _opened(s: Settings) -> tuple[Database, int]:
     """The index of `s` (migrated; a named one is not made) and the id of its cache's row."""
     db = Database(s.db, create_folder=s.defaulted("db"))
@@ -456,8 +470,13 @@ class Daemon:
         """Watches, then a full reconcile. False (and a clear log line) when the root is not usable."""
         s = self.settings
         try:
-            check_root(s.cache_dir)
-            self.locks.hold(s.cache_dir, s.db, in_root=True)  # the lock inside it too (AlreadyRunning: we stop)
+            _check_usable(s.cache_dir)
+            try:
+                self.locks.hold(s.cache_dir, s.db, in_root=True)  # the lock inside it too
+            except AlreadyRunning:
+                if self.scheduler is None:
+                    raise  # at start: another daemon (exit 10)
+                log.error("cannot lock the trash folder of %s; watching it anyway", s.cache_dir)
             self.root_lost.clear()
             w = Watcher(
                 self.db,
@@ -502,8 +521,13 @@ class Daemon:
         """The start's full scan's result, waited for while no stop is asked: at a million files
         on a slow disk it takes minutes, and systemd would kill a daemon that did not stop."""
         scan.add_done_callback(lambda _f: self.wake.set())
+        period = systemd.watchdog_period()
+        next_ping = time.monotonic() + (period or 0)
         while not scan.done():
             self.wake.wait(1.0)
+            if period and time.monotonic() >= next_ping:  # the scan is the daemon's work: it is alive
+                systemd.notify("WATCHDOG=1")
+                next_ping = time.monotonic() + period
             if self.stopping:  # (a scan's transactions roll back when the process ends; the next start scans)
                 systemd.notify("STOPPING=1")
                 _exit_now("stop asked during the full scan at start")
@@ -647,14 +671,15 @@ class Daemon:
             return
         if self.watcher is not None and not self.watcher.parsed.is_set():
             return  # entries not read yet are never evicted: the parse step that reads the last ones checks
-        from sqlalchemy import func, select
+        from sqlalchemy import Float, cast, func, select
 
         from cachemgr.index.models import Entry
 
         t = Entry.__table__
         with self.db.engine.connect() as conn:
+            # (summed as floats: SQLite's integer SUM fails past int64, which sparse files reach)
             size, files = conn.execute(
-                select(func.coalesce(func.sum(t.c.bytes), 0), func.coalesce(func.sum(t.c.files), 0)).where(
+                select(*(func.coalesce(func.sum(cast(c, Float)), 0) for c in (t.c.bytes, t.c.files))).where(
                     t.c.cache_id == self.cache_id
                 )
             ).one()
@@ -682,13 +707,18 @@ class Daemon:
     def _supervise(self) -> None:
         root = self.settings.cache_dir
         try:
-            check_root(root)
+            _check_usable(root)
             problem = None
         except CacheDirError as e:
             problem = str(e)
         if self.watcher is not None:
             if problem is None and not self.root_lost.is_set():
-                self.locks.hold(root, self.settings.db, in_root=True)  # a trash folder made anew: lock it too
+                try:
+                    self.locks.hold(root, self.settings.db, in_root=True)  # a trash folder made anew: lock it too
+                except AlreadyRunning as e:
+                    # Someone who may write to the cache swapped the trash folder and locked it: the
+                    # state dir's locks still hold; a running daemon does not stop for it.
+                    self._problem(f"cannot lock the new trash folder: {e}")
                 return
             gone = problem is None or not os.path.exists(root)
             log.error(
@@ -782,9 +812,11 @@ class Daemon:
             self._start_watching()
         elif self.watcher is not None:
             self.watcher.debounce, self.watcher.max_wait = new.debounce, new.max_wait
-        if self.scheduler is not None:
-            self.scheduler.reschedule_job("evict", trigger="interval", seconds=new.evict_interval)
-            self.scheduler.reschedule_job("scan", trigger="interval", seconds=new.scan_interval)
+        if self.scheduler is not None:  # (rescheduling restarts the interval: only when it changed)
+            if "evict_interval" in changed:
+                self.scheduler.reschedule_job("evict", trigger="interval", seconds=new.evict_interval)
+            if "scan_interval" in changed:
+                self.scheduler.reschedule_job("scan", trigger="interval", seconds=new.scan_interval)
         self.last_trigger = -1e9
         if self.watcher is not None:
             self._check_limits()

@@ -253,7 +253,15 @@ class Watcher:
             )
         for key, reason in r.corrupt:
             log.warning("corrupt entry %s: %s", key, reason)
-        self.on_batch(r)
+        self._told(r)
+
+    def _told(self, result: object) -> None:
+        """`on_batch`, whose failure (an index that cannot sum, a scheduler gone) must not end
+        the consumer thread: every later event would be lost until a restart."""
+        try:
+            self.on_batch(result)
+        except Exception as e:  # noqa: BLE001
+            log.exception("after a batch: %s: %s", type(e).__name__, e)
 
     def _rescan_later(self) -> None:
         """The index missed changes (consumer thread): rescan in RETRY seconds, and again after
@@ -289,7 +297,7 @@ class Watcher:
             self.request_parse()  # more: after the batches queued meanwhile
         else:
             self.parsed.set()
-        self.on_batch(p)
+        self._told(p)
 
     def _scan(self, subtree: str, future: Future | None, full: bool = False, why: str = "") -> None:
         try:
@@ -333,7 +341,7 @@ class Watcher:
             self.request_parse()
         if future is not None:
             future.set_result(r)
-        self.on_batch(r)
+        self._told(r)
 
     # -- the watches -----------------------------------------------------------------------------
 

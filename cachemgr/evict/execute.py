@@ -38,7 +38,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import SupportsInt, cast
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Float, func, select, update
+from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from cachemgr import layout, safefs
@@ -456,8 +457,10 @@ def _collect(
 
 
 def remaining_bytes(db: Database, cache_id: int) -> int:
+    # (summed as floats: SQLite's integer SUM fails past int64, which a few sparse files of 4 EiB
+    # apparent size reach; to the byte below 2**53)
     with db.engine.connect() as conn:
         total = conn.execute(
-            select(func.coalesce(func.sum(ENTRIES.c.bytes), 0)).where(ENTRIES.c.cache_id == cache_id)
+            select(func.coalesce(func.sum(sql_cast(ENTRIES.c.bytes, Float)), 0)).where(ENTRIES.c.cache_id == cache_id)
         ).scalar()
-        return int(cast(SupportsInt, total))  # never NULL (coalesce): an int, or on PostgreSQL a Decimal
+        return int(cast(SupportsInt, total))  # never NULL (coalesce): a float, or on PostgreSQL a Decimal
