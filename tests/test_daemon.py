@@ -654,6 +654,49 @@ def test_a_reload_does_not_restart_the_scan_and_evict_intervals(tmp_path, start)
     assert d.stop() == 0
 
 
+def test_a_loop_of_reads_writes_a_bounded_number_of_events(tmp_path, start, cli_for, cpu_cache_master, db_url):
+    """Every read of an entry was an event row: a loop reading one wrote 12,000 rows a second, and
+    nothing ever deleted one. Its hit count takes every read; the events of a batch, 16 at most."""
+    cache = tmp_path / "cache"
+    shutil.copytree(cpu_cache_master, cache)
+    cli = cli_for(cache, host=HOST)
+    start(cache)
+    by_dir = {p.parent: p.relative_to(cache).as_posix() for p in sorted(cache.glob("fxgraph/*/*/*"))}
+    a, b = sorted(by_dir.values())[:2]  # (of two graph keys: a lookup counts the last entry of its key read)
+    for _ in range(1500):  # (alternating: the kernel merges a read event with one just like it)
+        for rel in (a, b):
+            with open(cache / rel, "rb") as f:
+                f.read(1)
+    wait_until(lambda: cli.json("show", a)["hit_count"] >= 1000, timeout=30)
+    time.sleep(1.5)  # (the last batch in)
+    hits = cli.json("show", a)["hit_count"]
+    with sqlite3.connect(db_url.removeprefix("sqlite:///")) as c:
+        (rows,) = c.execute("SELECT COUNT(*) FROM events WHERE kind = 'hit' AND entry_key = ?", (a,)).fetchone()
+    assert 0 < rows <= hits // 10, (rows, hits)
+
+
+def test_old_and_surplus_events_are_pruned(db_url, monkeypatch):
+    from cachemgr.index import live
+    from cachemgr.index.db import Database
+
+    monkeypatch.setattr(live, "MAX_EVENTS", 100)
+    db = Database(db_url)
+    try:
+        ours, other = db.cache_id("h", "/a"), db.cache_id("h", "/b")
+        now = time.time()
+        rows = [{"cache_id": c, "ts": ts, "kind": "hit"} for c in (ours, other) for ts in [now - 100 * 86400] * 5]
+        rows += [{"cache_id": c, "ts": now - 300 + i, "kind": "hit"} for c in (ours, other) for i in range(300)]
+        with db.engine.begin() as conn:
+            conn.execute(live.insert(live.EVENTS), rows)
+            live.prune_events(conn, ours, now)
+            left = conn.execute(live.select(live.EVENTS.c.cache_id, live.EVENTS.c.ts)).all()
+    finally:
+        db.close()
+    mine = sorted(ts for c, ts in left if c == ours)
+    assert mine == [now - 100 + i for i in range(100)]  # the newest 100, none 100 days old
+    assert sum(c == other for c, _ in left) == 305  # another cache's are its own
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
 def test_unreadable_cache_dir_then_readable(tmp_path, start, cli_for):
     cache = tmp_path / "cache"

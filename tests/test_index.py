@@ -1245,3 +1245,29 @@ def test_a_batch_of_graphs_whose_worker_is_killed_blames_only_the_entry_that_too
     corrupt = dict(result.corrupt)
     assert list(corrupt) == ["fxgraph/zz/f" + "z" * 51 + "/" + "s" * 51], corrupt
     assert "took longer than 1 s" in next(iter(corrupt.values()))
+
+
+def test_a_batch_of_many_code_entries_lists_their_folder_once(tmp_path, db_url, monkeypatch):
+    """The daemon's batch listed a module's <2ch>/ folder for every code entry in it: 20,000 new
+    modules of one folder (a flood, or a workload's burst) were applied at 75 a second, and the
+    rescan an overflow asked for waited behind them."""
+    from cachemgr import safefs
+    from cachemgr.index import live
+    from cachemgr.index.db import Database
+
+    root = tmp_path / "cache"
+    folder = root / "zo"
+    folder.mkdir(parents=True)
+    stems = [f"czo{i:049d}" for i in range(300)]
+    for s in stems:
+        (folder / f"{s}.py").write_text("# a module\n")
+    listed: list[str] = []
+    real = safefs.Root.listdir
+    monkeypatch.setattr(safefs.Root, "listdir", lambda self, p=".": listed.append(p) or real(self, p))
+    db = Database(db_url)
+    try:
+        r = live.apply_batch(db, db.cache_id("h", str(root)), str(root), paths=[f"zo/{s}.py" for s in stems])
+    finally:
+        db.close()
+    assert sorted(r.added) == sorted(f"zo/{s}" for s in stems)
+    assert listed.count("zo") == 1, len(listed)

@@ -644,6 +644,13 @@ class Daemon:
         )
         if self.metrics is not None:
             self.metrics.scanned(r.seconds)
+        from cachemgr.index.live import prune_events
+
+        try:
+            with self.db.engine.begin() as conn:  # (evictions' and compiles' events age out too)
+                prune_events(conn, self.cache_id, time.time())
+        except Exception as e:  # noqa: BLE001 - kept events are no failure of the scan
+            log.error("pruning old events failed: %s", e)
 
     def _spool_job(self) -> None:
         """Move the shapes cachemgr.record spooled into the index (the workload never waits on it)."""

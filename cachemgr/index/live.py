@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import Row, bindparam, insert, select, update
+from sqlalchemy import Row, bindparam, delete, insert, select, update
 
 from cachemgr import layout, safefs
 from cachemgr.index.db import Database
@@ -39,6 +39,13 @@ from cachemgr.vocab import Kind
 
 EVENTS = Event.__table__
 GUARDED = (Kind.FXGRAPH, Kind.AOTAUTOGRAD)  # kinds whose lookups try candidates in order
+# The events table stays bounded whatever reads the cache sees (a loop reading one entry wrote
+# 12,000 rows a second, 3 MB a second, for as long as it ran): at most HIT_EVENTS 'hit' events per
+# entry per batch (its hit_count takes every read), and, kept per cache, the newest MAX_EVENTS
+# events of the last EVENTS_KEPT seconds (`stats --window`, `explain --since` read them).
+HIT_EVENTS = 16
+MAX_EVENTS = 200_000
+EVENTS_KEPT = 90 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,8 @@ def _apply_batch(
     with safefs.Root(root) as r:
         mounts = frozenset(layout.key_of(m) for m in safefs.mounts_below(r))  # (not the cache's: as gone)
         shown = (c for k, c in classified.items() if not (mounts and safefs.at_or_below_a_mount(k, mounts)))
-        disk = {c.key: d for c in shown if (d := layout.stat_entry(r, c, mounts)) is not None}
+        folders: dict[str, dict[str, list[str]]] = {}  # (each <2ch>/ folder listed once a batch)
+        disk = {c.key: d for c in shown if (d := layout.stat_entry(r, c, mounts, folders)) is not None}
         for sub in subtrees:
             # A kernel directory whose files were listed is stat'ed already. Any other name that
             # came as a file and a directory both (a folder swapped with a symlink, and back) is
@@ -181,8 +189,23 @@ def _write_hits(conn, cache_id: int, hits: dict[str, int], now: float) -> dict[s
         }
         for k, r in rows.items()
         if r.kind == "fxgraph"
-        for _ in range(hits[k])
+        for _ in range(min(hits[k], HIT_EVENTS))
     ]
     if events:
         conn.execute(insert(EVENTS), events)
+        prune_events(conn, cache_id, now)
     return {k: hits[k] for k in rows}
+
+
+def prune_events(conn, cache_id: int, now: float) -> None:
+    """Delete the cache's events older than EVENTS_KEPT, and all but its newest MAX_EVENTS."""
+    conn.execute(delete(EVENTS).where(EVENTS.c.cache_id == cache_id, EVENTS.c.ts < now - EVENTS_KEPT))
+    last_kept = conn.execute(
+        select(EVENTS.c.id)
+        .where(EVENTS.c.cache_id == cache_id)
+        .order_by(EVENTS.c.id.desc())
+        .offset(MAX_EVENTS - 1)
+        .limit(1)
+    ).scalar()
+    if last_kept is not None:
+        conn.execute(delete(EVENTS).where(EVENTS.c.cache_id == cache_id, EVENTS.c.id < last_kept))
