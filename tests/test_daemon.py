@@ -697,6 +697,44 @@ def test_old_and_surplus_events_are_pruned(db_url, monkeypatch):
     assert sum(c == other for c, _ in left) == 305  # another cache's are its own
 
 
+def test_idle_connections_to_the_metrics_port_take_a_bounded_share_of_the_daemon(
+    tmp_path, start, cli_for, cpu_cache_master
+):
+    """A connection that sends half a request held a thread and a descriptor of the daemon for as
+    long as its client liked: 1,100 of them took it past 1,024 descriptors, and batches failed.
+    Now at most MAX_CONNECTIONS are served at once, each for REQUEST_SECONDS."""
+    from cachemgr.daemon.metrics import MAX_CONNECTIONS
+
+    cache = tmp_path / "cache"
+    shutil.copytree(cpu_cache_master, cache)
+    cli = cli_for(cache, host=HOST)
+    port = free_port()
+    d = start(cache, "--metrics", str(port))
+    d.wait_log(f"metrics on http://127.0.0.1:{port}/metrics")
+    fds = lambda: len(os.listdir(f"/proc/{d.proc.pid}/fd"))  # noqa: E731
+    before = fds()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+    try:
+        for c in idle:
+            c.sendall(b"GET /metr")
+        time.sleep(1)
+        assert fds() <= before + MAX_CONNECTIONS + 4
+        key = _new_entry(cache, cpu_cache_master, 1)
+        wait_until(lambda: key in index_keys(cli), timeout=30)
+    finally:
+        for c in idle:
+            c.close()
+
+    def scraped() -> bool:
+        try:
+            return b"cachemgr_" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        except OSError:
+            return False
+
+    wait_until(scraped, timeout=30, step=0.5)
+    assert d.stop() == 0
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
 def test_unreadable_cache_dir_then_readable(tmp_path, start, cli_for):
     cache = tmp_path / "cache"

@@ -340,9 +340,12 @@ class TreeWatcher:
             rel = f"{parent.rel()}/{name}" if parent.parent is not None else name
             wd = self.ino.watch_dir(self.root, rel, TREE_MASK, at=at)
         except OSError as e:
-            if e.errno == errno.ENOSPC:
+            if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.ELOOP):
+                # (out of watches; or of descriptors or memory, for a while: the next resync, which
+                # a rescan after a failed batch runs while any is unwatched, watches it)
                 self.unwatched += 1
-                self.on_limit()
+                if e.errno == errno.ENOSPC:
+                    self.on_limit()
             return None  # gone already, not a directory (any more), or not readable
         child = self.by_wd.get(wd)
         if child is not None and parent.children and parent.children.get(name) is child:

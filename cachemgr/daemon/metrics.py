@@ -10,11 +10,14 @@ the Store's totals. Eviction figures come from the eviction job's results.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from cachemgr import explain
@@ -26,6 +29,53 @@ if TYPE_CHECKING:
 log = logging.getLogger("cachemgr.metrics")
 
 COMPILE_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
+
+
+# prometheus_client's own server keeps a thread, and a descriptor, per connection for as long as
+# the client likes: 1,100 idle connections took the daemon past its 1,024 descriptors (no batch
+# applied, no directory watched). Here a request must come within REQUEST_SECONDS, and past
+# MAX_CONNECTIONS at once a new connection is closed unanswered.
+REQUEST_SECONDS = 10
+MAX_CONNECTIONS = 32
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = REQUEST_SECONDS  # (each read and write of the connection)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # (a scrape a line in the daemon's log: no)
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kw)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)  # (busy: closed, the scraper tries again next interval)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def _server(host: str, port: int, app: Any) -> _Server:
+    """A WSGI server for `app` on host:port (IPv4 or IPv6, as the host's address is)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("_MetricsServer", (_Server,), {"address_family": family})
+    server: _Server = make_server(host, port, app, server_class, _Handler)
+    return server
 
 
 class Metrics:
@@ -57,7 +107,8 @@ class Metrics:
 
     def serve(self, address: str) -> None:
         host, _, port = address.rpartition(":")
-        self.server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+        self.server = _server(host.strip("[]"), int(port), make_wsgi_app(self.registry))
+        threading.Thread(target=self.server.serve_forever, name="cachemgr-metrics", daemon=True).start()
         log.info("metrics on http://%s/metrics", address)
 
     def close(self) -> None:

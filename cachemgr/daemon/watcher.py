@@ -184,7 +184,9 @@ class Watcher:
                 self._scan("", None, why="after lost events")
                 continue
             if item[0] == "retry":
-                self._walked = True  # (the watches are whole: what failed was the index)
+                # (what failed was the index; the watches are whole unless some directory got none:
+                # descriptors ran out, say, which failed the batch too)
+                self._walked = self.tree is None or self.tree.unwatched == 0
                 self._scan("", None, why="after a failed batch")
                 continue
             paths: set[str] = set()
