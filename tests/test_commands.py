@@ -62,3 +62,37 @@ def test_help_fits_80_columns_and_says_the_exit_codes():
     coded = ("scan", "stats", "ls", "show", "evict", "purge", "pin", "unpin", "check", "diff", "explain")
     for name in (*coded, "daemon", "prewarm", "export", "import"):
         assert "\n  Exit codes:\n      0 " in helps[f"cachemgr {name}"], name
+
+
+def test_wide_characters_are_cut_and_padded_by_the_columns_they_take(tmp_path):
+    """A CJK path took two columns a character, counted as one: `stats` and `show` lines ran to
+    89 and 133 columns. `config show` padded every value to the longest (a long cache dir: every
+    line 226 columns wide)."""
+    from cachemgr.cli.common import cells, fields_block, short
+
+    wide = "缓存目录" * 12
+    assert cells(short(wide, 20)) == 20 and cells(short("x" * 30, 20)) == 20 and short("abc", 20) == "abc"
+    import os
+
+    os.environ["COLUMNS"] = "80"
+    try:
+        lines = fields_block([("cache", "/tmp/" + wide), ("index", "/tmp/index.db")])
+    finally:
+        del os.environ["COLUMNS"]
+    assert max(map(cells, lines)) <= 80, lines
+    long_dir = tmp_path / ("d" * 150)
+    out = subprocess.run(
+        [sys.executable, "-m", "cachemgr", "--config", "/dev/null", "--cache-dir", str(long_dir), "config", "show"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines()[1:] if len(line.split()[1]) <= 40]  # (those with a short value)
+    assert len(rows) > 10 and max(map(len, rows)) <= 80, out.stdout
+
+
+def test_an_entry_too_large_for_a_parse_worker_says_so():
+    from cachemgr.index.describe import unreadable
+
+    assert unreadable(MemoryError()).row["corrupt"] == "cannot be read: out of memory (a parse worker may take 512 MiB)"

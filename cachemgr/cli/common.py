@@ -379,14 +379,12 @@ def fields_block(pairs: Sequence[tuple[str, Any]], wrap: bool = True, whole: Seq
     width = terminal_width() if wrap else None
     out = []
     for k, v in pairs:
-        if width is None or len(v) + pad <= width:
+        if width is None or cells(v) + pad <= width:
             out.append(f"{k:<{pad}}{v}")
             continue
         room = max(10, width - pad)
         if k not in whole:
-            v = " ".join(
-                w if len(w) <= room else w[: room // 2 - 1] + "…" + w[-(room - room // 2) :] for w in v.split(" ")
-            )
+            v = " ".join(w if cells(w) <= room else _middle_out(w, room) for w in v.split(" "))
         out.extend(
             textwrap.wrap(
                 v,
@@ -399,6 +397,16 @@ def fields_block(pairs: Sequence[tuple[str, Any]], wrap: bool = True, whole: Seq
             or [k]
         )
     return out
+
+
+def _middle_out(word: str, room: int) -> str:
+    """`word` (a path) in `room` columns: its start and end, an ellipsis for its middle."""
+    if word.isascii():
+        return word[: room // 2 - 1] + "…" + word[-(room - room // 2) :]
+    from rich.cells import set_cell_size
+
+    tail = set_cell_size(word[::-1], room - room // 2)[::-1]
+    return set_cell_size(word, room // 2 - 1) + "…" + tail
 
 
 def say(text: str, err: bool = False) -> None:
@@ -441,10 +449,25 @@ def seconds(s: float | None) -> str:
 
 
 def short(text: str | None, width: int | None) -> str:
-    """`text` cut to `width` characters with an ellipsis (whole when width is None)."""
+    """`text` cut to `width` columns with an ellipsis (whole when width is None)."""
     if not text:
         return ""
-    return text if width is None or len(text) <= width else text[: width - 1] + "…"
+    if width is None or cells(text) <= width:
+        return text
+    if text.isascii():
+        return text[: width - 1] + "…"
+    from rich.cells import set_cell_size
+
+    return set_cell_size(text, width - 1) + "…"
+
+
+def cells(text: str) -> int:
+    """Columns `text` takes on a terminal (a CJK character takes two)."""
+    if text.isascii():
+        return len(text)
+    from rich.cells import cell_len
+
+    return cell_len(text)
 
 
 def ingest_spool(app) -> None:

@@ -61,6 +61,7 @@ def config_group() -> None:
 @config_group.command(name="show")
 @json_option
 @pass_app
+@exit_codes(0, (2, "a bad variable or config value (named)"))
 def config_show(app, as_json: bool) -> None:
     """Print every option's effective value and where it came from.
 
@@ -91,7 +92,10 @@ def config_show(app, as_json: bool) -> None:
     # plain aligned lines, never wrapped: paths and URLs are long and this output gets grepped
     click.echo(f"# config file: {s.config_file or 'none'}")
     shown = {k: clean(_show(v, BY_NAME[k].unit)) for k, v in values.items()}  # (a config file's text: escaped)
-    width = max(map(len, shown.values()))
+    # values padded to a column that fits 80 with the sources: a longer one (a path) goes past it
+    # on its own line only, not every line with it
+    room = 80 - 16 - 2 - max(len(s.sources[k]) for k in shown)
+    width = max((len(v) for v in shown.values() if len(v) <= room), default=0)
     for k, v in shown.items():
         click.echo(f"{k:<15} {v:<{width}}  {s.sources[k]}")
 

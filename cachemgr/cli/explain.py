@@ -18,6 +18,7 @@ from cachemgr.cli.common import (
     model_option,
     pass_app,
     plural,
+    say,
     short,
     text_width,
 )
@@ -132,7 +133,7 @@ def diff_cmd(app, key_a: str, key_b: str, as_json: bool) -> None:
         ):
             click.echo(line)
     elif d.same:
-        click.echo("same hash components: the two entries are one key compiled for different guard sets")
+        say("same hash components: the two entries are one key compiled for different guard sets")
         return
     else:
         click.echo(_counts(d))

@@ -37,6 +37,15 @@ class Described:
     parts: Parts
 
 
+def unreadable(e: Exception) -> Described:
+    """An entry whose reading raised `e`: corrupt, saying why."""
+    if isinstance(e, MemoryError):  # (its message is empty)
+        from cachemgr.index.workers import failure
+
+        return failed(f"cannot be read: {failure('MemoryError')}")
+    return failed(parse.clean(f"cannot be read: {type(e).__name__}: {e}", 300))
+
+
 def failed(why: str) -> Described:
     return Described({"alias": None, "corrupt": why}, [], {})
 
@@ -116,7 +125,7 @@ class Describer:
         try:
             return self.describe(root, job.kind, job.key, job.ref)
         except Exception as e:  # noqa: BLE001 - one entry's problem is that entry's, never the scan's
-            return failed(parse.clean(f"cannot be read: {type(e).__name__}: {e}", 300))
+            return unreadable(e)
         finally:
             root.forget()  # directories may be replaced before the next job: no stale descriptors
 
@@ -265,7 +274,7 @@ def describe_all(
                         try:
                             done(d.key, describer.describe(r, d.kind, d.key, d.ref))
                         except Exception as e:  # noqa: BLE001 - never the scan's problem
-                            done(d.key, failed(parse.clean(f"cannot be read: {type(e).__name__}: {e}", 300)))
+                            done(d.key, unreadable(e))
             except OSError as e:
                 for d in light:
                     done(d.key, failed(f"unreadable: {e.strerror}"))
