@@ -666,7 +666,12 @@ class Store:
             if math.isfinite(hi):
                 newest = hi if newest is None else max(newest, hi)
         pending = int(self._scalar("SELECT COUNT(*) FROM entries WHERE cache_id = :cache AND parse_state > 0") or 0)
-        corrupt = int(self._scalar("SELECT COUNT(*) FROM entries WHERE cache_id = :cache AND corrupt IS NOT NULL") or 0)
+        # (`+cache_id`: SQLite, with no statistics, took the (cache_id, parse_state) index and
+        # read every row of the cache: 45 ms of `stats`'s 200 at a million files. So it reads
+        # the partial index of corrupt entries, which holds a few rows.)
+        corrupt = int(
+            self._scalar("SELECT COUNT(*) FROM entries WHERE +cache_id = :cache AND corrupt IS NOT NULL") or 0
+        )
         pins = int(self._scalar("SELECT COUNT(*) FROM pins WHERE cache_id = :cache") or 0)
         c = self.cache_row()
         return Totals(
