@@ -593,12 +593,13 @@ def test_a_failure_after_a_batch_does_not_end_the_indexing(tmp_path, start, cli_
     assert "Traceback" not in d.logs() and d.stop() == 0
 
 
-def test_a_trash_folder_another_process_locks_does_not_stop_a_running_daemon(
+def test_a_trash_folder_another_process_locks_pauses_the_daemon_until_it_lets_go(
     tmp_path, start, cli_for, cpu_cache_master
 ):
     """Whoever may write to the cache could swap the trash folder for one of their own and lock
-    it: the daemon took that for a second daemon and stopped (exit 10). The state dir's locks
-    still keep one daemon per cache; it says so and goes on."""
+    it: the daemon took that for a second daemon and stopped (exit 10), for good. It now waits,
+    neither watching nor evicting, while another process holds it (a second daemon with another
+    state dir, which would otherwise serve the cache beside it), and goes on once it lets go."""
     import fcntl
 
     cache = tmp_path / "cache"
@@ -611,13 +612,30 @@ def test_a_trash_folder_another_process_locks_does_not_stop_a_running_daemon(
     fd = os.open(trash, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        d.wait_log("cannot lock the new trash folder")
+        d.wait_log("it holds the cache's trash folder; index kept, watching stopped")
         key = _new_entry(cache, cpu_cache_master, 1)
-        wait_until(lambda: key in index_keys(cli), timeout=30)
-        assert d.proc.poll() is None
+        time.sleep(2)
+        assert key not in index_keys(cli) and d.proc.poll() is None
     finally:
         os.close(fd)
+    d.wait_log("is usable again")
+    wait_until(lambda: key in index_keys(cli), timeout=30)
     assert d.stop() == 0
+
+
+def test_a_stray_file_at_the_top_of_the_cache_does_not_stop_the_watch(tmp_path, start, cli_for, cpu_cache_master):
+    """The root was checked for Inductor's folders every second: one `touch` there stopped the
+    watch (reads unrecorded meanwhile) and its removal forced a full rescan. The directory being
+    watched is checked once; eviction checks it again before it deletes."""
+    cache = tmp_path / "cache"
+    shutil.copytree(cpu_cache_master, cache)
+    cli = cli_for(cache, host=HOST)
+    d = start(cache)
+    (cache / "notes.txt").write_text("someone's")
+    time.sleep(2)
+    key = _new_entry(cache, cpu_cache_master, 1)
+    wait_until(lambda: key in index_keys(cli), timeout=30)
+    assert "watching stopped" not in d.logs() and d.stop() == 0
 
 
 def test_a_cache_dir_replaced_by_a_symlink_to_another_folder_is_not_indexed(tmp_path, start, cli_for, cpu_cache_master):
@@ -733,6 +751,46 @@ def test_idle_connections_to_the_metrics_port_take_a_bounded_share_of_the_daemon
 
     wait_until(scraped, timeout=30, step=0.5)
     assert d.stop() == 0
+
+
+def test_a_client_that_trickles_its_request_holds_a_metrics_slot_for_a_while_only(tmp_path, start):
+    """The timeout was per read: a client sending a byte every 2 s kept its slot for as long as it
+    liked, and 32 of them kept every scrape out. A connection is now served for 10 s at most; and
+    a failed one is a debug line, not a traceback on stderr."""
+    import threading
+
+    from cachemgr.daemon.metrics import MAX_CONNECTIONS, REQUEST_SECONDS
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    port = free_port()
+    d = start(cache, "--metrics", str(port))
+    d.wait_log(f"metrics on http://127.0.0.1:{port}/metrics")
+    slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS)]
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(2):
+            for c in slow:
+                with contextlib.suppress(OSError):
+                    c.send(b"G")
+
+    def scraped() -> bool:
+        try:
+            return b"cachemgr_" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        except OSError:
+            return False
+
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        time.sleep(1)
+        assert not scraped()  # (every slot taken)
+        wait_until(scraped, timeout=REQUEST_SECONDS + 20, step=0.5)
+    finally:
+        stop.set()
+        for c in slow:
+            c.close()
+    assert "Traceback" not in d.logs() and d.stop() == 0
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")

@@ -94,7 +94,7 @@ def config_show(app, as_json: bool) -> None:
     shown = {k: clean(_show(v, BY_NAME[k].unit)) for k, v in values.items()}  # (a config file's text: escaped)
     # values padded to a column that fits 80 with the sources: a longer one (a path) goes past it
     # on its own line only, not every line with it
-    room = 80 - 16 - 2 - max(len(s.sources[k]) for k in shown)
+    room = max(24, 80 - 16 - 2 - max(len(s.sources[k]) for k in shown))
     width = max((len(v) for v in shown.values() if len(v) <= room), default=0)
     for k, v in shown.items():
         click.echo(f"{k:<15} {v:<{width}}  {s.sources[k]}")

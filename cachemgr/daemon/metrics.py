@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 from socketserver import ThreadingMixIn
@@ -33,14 +34,15 @@ COMPILE_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
 
 # prometheus_client's own server keeps a thread, and a descriptor, per connection for as long as
 # the client likes: 1,100 idle connections took the daemon past its 1,024 descriptors (no batch
-# applied, no directory watched). Here a request must come within REQUEST_SECONDS, and past
-# MAX_CONNECTIONS at once a new connection is closed unanswered.
+# applied, no directory watched). Here a connection is served for REQUEST_SECONDS at most (a
+# byte every few seconds keeps no slot), and past MAX_CONNECTIONS at once a new one is closed
+# unanswered.
 REQUEST_SECONDS = 10
 MAX_CONNECTIONS = 32
 
 
 class _Handler(WSGIRequestHandler):
-    timeout = REQUEST_SECONDS  # (each read and write of the connection)
+    timeout = REQUEST_SECONDS  # (each read and write; the connection's whole time: _Server)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # (a scrape a line in the daemon's log: no)
@@ -64,10 +66,24 @@ class _Server(ThreadingMixIn, WSGIServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        deadline = threading.Timer(REQUEST_SECONDS, _hang_up, (request,))
+        deadline.start()
         try:
             super().process_request_thread(request, client_address)
         finally:
+            deadline.cancel()
             self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # (a client that hung up, or was hung up on: one debug line, not a traceback on stderr)
+        log.debug("metrics: a connection from %s failed: %s", client_address, sys.exc_info()[1])
+
+
+def _hang_up(request: socket.socket) -> None:
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # closed already
 
 
 def _server(host: str, port: int, app: Any) -> _Server:

@@ -82,6 +82,11 @@ def _check_usable(root: str) -> None:
         raise CacheDirError(str(e)) from e
 
 
+def _identity(root: str) -> tuple[int, int, int]:
+    st = os.stat(root)  # (a root that is a symlink: the directory it names)
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
 def _opened(s: Settings) -> tuple[Database, int]:
     """The index of `s` (migrated; a named one is not made) and the id of its cache's row."""
     db = Database(s.db, create_folder=s.defaulted("db"))
@@ -351,6 +356,10 @@ class Daemon:
         self.wake = Waker()
         self.stopping = self.reload_asked = False
         self.root_lost = threading.Event()
+        # The root as it was last checked to be an Inductor cache ((device, inode, mtime) and the
+        # refusal, or None): that check lists its folders, a second at a million files, so it runs
+        # again only for another directory (or, while not watching, one changed since).
+        self.root_checked: tuple[tuple[int, int, int], str | None] | None = None
         self.settings: Settings  # set by run() before anything reads it
         self.db: Database  # opened by run() (migrated) before anything reads it
         self.cache_id = 0
@@ -471,12 +480,15 @@ class Daemon:
         s = self.settings
         try:
             _check_usable(s.cache_dir)
+            self.root_checked = (_identity(s.cache_dir), None)
             try:
                 self.locks.hold(s.cache_dir, s.db, in_root=True)  # the lock inside it too
-            except AlreadyRunning:
+            except AlreadyRunning as e:
                 if self.scheduler is None:
                     raise  # at start: another daemon (exit 10)
-                log.error("cannot lock the trash folder of %s; watching it anyway", s.cache_dir)
+                # (a daemon of another state dir, or whoever swapped the trash folder and locked
+                # it: not watched, nor evicted, while it holds it; tried again every tick)
+                raise CacheDirError(f"{e}: it holds the cache's trash folder") from e
             self.root_lost.clear()
             w = Watcher(
                 self.db,
@@ -512,6 +524,9 @@ class Daemon:
             self.watcher = w
         except CacheDirError as e:
             self._problem(f"{e}; waiting for it (checked every second)")
+            return False
+        except OSError as e:  # (out of descriptors, say)
+            self._problem(f"cannot watch {s.cache_dir} now: {e.strerror or e}; trying again every second")
             return False
         self.last_problem = None
         self._check_limits()
@@ -714,19 +729,17 @@ class Daemon:
     def _supervise(self) -> None:
         root = self.settings.cache_dir
         try:
-            _check_usable(root)
-            problem = None
-        except CacheDirError as e:
-            problem = str(e)
+            problem = self._root_problem(root)
+        except OSError as e:  # (out of descriptors, say: the next tick looks again)
+            log.warning("cannot check %s now: %s", root, e.strerror or e)
+            return
         if self.watcher is not None:
             if problem is None and not self.root_lost.is_set():
                 try:
                     self.locks.hold(root, self.settings.db, in_root=True)  # a trash folder made anew: lock it too
-                except AlreadyRunning as e:
-                    # Someone who may write to the cache swapped the trash folder and locked it: the
-                    # state dir's locks still hold; a running daemon does not stop for it.
-                    self._problem(f"cannot lock the new trash folder: {e}")
-                return
+                    return
+                except AlreadyRunning as e:  # another process holds the new one: one daemon per cache
+                    problem = f"{e}: it holds the cache's trash folder"
             gone = problem is None or not os.path.exists(root)
             log.error(
                 "%s; index kept, watching stopped until it is back",
@@ -742,6 +755,31 @@ class Daemon:
         log.info("cache directory %s is usable again: reconciling and watching", root)
         if self._start_watching():
             systemd.notify(f"STATUS={self._status()}")
+
+    def _root_problem(self, root: str) -> str | None:
+        """Why the root cannot be watched now (missing, unreadable, replaced by what is no
+        Inductor cache), or None. The directory being watched is not checked for Inductor's
+        folders again (one stray file would stop the watch; eviction checks before it deletes);
+        another one (a symlink swapped in, the root made anew), or one that changed while none
+        was watched, is."""
+        try:
+            check_root(root)
+            ident = _identity(root)
+        except CacheDirError as e:
+            return str(e)
+        checked = self.root_checked
+        same = checked is not None and (
+            ident[:2] == checked[0][:2] if self.watcher is not None else ident == checked[0]
+        )
+        if not same:
+            try:
+                _check_usable(root)
+                refusal = None
+            except CacheDirError as e:
+                refusal = str(e)
+            self.root_checked = checked = (ident, refusal)
+        assert checked is not None
+        return checked[1]
 
     def _problem(self, message: str) -> None:
         if message != self.last_problem:  # once per problem, not once per tick
