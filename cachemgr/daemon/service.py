@@ -18,6 +18,7 @@ the lock.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import faulthandler
@@ -389,6 +390,8 @@ class Daemon:
 
         refuse_foreign_root(s.cache_dir, "watch and evict it")  # `/` or a home dir by mistake: never walked
         self.locks.hold(s.cache_dir, s.db, in_root=True)  # an Inductor cache: the lock inside it (other users)
+        with contextlib.suppress(OSError):  # (a root missing at start is waited for)
+            self.root_checked = (_identity(s.cache_dir), None)  # (checked just now: not again before the watch)
         log.info(
             "starting: cache %s, index %s, max_size %s, evict every %gs, full scan every %gs",
             s.cache_dir,
@@ -479,8 +482,9 @@ class Daemon:
         """Watches, then a full reconcile. False (and a clear log line) when the root is not usable."""
         s = self.settings
         try:
-            _check_usable(s.cache_dir)
-            self.root_checked = (_identity(s.cache_dir), None)
+            problem = self._root_problem(s.cache_dir)  # (the folder check: not again for the same, unchanged)
+            if problem is not None:
+                raise CacheDirError(problem)
             try:
                 self.locks.hold(s.cache_dir, s.db, in_root=True)  # the lock inside it too
             except AlreadyRunning as e:
