@@ -70,16 +70,24 @@ def test_wide_characters_are_cut_and_padded_by_the_columns_they_take(tmp_path):
     line 226 columns wide)."""
     from cachemgr.cli.common import cells, fields_block, short
 
-    wide = "缓存目录" * 12
-    assert cells(short(wide, 20)) == 20 and cells(short("x" * 30, 20)) == 20 and short("abc", 20) == "abc"
+    wide, mid = "缓存目录" * 12, "缓存目录" * 6  # (96 and 48 columns)
+    assert 19 <= cells(short(wide, 20)) <= 20 and cells(short("x" * 30, 20)) == 20 and short("abc", 20) == "abc"
     import os
+
+    from click.testing import CliRunner
+
+    from cachemgr.cli.common import say
 
     os.environ["COLUMNS"] = "80"
     try:
-        lines = fields_block([("cache", "/tmp/" + wide), ("index", "/tmp/index.db")])
+        lines = fields_block([("cache", f"/tmp/{wide} and then {wide}"), ("index", "/tmp/index.db")])
+        with CliRunner().isolation() as (out, _, _):
+            say(f"cachemgr: warning: cannot read {mid}/ under /tmp/{mid}: its entries are kept as last indexed")
+            said = out.getvalue().decode().splitlines()
     finally:
         del os.environ["COLUMNS"]
-    assert max(map(cells, lines)) <= 80, lines
+    assert max(map(cells, lines)) <= 80 and len(lines) == 4, lines
+    assert len(said) > 1 and max(map(cells, said)) <= 80 and "".join(said).count(mid) == 2, said
     long_dir = tmp_path / ("d" * 150)
     out = subprocess.run(
         [sys.executable, "-m", "cachemgr", "--config", "/dev/null", "--cache-dir", str(long_dir), "config", "show"],

@@ -370,8 +370,6 @@ def fields_block(pairs: Sequence[tuple[str, Any]], wrap: bool = True, whole: Seq
     """'label   value' lines, labels aligned (empty values left out). To fit the terminal a long
     value wraps under its column, and a word too long for a line (a path) loses its middle;
     the values of the labels in `whole` (keys) are never cut."""
-    import textwrap
-
     pairs = [(k, clean(v)) for k, v in pairs if v not in (None, "")]
     if not pairs:
         return []
@@ -385,17 +383,7 @@ def fields_block(pairs: Sequence[tuple[str, Any]], wrap: bool = True, whole: Seq
         room = max(10, width - pad)
         if k not in whole:
             v = " ".join(w if cells(w) <= room else _middle_out(w, room) for w in v.split(" "))
-        out.extend(
-            textwrap.wrap(
-                v,
-                pad + room,
-                initial_indent=f"{k:<{pad}}",
-                subsequent_indent=" " * pad,
-                break_on_hyphens=False,
-                break_long_words=False,
-            )
-            or [k]
-        )
+        out.extend(wrap_lines(v, pad + room, initial_indent=f"{k:<{pad}}", subsequent_indent=" " * pad) or [k])
     return out
 
 
@@ -405,20 +393,48 @@ def _middle_out(word: str, room: int) -> str:
         return word[: room // 2 - 1] + "…" + word[-(room - room // 2) :]
     from rich.cells import set_cell_size
 
-    tail = set_cell_size(word[::-1], room - room // 2)[::-1]
-    return set_cell_size(word, room // 2 - 1) + "…" + tail
+    # (set_cell_size pads with a space where it splits a wide character: not kept, or the word
+    # would be two to a wrapper)
+    tail = set_cell_size(word[::-1], room - room // 2).rstrip(" ")[::-1]
+    return set_cell_size(word, room // 2 - 1).rstrip(" ") + "…" + tail
 
 
 def say(text: str, err: bool = False) -> None:
     """A line of prose, wrapped to fit the terminal (whole when piped, for grep)."""
-    import textwrap
-
     width = terminal_width()
-    if width is None or len(text) <= width:
+    if width is None or cells(text) <= width:
         click.echo(text, err=err)
         return
-    for line in textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False):
+    for line in wrap_lines(text, width, subsequent_indent="  "):
         click.echo(line, err=err)
+
+
+def wrap_lines(text: str, width: int, initial_indent: str = "", subsequent_indent: str = "") -> list[str]:
+    """textwrap.wrap's lines (words kept whole, hyphens too), measured in the columns they take:
+    a CJK character takes two."""
+    if (text + initial_indent + subsequent_indent).isascii():
+        import textwrap
+
+        return textwrap.wrap(
+            text,
+            width,
+            initial_indent=initial_indent,
+            subsequent_indent=subsequent_indent,
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+    lines: list[str] = []
+    line, used, empty = initial_indent, cells(initial_indent), True
+    for word in text.split():
+        if not empty and used + 1 + cells(word) > width:
+            lines.append(line)
+            line, used, empty = subsequent_indent, cells(subsequent_indent), True
+        if not empty:
+            line, used = line + " ", used + 1
+        line, used, empty = line + word, used + cells(word), False
+    if not empty:
+        lines.append(line)
+    return lines
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:
@@ -458,7 +474,7 @@ def short(text: str | None, width: int | None) -> str:
         return text[: width - 1] + "…"
     from rich.cells import set_cell_size
 
-    return set_cell_size(text, width - 1) + "…"
+    return set_cell_size(text, width - 1).rstrip(" ") + "…"
 
 
 def cells(text: str) -> int:
