@@ -697,18 +697,9 @@ class Daemon:
             return
         if self.watcher is not None and not self.watcher.parsed.is_set():
             return  # entries not read yet are never evicted: the parse step that reads the last ones checks
-        from sqlalchemy import Float, cast, func, select
+        from cachemgr.evict.execute import usage
 
-        from cachemgr.index.models import Entry
-
-        t = Entry.__table__
-        with self.db.engine.connect() as conn:
-            # (summed as floats: SQLite's integer SUM fails past int64, which sparse files reach)
-            size, files = conn.execute(
-                select(*(func.coalesce(func.sum(cast(c, Float)), 0) for c in (t.c.bytes, t.c.files))).where(
-                    t.c.cache_id == self.cache_id
-                )
-            ).one()
+        size, files = usage(self.db, self.cache_id)
         over = (s.max_size is not None and size > s.max_size) or (s.max_files is not None and files > s.max_files)
         # at most every TRIGGER_GAP: entries inside the grace period may keep the total over the cap
         if (

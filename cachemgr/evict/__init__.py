@@ -36,7 +36,7 @@ from cachemgr.evict.policy import (
     select,
     table_of,
 )
-from cachemgr.index.store import MAX_BYTES, MAX_HITS, MAX_SECONDS, moment, whole
+from cachemgr.index.store import MAX_BYTES, MAX_HITS, MAX_SECONDS, bounded, moment, whole
 from cachemgr.vocab import PARSED as PARSE_DONE
 from cachemgr.vocab import Kind
 
@@ -186,7 +186,7 @@ def _numbers(column: array, values: Sequence, missing: float = 0.0, top: float |
         pass
     del column[n:]
     if column.typecode == "q":
-        column.extend([v if top is None or 0 <= v < top else 0 for v in map(whole, values)])
+        column.extend([bounded(whole(v), top) for v in values] if top is not None else map(whole, values))
     else:
         column.extend([v if top is None or 0.0 <= v < top else missing for v in (moment(v, missing) for v in values)])
 

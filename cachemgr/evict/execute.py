@@ -457,10 +457,17 @@ def _collect(
 
 
 def remaining_bytes(db: Database, cache_id: int) -> int:
-    # (summed as floats: SQLite's integer SUM fails past int64, which a few sparse files of 4 EiB
-    # apparent size reach; to the byte below 2**53)
+    return usage(db, cache_id)[0]
+
+
+def usage(db: Database, cache_id: int) -> tuple[int, int]:
+    """(bytes, files) the index holds for the cache. Summed as floats: SQLite's integer SUM fails
+    past int64, which a few sparse files of 4 EiB apparent size reach (exact below 2**53 bytes)."""
     with db.engine.connect() as conn:
-        total = conn.execute(
-            select(func.coalesce(func.sum(sql_cast(ENTRIES.c.bytes, Float)), 0)).where(ENTRIES.c.cache_id == cache_id)
-        ).scalar()
-        return int(cast(SupportsInt, total))  # never NULL (coalesce): a float, or on PostgreSQL a Decimal
+        row = conn.execute(
+            select(*(func.coalesce(func.sum(sql_cast(c, Float)), 0) for c in (ENTRIES.c.bytes, ENTRIES.c.files))).where(
+                ENTRIES.c.cache_id == cache_id
+            )
+        ).one()
+    # (never NULL: coalesce; a float, or on PostgreSQL a Decimal)
+    return int(cast(SupportsInt, row[0])), int(cast(SupportsInt, row[1]))

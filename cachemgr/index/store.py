@@ -251,7 +251,7 @@ MAX_SECONDS = 1e9
 MAX_HITS = 1 << 31
 
 
-def _bounded(n: int, top: int) -> int:
+def bounded(n: int, top: float) -> int:
     """A count or size read from a row: 0 where no real cache has it (negative, or `top` or more)."""
     return n if 0 <= n < top else 0
 
@@ -412,12 +412,12 @@ def _entry(row: Sequence[Any], pins: Mapping[str, str | None] | None = None) -> 
     # (numbers no real cache has read as unknown, as the sums read them: a table 386 columns wide)
     e = replace(
         e,
-        bytes=_bounded(whole(e.bytes), MAX_BYTES),
-        files=_bounded(whole(e.files), MAX_BYTES),
+        bytes=bounded(whole(e.bytes), MAX_BYTES),
+        files=bounded(whole(e.files), MAX_BYTES),
         mtime=moment(e.mtime),
         first_seen=moment(e.first_seen),
         last_access=moment(e.last_access),
-        hit_count=_bounded(whole(e.hit_count), MAX_HITS),
+        hit_count=bounded(whole(e.hit_count), MAX_HITS),
         compile_seconds=seconds if seconds is not None and 0 <= seconds < MAX_SECONDS else None,
         parse_state=whole(e.parse_state),
     )
