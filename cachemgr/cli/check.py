@@ -14,13 +14,12 @@ from typing import TYPE_CHECKING
 import click
 
 from cachemgr.cli.common import (
-    clean,
     emit_json,
     exit_codes,
+    fit,
     json_option,
     pass_app,
     plural,
-    short,
     terminal_width,
     wide_option,
 )
@@ -90,12 +89,6 @@ def host_of(app, spec: dict, env: dict) -> Host:
     return check.Host.of(side, spec["devices"], spec["complete"])
 
 
-def _line(text: str, width: int | None) -> str:
-    """A line of check's report: what came from a cache, a bundle, the index or a host escaped
-    (an entry's option names and values, a path), then cut to fit."""
-    return short(clean(text), width)
-
-
 def render(report, width: int | None, shorts: dict[str, str] | None = None, show_hits: bool = False) -> list[str]:
     """Per graph its verdict and cause; the differences once per group of graphs that share them
     (both values, grouped as `diff` groups them); then one line per cause."""
@@ -104,7 +97,7 @@ def render(report, width: int | None, shorts: dict[str, str] | None = None, show
     shorts = shorts or {}
     h = report.host
     out = [
-        _line(
+        fit(
             f"host: torch {h.torch} ({(h.torch_version_hash or '?')[:12]}), {h.system}; devices "
             f"{', '.join(h.devices)}; option sets: {', '.join(c.label for c in h.candidates)}"
             + (" (the manifest's: complete)" if h.complete else ""),
@@ -112,17 +105,17 @@ def render(report, width: int | None, shorts: dict[str, str] | None = None, show
         )
     ]
     if h.env:
-        out.append(_line("environment: " + ", ".join(f"{k}={v}" for k, v in sorted(h.env.items())), width))
+        out.append(fit("environment: " + ", ".join(f"{k}={v}" for k, v in sorted(h.env.items())), width))
     for e in h.errors:
-        out.append(_line(f"option set refused by torch: {e}", width))
-    out.append(_line(f"{report.source}: {plural(len(report.predictions), 'graph')}", width))
+        out.append(fit(f"option set refused by torch: {e}", width))
+    out.append(fit(f"{report.source}: {plural(len(report.predictions), 'graph')}", width))
     groups: dict[tuple, list] = defaultdict(list)
     for p in report.predictions:
         name = shorts.get(p.graph.key) or (p.graph.graph_key or p.graph.key)[:12]
         if p.verdict != check.HIT or show_hits:
             verdict = {"hit": "will hit", "miss": "will miss", "unknown": "unknown"}[p.verdict]
             note = p.cause() if p.verdict != check.HIT else (f"options of {p.options}" if p.options else "")
-            out.append(_line(f"  {name:<14} {verdict:<9} {note}", width))
+            out.append(fit(f"  {name:<14} {verdict:<9} {note}", width))
         if p.differences:  # a miss by what makes it one; an unknown by all it differs in
             key = tuple(d for d in p.differences if d.certain or p.verdict != check.MISS)
             groups[key].append((name, len(p.differences) - len(key)))
@@ -130,7 +123,7 @@ def render(report, width: int | None, shorts: dict[str, str] | None = None, show
         names = [n for n, _ in members]
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         differ = "differs" if len(names) == 1 else "differ"
-        out.append(_line(f"{plural(len(names), 'graph')} ({shown}) {differ} from this host in:", width))
+        out.append(fit(f"{plural(len(names), 'graph')} ({shown}) {differ} from this host in:", width))
         certain = [d for d in diffs if d.certain]
         listed = (certain or list(diffs))[:SHOWN_DIFFERENCES]
         by_group: dict[str, list] = defaultdict(list)
@@ -138,19 +131,19 @@ def render(report, width: int | None, shorts: dict[str, str] | None = None, show
             by_group[d.group].append(d)
         for group in ("code", "inputs", "options", "environment"):
             for d in by_group.get(group, []):
-                out.append(_line(f"  {group}: {d.name}" + (f" ({d.why})" if d.why else ""), width))
-                out.append(_line(f"      cache: {'(absent)' if d.cache is None else d.cache}", width))
-                out.append(_line(f"      here:  {'(absent)' if d.host is None else d.host}", width))
+                out.append(fit(f"  {group}: {d.name}" + (f" ({d.why})" if d.why else ""), width))
+                out.append(fit(f"      cache: {'(absent)' if d.cache is None else d.cache}", width))
+                out.append(fit(f"      here:  {'(absent)' if d.host is None else d.host}", width))
         rest = len(diffs) - len(listed) + max(more for _, more in members)
         if rest:
-            out.append(_line(f"  ... and {rest} more component(s) that differ (--json lists them)", width))
+            out.append(fit(f"  ... and {rest} more component(s) that differ (--json lists them)", width))
     out.append(
         "summary: "
         + ", ".join(
             f"{report.count(v)} {w}" for v, w in (("hit", "will hit"), ("miss", "will miss"), ("unknown", "unknown"))
         )
     )
-    out.extend(_line("  " + s.text(), width) for s in check.summarize(report.predictions))
+    out.extend(fit("  " + s.text(), width) for s in check.summarize(report.predictions))
     return out
 
 
@@ -286,7 +279,7 @@ def check_cmd(
     if missing:
         click.echo(f"partial bundle: {plural(len(missing), 'thing')} its entries name are not in it:")
         for m in missing[:20]:
-            click.echo(_line(f"  {m}", width))
+            click.echo(fit(f"  {m}", width))
 
 
 def _torch_names(app) -> dict[str, str]:

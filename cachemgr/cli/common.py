@@ -317,11 +317,11 @@ def _table_widths(cols: Sequence[Col], cells: Iterable[Sequence[str]], width: in
 
 
 def _table_lines(cols: Sequence[Col], widths: list[int], cells: Iterable[Sequence[str]]) -> Iterator[str]:
-    from rich.cells import cell_len, set_cell_size
+    from rich.cells import cell_len
 
     def fit(text: str, i: int) -> str:
-        if cell_len(text) > widths[i] and cols[i].cut:
-            text = set_cell_size(text, widths[i] - 1) + "…"
+        if cols[i].cut:
+            text = short(text, widths[i])
         pad = " " * (widths[i] - cell_len(text))
         return pad + text if cols[i].right else text + pad
 
@@ -389,14 +389,16 @@ def fields_block(pairs: Sequence[tuple[str, Any]], wrap: bool = True, whole: Seq
 
 def _middle_out(word: str, room: int) -> str:
     """`word` (a path) in `room` columns: its start and end, an ellipsis for its middle."""
-    if word.isascii():
-        return word[: room // 2 - 1] + "…" + word[-(room - room // 2) :]
+    return _head(word, room // 2 - 1) + "…" + _head(word[::-1], room - room // 2)[::-1]
+
+
+def _head(text: str, columns: int) -> str:
+    """The start of `text` that fits in `columns` (one short where a wide character is split)."""
+    if text.isascii():
+        return text[:columns]
     from rich.cells import set_cell_size
 
-    # (set_cell_size pads with a space where it splits a wide character: not kept, or the word
-    # would be two to a wrapper)
-    tail = set_cell_size(word[::-1], room - room // 2).rstrip(" ")[::-1]
-    return set_cell_size(word, room // 2 - 1).rstrip(" ") + "…" + tail
+    return set_cell_size(text, columns).rstrip(" ")  # (it pads a split wide character with a space)
 
 
 def say(text: str, err: bool = False) -> None:
@@ -468,13 +470,12 @@ def short(text: str | None, width: int | None) -> str:
     """`text` cut to `width` columns with an ellipsis (whole when width is None)."""
     if not text:
         return ""
-    if width is None or cells(text) <= width:
-        return text
-    if text.isascii():
-        return text[: width - 1] + "…"
-    from rich.cells import set_cell_size
+    return text if width is None or cells(text) <= width else _head(text, width - 1) + "…"
 
-    return set_cell_size(text, width - 1).rstrip(" ") + "…"
+
+def fit(text: str, width: int | None) -> str:
+    """A line of what came from a cache, an index or a host: escaped, then cut to `width`."""
+    return short(clean(text), width)
 
 
 def cells(text: str) -> int:

@@ -14,6 +14,7 @@ from cachemgr.cli.common import (
     clean,
     emit_json,
     exit_codes,
+    fit,
     json_option,
     model_option,
     pass_app,
@@ -54,14 +55,14 @@ def render_diff(d, width: int, indent: str = "  ", labels: tuple[str, str] = ("A
                 out.extend(_wrap(f"the graph code (gm) changed{sim}:", w, indent + "  "))
                 body = list(d.code_diff[2:])  # skip the ---/+++ header
                 for ln in body[:CODE_LINES]:
-                    out.append(short(clean(f"{indent}{INDENT}{ln}"), width) or indent)
+                    out.append(fit(f"{indent}{INDENT}{ln}", width) or indent)
                 if len(body) > CODE_LINES:
                     out.append(f"{indent}{INDENT}... {len(body) - CODE_LINES} more diff lines (--json has all)")
                 continue
             out.extend(_wrap(c.name + _fields_text(c), w, indent + "  "))
             for label, value in zip(labels, (c.a, c.b), strict=True):
                 shown = "(absent)" if value is None else value
-                out.append(short(clean(f"{indent}{INDENT}{label}: {shown}"), width))
+                out.append(fit(f"{indent}{INDENT}{label}: {shown}", width))
     if derived:
         reasons = sorted({c.derived for c in derived if c.derived})
         names = ", ".join(c.name for c in derived)
@@ -285,7 +286,7 @@ def render_miss(m, shorts: dict[str, str], width: int) -> list[str]:
             )
         )
         for label, g in zip(("earlier", "this"), m.guards, strict=True):
-            out.append(short(clean(f"    {label} guards: {g or '(none)'}"), width))
+            out.append(fit(f"    {label} guards: {g or '(none)'}", width))
         return out
     if m.verdict == "new-graph":
         out.extend(_wrap(f"a new graph: {m.note}", width - 2, "  "))
