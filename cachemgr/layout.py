@@ -221,16 +221,20 @@ class DiskEntry:
 
     def add(self, key: str, st: os.stat_result, keep_path: bool = True) -> None:
         """Count one of its files (`key`, its lstat); keep its key too, up to MAX_PATHS of them."""
-        self.bytes += st.st_size
-        self.files += 1
-        if st.st_mtime > self.mtime:
-            self.mtime = st.st_mtime
-        if st.st_atime > self.atime:
-            self.atime = st.st_atime
+        self.count(st.st_size, 1, st.st_mtime, st.st_atime)
         if self.kind == Kind.CODE and key.endswith(".cpp"):
             self.has_source = True
         if keep_path and len(self.paths) < MAX_PATHS:
             self.paths.append(key)
+
+    def count(self, nbytes: int, nfiles: int, mtime: float, atime: float) -> None:
+        """Count `nfiles` of its files: their bytes, and their latest mtime and atime."""
+        self.bytes += nbytes
+        self.files += nfiles
+        if mtime > self.mtime:
+            self.mtime = mtime
+        if atime > self.atime:
+            self.atime = atime
 
 
 # -- walking ----------------------------------------------------------------------------------------
@@ -361,7 +365,11 @@ def iter_dirs(
             yield from _mount_point(state, sub, None)
         return
     try:
-        fd = os.open(".", safefs.O_DIR, dir_fd=root.dir_fd(fs_path(sub))) if sub else os.dup(root.fd)
+        if sub:  # (opened through its folder, which stays open for the next unit: one open a unit)
+            parent, name = safefs.split(fs_path(sub))
+            fd = os.open(name, safefs.O_DIR, dir_fd=root.dir_fd(parent))
+        else:
+            fd = os.dup(root.fd)
     except OSError as e:
         if e.errno in safefs.SHORT:
             raise
@@ -533,6 +541,10 @@ class _Walker:
         prefix = rel + "/" if rel else ""
         subdirs, files = [], []
         mounted = self.mounted_in.get(rel)  # (a file mounted on a file: not the cache's either)
+        # A kernel's files are summed here as they are listed, never held (a hostile kernel folder
+        # may hold 200,000), and added to it once: this loop runs once per file of the cache.
+        nbytes = nfiles = 0
+        mtime = atime = 0.0
         try:
             it = os.scandir(fd)
         except OSError as err:
@@ -544,23 +556,34 @@ class _Walker:
                 for d in it:
                     name = d.name
                     if name[0] == "." or name.startswith("tmp.") or ".tmp" in name:
-                        continue  # is_transient, inlined: this loop runs once per file
+                        continue  # is_transient, inlined
                     try:
                         if mounted is not None and key_of(name) in mounted and not d.is_dir(follow_symlinks=False):
                             _mount_point(self.out, prefix + key_of(name), rel if kernel is None else kernel.key)
                             continue  # (a folder's is met as it is walked)
-                        if d.is_dir(follow_symlinks=False):  # (only names are kept: a folder may hold 100,000)
+                        if d.is_file(follow_symlinks=False):  # (most names: asked first)
+                            if kernel is None:
+                                files.append(d)
+                                continue
+                            st = d.stat(follow_symlinks=False)  # (OSError: vanished since the listing)
+                            nbytes += st.st_size
+                            nfiles += 1
+                            if st.st_mtime > mtime:
+                                mtime = st.st_mtime
+                            if st.st_atime > atime:
+                                atime = st.st_atime
+                            if keep and len(kernel.paths) < MAX_PATHS:
+                                plain = name.isprintable() and "%" not in name
+                                kernel.paths.append(prefix + (name if plain else key_of(name)))
+                        elif d.is_dir(follow_symlinks=False):  # (only names are kept: a folder may hold 100,000)
                             subdirs.append(name if name.isprintable() and "%" not in name else key_of(name))
-                        elif kernel is not None:  # one entry's files: added as listed, never held (a
-                            if d.is_file(follow_symlinks=False):  # hostile kernel folder may hold 200,000)
-                                self._add(kernel, prefix, d, keep)
-                        elif d.is_file(follow_symlinks=False):
-                            files.append(d)
                         # (a symlink, FIFO, socket or device: never an entry, never opened)
                     except OSError:
                         continue
             except OSError:
                 return None
+        if nfiles and kernel is not None:
+            kernel.count(nbytes, nfiles, mtime, atime)
         files.sort(key=_NAME)
         for d in files:
             name = d.name
@@ -579,15 +602,6 @@ class _Walker:
             e.add(prefix + name, st, keep)
         subdirs.sort()
         return subdirs
-
-    @staticmethod
-    def _add(kernel: DiskEntry, prefix: str, d: os.DirEntry, keep: bool) -> None:
-        name = d.name
-        try:
-            st = d.stat(follow_symlinks=False)
-        except OSError:
-            return  # vanished between listing and stat
-        kernel.add(prefix + (name if name.isprintable() and "%" not in name else key_of(name)), st, keep)
 
 
 # -- one entry's files ------------------------------------------------------------------------------

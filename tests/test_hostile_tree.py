@@ -30,6 +30,8 @@ from hostile import (
     snapshot,
     victim_tree,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 from test_daemon import start  # noqa: F401 - a fixture (daemon processes)
 
 HOUR = 3600
@@ -950,7 +952,7 @@ def test_an_entry_naming_more_kernels_than_one_entry_may_keeps_the_first(monkeyp
 
 
 @pytest.mark.parametrize("command", [["scan"], ["evict", "--max-size", "0", "--dry-run"]], ids=["scan", "evict"])
-@pytest.mark.parametrize("fds", [8, 12, 20])
+@pytest.mark.parametrize("fds", [8, 12, 14])
 def test_a_process_short_of_descriptors_fails_in_one_line(fixture_cache, tmp_path, fds, command):
     """`ulimit -n` too low for a scan: one line and exit 1, not exit 70 (spawning a worker), nor
     exit 0 with directories reported unreadable and an index missing what is in them, nor (evict)
@@ -1127,3 +1129,22 @@ def test_only_a_plain_relative_path_is_reached_below_the_root(tmp_path, rel):
         r.lstat(rel)
     assert safefs.split("/".join(["d"] * 32)) == ("/".join(["d"] * 31), "d")
     assert safefs.split("ab/c.d..e") == ("ab", "c.d..e")
+
+
+@given(
+    st.text(alphabet="/.a\0", max_size=40)
+    | st.builds("/".join, st.lists(st.sampled_from(["a", ".", "..", ""]), max_size=40))
+)
+def test_split_refuses_exactly_the_paths_that_are_not_plain(rel):
+    """safefs.split's string tests (eviction asks them of every file) refuse what the rule says:
+    an empty, '.' or '..' part, a NUL, or more than MAX_DEPTH parts."""
+    from cachemgr import safefs
+
+    parts = rel.split("/")
+    plain = len(parts) <= safefs.MAX_DEPTH and not any(p in ("", ".", "..") or "\0" in p for p in parts)
+    try:
+        got = safefs.split(rel)
+    except safefs.Refused:
+        assert not plain
+    else:
+        assert plain and got == ("/".join(parts[:-1]), parts[-1])
