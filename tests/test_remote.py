@@ -242,6 +242,25 @@ def test_remote_evict_keeps_a_key_read_meanwhile(cpu_cache, cli_for, redis_url, 
     assert result.skipped_in_use == [read] and torch_keys(rconn) == [read]
 
 
+def test_remote_evict_takes_the_aot_entries_of_the_graphs_it_deletes(cpu_cache, cli_for, redis_url, rconn):
+    """AOT entries whose graphs cachemgr has not seen them need are read to learn it (as if
+    Inductor had written them), which resets their idle time: the delete then took that for a
+    read meanwhile, and kept every AOT entry of the graphs it deleted (they could only miss)."""
+    a = cli_for(cpu_cache)
+    a("remote", "--redis", redis_url, "push")
+    keys = torch_keys(rconn)
+    assert any("autograd" in k for k in keys) and any("fx-graph" in k for k in keys)
+    rconn.delete("cachemgr:meta")
+    for k in keys:
+        _age(rconn, k, 7200)
+    fx = [k for k in keys if "fx-graph" in k]
+    for k in fx:
+        _age(rconn, k, 3 * 86400)
+    done = remote_json(a, redis_url, "evict", "--max-age", "1d")
+    assert done["result"]["deleted"] == len(keys) and done["result"]["skipped_in_use"] == [], done
+    assert torch_keys(rconn) == []
+
+
 def test_remote_evict_parses_values_in_bounded_workers(cpu_cache, cli_for, redis_url, rconn):
     """An AOT value whose pickle takes about 800 MB to unpickle (14M one-item tuples: a 56 MB
     value) is parsed in a parse worker, under its memory bound: a skipped item with its reason,
@@ -316,7 +335,7 @@ def test_remote_failures_are_one_line(cpu_cache, cli_for, url, message, args):
         ("redis://{server}/-1", "'-1' is not a database number"),
         ("redis://{server}/0?db=x", "'x' is not a database number"),
         ("redis://{server}/1?db=2", "it names two databases"),
-        ("redis://nobody:hunter2@{server}/x", "'x' is not a database number"),
+        ("redis://nobody:hunter2@{server}/x", "its database is not a database number"),
         ("http://{server}", "give redis://HOST:PORT/DB"),
         ("redis://127.0.0.1:port/0", "Port could not be cast to integer value"),
         # options that make redis-py hand back text, or that only rediss:// takes (each was exit 70)
@@ -358,6 +377,25 @@ def test_a_bad_redis_url_is_a_usage_error(tmp_path, db_url, redis_url, url, why)
     # options cachemgr takes, their values as redis-py reads them
     good = f"{redis_url}?socket_timeout=5&socket_keepalive=True&protocol=2&client_name=cm"
     assert remote_json(cli, good, "stats")["url"] == good
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:hunter2/xyz@127.0.0.1:6379/13",  # read as a port
+        "redis://:1234/Zx9hunter2@127.0.0.1:6379/13",  # read as the path: a database
+        "redis://:1234?Zx9=hunter2@127.0.0.1:6379/13",  # read as an option
+        "redis://:1234?socket_timeout=hunter2@127.0.0.1:6379/13",  # read as an option's value
+        "redis://user:abc#hunter2@127.0.0.1:6379/13",  # read as a fragment, and the port
+    ],
+)
+def test_a_bad_redis_url_never_quotes_its_password(tmp_path, db_url, url):
+    """A password holding '/', '?' or '#' is parsed in part as the port, the path or an option:
+    the reason quoted that part (the URL itself was redacted)."""
+    r = Cli(tmp_path / "cache", db_url).proc("remote", "--redis", url, "stats")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("cachemgr: error: bad Redis URL"), r.stderr
+    assert "hunter2" not in r.stderr and "percent-encoded" in r.stderr, r.stderr
 
 
 def test_redis_url_from_inductors_env(cpu_cache, cli_for, redis_url):
@@ -463,9 +501,8 @@ def test_remote_evict_with_a_meta_key_that_is_not_a_hash(cpu_cache, cli_for, red
     rconn.delete("cachemgr:meta")
     rconn.set("cachemgr:meta", "hostile")
     done = remote_json(a, redis_url, "evict", "--max-age", "1m")
-    # (with no meta, the AOT values were read to learn their graphs: that read keeps them)
-    kept = [k for k in keys if k.startswith("pt2:autograd-experimental::")]
-    assert done["result"]["deleted"] == len(keys) - len(kept) > 1 and torch_keys(rconn) == kept
+    # (with no meta, the AOT values were read to learn their graphs: they go with them all the same)
+    assert done["result"]["deleted"] == len(keys) and torch_keys(rconn) == []
     assert rconn.get("cachemgr:meta") == b"hostile"
 
 
@@ -499,6 +536,36 @@ def test_remote_memory_stays_bounded_with_huge_names_and_meta_fields(tmp_path, d
         },
         ok: f"cachemgr:meta: meta field of {2 * big + 2} bytes, over the 65536 cachemgr reads; ignored",
     }, why
+    rss = int(out.stderr.split("peak-rss-mib ")[-1].split()[0])
+    assert rss < 80, f"the command peaked at {rss} MiB"
+
+
+def test_remembered_refs_beyond_an_aot_entrys_are_not_held(tmp_path, db_url, redis_url, rconn):
+    """A meta field under its 64 KiB of short refs ('"07",' x 12,900) is 12,900 str objects once
+    parsed, and every field was held: 1,000 such fields took `remote evict --dry-run` to 1 GB
+    (16x what Redis held). A field naming more graphs than an AOT entry needs is ignored."""
+    doc = '{"refs": [' + ",".join(f'"{i % 100:02d}"' for i in range(12900)) + "]}"
+    keys = [f"pt2:autograd-experimental::a{i:051d}:c1" for i in range(300)]
+    p = rconn.pipeline()
+    for k in keys:
+        p.set(k, b'{"data": "AAAA"}')
+        p.hset("cachemgr:meta", k, doc)
+    p.execute()
+    cli = Cli(tmp_path / "cache", db_url)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", OWN_PEAK_RSS_PROGRAM, *cli.base(), "remote", "--redis", redis_url, "evict"]
+            + ["--max-age", "30d", "--dry-run", "--json"],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        rconn.delete(*keys, "cachemgr:meta")
+    assert out.returncode == 0, out.stderr[-3000:]
+    why = [x["reason"] for x in json.loads(out.stdout)["skipped"] if x["key"] == keys[0]]
+    assert any(w.startswith("cachemgr:meta: 'refs' lists 12900 graphs") for w in why), why
     rss = int(out.stderr.split("peak-rss-mib ")[-1].split()[0])
     assert rss < 80, f"the command peaked at {rss} MiB"
 
@@ -783,17 +850,25 @@ def test_push_skips_what_an_edited_index_holds(cpu_cache, cli_for, redis_url, rc
     a = cli_for(cpu_cache)
     a("scan")
     fx = a.json("ls", "--kind", "fxgraph")
-    assert len(fx) >= 3
+    assert len(fx) >= 4
     db = sqlite3.connect(db_url.removeprefix("sqlite:///"))
     with db:
         db.execute("UPDATE entries SET compile_seconds = 9e999 WHERE key = ?", (fx[0]["key"],))
         db.execute("UPDATE entries SET ref = NULL WHERE key = ?", (fx[1]["key"],))
         db.execute("UPDATE entries SET ref = ? WHERE key = ?", ("evil\x1b]0;T\x07", fx[2]["key"]))
+        # another graph's key, and newer: its file was pushed under fx[0]'s key (Inductor does not
+        # check that an entry is the graph its key names: every host would have run fx[3]'s code)
+        db.execute("UPDATE entries SET ref = ?, mtime = mtime + 1000 WHERE key = ?", (fx[0]["graph_key"], fx[3]["key"]))
     db.close()
     r = a.proc("remote", "--redis", redis_url, "push", "--no-scan", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert sorted(x["key"] for x in doc["skipped"]) == sorted([fx[1]["key"], fx[2]["key"]]), doc["skipped"]
+    skipped = sorted(x["key"] for x in doc["skipped"])
+    assert skipped == sorted([fx[1]["key"], fx[2]["key"], fx[3]["key"]]), doc["skipped"]
+    from cachemgr.fleet.remote import decode_value
+
+    pushed = decode_value(rconn.get(f"pt2:fx-graph-v1::{fx[0]['graph_key']}:c1"))
+    assert pushed == (cpu_cache / fx[0]["key"]).read_bytes()
     keys = torch_keys(rconn)
     assert all(k.isprintable() and "None" not in k for k in keys), keys
     assert json.loads(rconn.get(f"pt2:fx-graph-v1::{fx[0]['graph_key']}:c1"))["time_taken_ms"] == 0

@@ -252,10 +252,11 @@ class Looker:
         except FileNotFoundError:
             return f
         inodes = set()
+        newest, nbytes, nfiles = f.newest, 0, 0
         try:
             st = os.fstat(fd)
             with os.scandir(fd) as it:
-                for d in it:
+                for d in it:  # (_Files.add inlined: this loop runs once per kernel file)
                     s = d.stat(follow_symlinks=False)
                     if layout.is_transient(d.name):
                         f.problem = Held.IN_PROGRESS
@@ -263,10 +264,16 @@ class Looker:
                     if not stat.S_ISREG(s.st_mode):
                         f.problem = Held.UNSAFE
                         return f
-                    f.add(s)
+                    if s.st_atime > newest:
+                        newest = s.st_atime
+                    if s.st_mtime > newest:
+                        newest = s.st_mtime
+                    nbytes += s.st_size
+                    nfiles += 1  # (not len(inodes): two links to one file are two files)
                     inodes.add(s.st_ino)
         finally:
             os.close(fd)
+        f.newest, f.nbytes, f.nfiles = newest, nbytes, nfiles
         f.move = [(key, safefs.identity(st))]
         f.inodes = frozenset(inodes)
         return f

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlparse
@@ -67,6 +67,7 @@ REMOTE_KINDS = ("fxgraph", "aotautograd", "autotune", "bundled-autotune", "dynam
 META_KEY = "cachemgr:meta"  # hash: redis key -> JSON {host, ts, bytes, torch, source, refs}
 _KEY = re.compile(r"^pt2:(?P<id>.+?)::(?P<key>.*):c(?P<v>\d+)$")
 BATCH = 500  # keys per pipeline / script call
+MAX_AOT_GRAPHS = 64  # graphs a remembered AOT entry needs (torch's: a forward and a backward)
 MAX_KEY = 1024  # bytes in a key; torch's are under 100
 MAX_VALUE = 64 * 1024 * 1024  # bytes of a value cachemgr reads (an AOT entry, to learn its graphs)
 MAX_PUSH = 256 * 1024 * 1024  # bytes of a local entry file pushed (base64 must stay under Redis's 512 MB)
@@ -191,11 +192,15 @@ def check_url(url: str) -> str:
     `remote evict` delete, in another database."""
     shown = redact_url(url)
     bad = f"bad Redis URL {shown}: "
+    # With credentials, a reason never quotes the URL: a password holding '/', '?' or '#' is read
+    # in part as the port, the path or the options, and their text would show it.
+    secret = "@" in url.partition("://")[2]
+    encode = " (a password holding '/', '?' or '#' is percent-encoded: %2F, %3F, %23)" if secret else ""
     try:
         parts = urlparse(url)
         parts.port  # noqa: B018 - raises ValueError when the port is not a number
     except ValueError as e:
-        raise UsageError(bad + _line(e)) from None
+        raise UsageError(bad + ("its port is not a number" + encode if secret else _line(e))) from None
     if not url.lower().startswith(("redis://", "rediss://", "unix://")):
         raise UsageError(bad + "give redis://HOST:PORT/DB, rediss://... or unix:///PATH?db=DB")
     dbs = [v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k == "db"]
@@ -203,7 +208,8 @@ def check_url(url: str) -> str:
         dbs.append(unquote(parts.path)[1:])
     for db in dbs:
         if not re.fullmatch(r"[0-9]{1,9}", db):
-            raise UsageError(bad + f"{shown_key(db)!r} is not a database number (0, 1, 2...: redis://HOST:PORT/DB)")
+            what = "its database" if secret else repr(shown_key(db))
+            raise UsageError(bad + f"{what} is not a database number (0, 1, 2...: redis://HOST:PORT/DB){encode}")
     if len({int(db) for db in dbs}) > 1:
         raise UsageError(bad + "it names two databases (its path and ?db=)")
     query = parse_qsl(parts.query, keep_blank_values=True)
@@ -218,11 +224,12 @@ def check_url(url: str) -> str:
     known = _OPTIONS if parts.scheme.lower() != "rediss" else {**_OPTIONS, **_SSL_OPTIONS}
     for name, value in query:
         if name not in known:
-            raise UsageError(bad + f"unknown option {shown_key(name)!r} (cachemgr takes {', '.join(known)})")
+            what = "an option" if secret else repr(shown_key(name))
+            raise UsageError(bad + f"unknown option {what} (cachemgr takes {', '.join(known)}){encode}")
         try:
             known[name](value)
         except ValueError as e:
-            raise UsageError(bad + f"{name}: {e}") from None
+            raise UsageError(bad + f"{name}: {'not a value it takes' + encode if secret else e}") from None
     return url
 
 
@@ -310,6 +317,7 @@ class Remote:
             raise UsageError(f"bad Redis URL {self.shown}: {_line(e)}") from e
         self.timeout = float(self.r.connection_pool.connection_kwargs.get("socket_timeout") or timeout)
         self.budget, self.spent = budget, 0.0
+        self.read_here: set[str] = set()  # AOT values this object read (GET resets a key's idle time)
         self.received = _Received()
         pool = self.r.connection_pool  # (no connection made yet: each one made from now on is counted)
         pool.connection_class = _counted(pool.connection_class, self.received)
@@ -467,6 +475,9 @@ class Remote:
                     doc = small_json(v, MAX_META, "meta field")
                     if not isinstance(doc, dict):
                         raise ValueError("not a remote-cache meta field: not a JSON object")
+                    refs = doc.get("refs")
+                    if isinstance(refs, list) and len(refs) > MAX_AOT_GRAPHS:  # (each a str object: held
+                        raise ValueError(f"'refs' lists {len(refs)} graphs, not an AOT entry's")  # 16x the field)
                 except ValueError as e:
                     if skipped is not None:
                         skipped.append(Skipped(k, f"{META_KEY}: {e}; ignored"))
@@ -654,6 +665,7 @@ class Remote:
                 while i < len(keys) and len(jobs) < pool.size and (not jobs or held + keys[i].bytes <= MAX_VALUE):
                     k, i = keys[i], i + 1
                     raw = self.call(partial(_get_string, self.r, k.rkey))
+                    self.read_here.add(k.rkey)  # (its idle time is ours now: Remote.execute)
                     if raw is None:
                         continue  # gone, or no longer a string
                     if len(raw) > MAX_VALUE:  # grown since it was sized
@@ -670,12 +682,23 @@ class Remote:
         return out
 
     def execute(self, plan: EvictPlan) -> EvictResult:
-        """Delete the plan's keys, each only if nothing read it since the plan (idle not reset)."""
+        """Delete the plan's keys, each only if nothing read it since the plan (idle not reset).
+        The graphs first, then the AOT entries chosen with them: one chosen because a graph it
+        needs was stays if that graph does (read meanwhile); one this run read to learn what it
+        needs (which reset its idle time) goes with its graph whatever its idle time."""
         script = self.r.register_script(_EVICT_LUA)
         deleted: list[str] = []
-        for chunk in chunks(list(plan.victims), BATCH):
-            done = self.call(partial(script, keys=[META_KEY, *(v.rkey for v in chunk)], args=[v.idle for v in chunk]))
-            deleted.extend(d.decode() if isinstance(d, bytes) else d for d in done)
+
+        def delete(victims: list[Victim], idle: Callable[[Victim], int]) -> None:
+            for chunk in chunks(victims, BATCH):
+                keys = [META_KEY, *(v.rkey for v in chunk)]
+                done = self.call(partial(script, keys=keys, args=[idle(v) for v in chunk]))
+                deleted.extend(d.decode() if isinstance(d, bytes) else d for d in done)
+
+        delete([v for v in plan.victims if not v.graph], lambda v: v.idle)
+        went = set(deleted)
+        after = [v for v in plan.victims if v.graph in went or (v.graph and v.reason != "needs-evicted-graph")]
+        delete(after, lambda v: 0 if v.rkey in self.read_here and v.graph in went else v.idle)
         gone = set(deleted)
         freed = sum(v.bytes for v in plan.victims if v.rkey in gone)
         kept = [v.rkey for v in plan.victims if v.rkey not in gone]
@@ -935,6 +958,7 @@ class Victim:
     bytes: int
     idle: int
     reason: str  # age | size | needs-evicted-graph
+    graph: str = ""  # an AOT entry's: a chosen graph it needs (its Redis key), whose eviction it follows
 
 
 @dataclass(frozen=True)
@@ -984,23 +1008,25 @@ def plan_eviction(
             for fx in aot_refs.get(k.rkey, ()):
                 needed_by.setdefault(fx, []).append(k)
 
-    def take(k: RemoteKey, reason: str) -> int:
-        """Choose k and the AOT entries it leaves useless; the bytes that frees."""
+    def take(k: RemoteKey, reason: str, follow: bool = True) -> int:
+        """Choose k and (`follow`) the AOT entries it leaves useless; the bytes that frees."""
         freed = 0
         if k.rkey not in chosen:
             chosen[k.rkey] = Victim(k.rkey, k.kind, k.bytes, k.idle, reason)
             freed += k.bytes
-        if k.kind == "fxgraph":
+        if k.kind == "fxgraph" and follow:
             for a in needed_by.get(k.key, ()):
                 if a.rkey not in chosen:
-                    chosen[a.rkey] = Victim(a.rkey, a.kind, a.bytes, a.idle, "needs-evicted-graph")
+                    chosen[a.rkey] = Victim(a.rkey, a.kind, a.bytes, a.idle, "needs-evicted-graph", k.rkey)
                     freed += a.bytes
         return freed
 
     remaining = total
-    for k in keys:
-        if max_age is not None and k.idle > max_age and k.idle >= grace:
-            remaining -= take(k, "age")
+    aged = [k for k in keys if max_age is not None and k.idle > max_age and k.idle >= grace]
+    for k in aged:  # (each its own reason first: an old AOT entry goes even if its graph is read meanwhile)
+        remaining -= take(k, "age", follow=False)
+    for k in aged:
+        remaining -= take(k, "age")
     young = 0
     if max_size is not None and remaining > max_size:
         target = int(max_size * low_water)
@@ -1013,6 +1039,13 @@ def plan_eviction(
                 young += 1
                 continue
             remaining -= take(k, "size")
+    # An AOT entry chosen with a graph it needs is deleted after it (Remote.execute)
+    fx_rkeys = {k.key: k.rkey for k in keys if k.kind == "fxgraph"}
+    for a in keys:
+        v = chosen.get(a.rkey)
+        if v is not None and a.kind == "aotautograd" and not v.graph:
+            graph = next((fx_rkeys[fx] for fx in aot_refs.get(a.rkey, ()) if fx_rkeys.get(fx) in chosen), "")
+            chosen[a.rkey] = replace(v, graph=graph)
     victims = tuple(chosen.values())
     return EvictPlan(victims, total, sum(v.bytes for v in victims), young)
 
@@ -1060,6 +1093,9 @@ def push_items(
         # (an edited index's values: a ref no torch key is made of is not pushed; odd numbers read as unknown)
         cache = FX_CACHE_ID if kind == "fxgraph" else AOT_CACHE_ID
         rkey, why = check_key(redis_key(cache, ref).encode()) if isinstance(ref, str) else (None, "it has no key")
+        home = layout.classify(key) if isinstance(key, str) else None
+        if rkey is not None and (home is None or home.ref != ref):  # the file pushed is the one its path names:
+            rkey, why = None, "its graph key is not its folder's"  # another graph's would be served under this key
         if rkey is None:
             refused.append(Skipped(shown_key(str(key)), f"local entry: not pushed: {why}"))
             continue
