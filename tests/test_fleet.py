@@ -515,3 +515,19 @@ def test_fleet_stats_sums_known_compile_seconds(two_hosts):
         )
     doc = strict_json(Cli(a, url, host="host-a")("stats", "--fleet", "--json").stdout)
     assert doc["activity"]["compiles"] == 2 and doc["activity"]["compile_seconds"] == 2.5
+
+
+def test_views_of_the_whole_index_make_no_row_for_this_host(cpu_cache, pg_url, tmp_path):
+    """`fleet report`, `stats --fleet` and `ls --host` read every cache of the index: run from a
+    host that never scanned, each made it a cache row, and the report then listed that host
+    (with 0 entries) among those that hold a cache."""
+    import psycopg
+
+    Cli(cpu_cache, pg_url, host="gpu-a")("scan")
+    viewer = Cli(tmp_path / "never-scanned", pg_url, host="laptop")
+    for args in (("fleet", "report", "--json"), ("stats", "--fleet", "--json"), ("ls", "--host", "gpu-a", "--json")):
+        viewer(*args)
+    report = viewer.json("fleet", "report")
+    assert [h["host"] for h in report["hosts"]] == ["gpu-a"], report["hosts"]
+    with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql")) as conn:
+        assert conn.execute("SELECT host FROM caches").fetchall() == [("gpu-a",)]

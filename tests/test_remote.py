@@ -407,6 +407,13 @@ def test_redis_url_from_inductors_env(cpu_cache, cli_for, redis_url):
     assert r.returncode == 0 and json.loads(r.stdout)["url"] == redis_url, r.stderr
     r = cli.proc("remote", "stats", "--json", env={"TORCHINDUCTOR_REDIS_HOST": host, "TORCHINDUCTOR_REDIS_PORT": "1"})
     assert r.returncode == 6 and f"redis://{host}:1/0" in r.stderr
+    # as Inductor reads them: int() takes ' 1 '; a '/' or '#' in either named another database
+    r = cli.proc("remote", "stats", env={"TORCHINDUCTOR_REDIS_HOST": host, "TORCHINDUCTOR_REDIS_PORT": " 1 "})
+    assert r.returncode == 6 and f"redis://{host}:1/0" in r.stderr
+    odd = (("TORCHINDUCTOR_REDIS_PORT", f"{port}/{db}#"), ("TORCHINDUCTOR_REDIS_HOST", f"{host}:{port}/{db}#"))
+    for name, value in odd:
+        r = cli.proc("remote", "stats", env={name: value})
+        assert r.returncode == 2 and r.stderr.startswith(f"cachemgr: error: {name} '{value}' is not a"), r.stderr
     r = cli.proc(
         "remote", "stats", "--json", env={"CACHEMGR_REDIS_URL": redis_url, "TORCHINDUCTOR_REDIS_URL": "redis://x:1"}
     )
@@ -831,7 +838,7 @@ def test_what_redis_holds_reaches_no_terminal_as_escapes(tmp_path, db_url, redis
     k = "pt2:autograd-experimental::aesc:c1"
     rconn.set(k, "x")
     evil = "\x1b]0;PWNED\x07\r\ncachemgr: deleted everything"
-    rconn.hset("cachemgr:meta", k, json.dumps({"unreadable": evil}))
+    rconn.hset("cachemgr:meta", k, json.dumps({"unreadable": evil, "bytes": rconn.memory_usage(k, samples=0)}))
     r = Cli(tmp_path / "cache", db_url).proc("remote", "--redis", redis_url, "evict", "--max-age", "1d", "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "\x1b" not in r.stderr and "\x07" not in r.stderr and "\r" not in r.stderr, r.stderr
@@ -872,3 +879,53 @@ def test_push_skips_what_an_edited_index_holds(cpu_cache, cli_for, redis_url, rc
     keys = torch_keys(rconn)
     assert all(k.isprintable() and "None" not in k for k in keys), keys
     assert json.loads(rconn.get(f"pt2:fx-graph-v1::{fx[0]['graph_key']}:c1"))["time_taken_ms"] == 0
+
+
+def test_remote_output_fits_80_columns_and_escapes_the_index(cpu_cache, cli_for, redis_url, rconn, db_url):
+    """`remote evict --dry-run` printed each victim as 'reason size idle key' (117-127 columns a
+    torch key, 265 a long CJK one); skipped lines ran to 384; push printed an index key that names
+    no file as it was (a CR, a BEL: a forged line on a terminal)."""
+    import sqlite3
+
+    a = cli_for(cpu_cache)
+    a("remote", "--redis", redis_url, "push")
+    rconn.set("pt2:fx-graph-v1::f" + "漢" * 200 + ":c1", b"x")
+    for k in torch_keys(rconn):
+        _age(rconn, k, 3600)
+    db = sqlite3.connect(db_url.removeprefix("sqlite:///"))
+    with db:
+        key = db.execute("SELECT key FROM entries WHERE kind = 'fxgraph' LIMIT 1").fetchone()[0]
+        gone = key.rpartition("/")[0] + "/x\rFAKE\x07" + "y" * 100  # (its graph's folder, no file)
+        db.execute("UPDATE entries SET key = ? WHERE key = ?", (gone, key))
+    db.close()
+    env = {"COLUMNS": "80"}
+    lines = []
+    for args in (["evict", "--max-age", "1m", "--dry-run"], ["stats"], ["push", "--no-scan", "--force"]):
+        r = a.proc("remote", "--redis", redis_url, *args, env=env)
+        assert r.returncode == 0, r.stderr
+        lines += r.stdout.splitlines() + r.stderr.splitlines()
+    from cachemgr.cli.common import cells
+
+    assert all(cells(x) <= 80 for x in lines), [x for x in lines if cells(x) > 80]
+    assert not any("\r" in x or "\x07" in x for x in lines)
+    assert any(x.startswith("gone from disk, not pushed: fxgraph/") for x in lines), "\n".join(lines)
+    whole = a.proc("remote", "--redis", redis_url, "push", "--no-scan").stderr.splitlines()  # (piped: whole)
+    assert "gone from disk, not pushed: " + gone.replace("\r", "\\r").replace("\x07", "\\x07") in whole, whole
+
+
+def test_an_unreadable_value_written_anew_is_read_again(cpu_cache, cli_for, redis_url, rconn):
+    """A value that could not be read is remembered, so it is not read (and its idle time reset)
+    every run; one Inductor then wrote anew was never read again: the AOT entry stayed
+    'unreadable (seen before)', and was not taken with the graphs it needs."""
+    a = cli_for(cpu_cache)
+    a("remote", "--redis", redis_url, "push")
+    k = next(k for k in torch_keys(rconn) if "autograd" in k)
+    good = rconn.get(k)
+    rconn.hdel("cachemgr:meta", k)
+    rconn.set(k, b"torn write")
+    first = remote_json(a, redis_url, "evict", "--max-age", "30d")
+    assert [x["reason"] for x in first["skipped"] if x["key"] == k][0].startswith("cannot read it: "), first
+    rconn.set(k, good)
+    again = remote_json(a, redis_url, "evict", "--max-age", "30d")
+    assert [x for x in again["skipped"] if x["key"] == k] == [], again["skipped"]
+    assert json.loads(rconn.hget("cachemgr:meta", k))["refs"], rconn.hget("cachemgr:meta", k)

@@ -64,6 +64,14 @@ class App:
             self._store = Store.of(self.db, self.settings.host, self.settings.cache_dir)
         return self._store
 
+    @property
+    def index_store(self):  # -> cachemgr.index.Store
+        """The whole index, for views over every cache of it (the fleet's): no cache's row is made
+        for this host, which has none when it never scanned (`store` would list it as a host)."""
+        from cachemgr.index import Store
+
+        return Store.of_index(self.db)
+
     def quick_store(self):  # -> cachemgr.index.Store | None
         """The embedded SQLite index of a scanned cache, read without SQLAlchemy (None otherwise)."""
         from cachemgr.index.revision import HEAD_REVISION
@@ -337,9 +345,10 @@ def table(
     cols: Sequence[Col | str], rows: Sequence[Sequence[Any]], wide: bool = False, title: str | None = None
 ) -> None:
     """Print a table fitted to the terminal (whole when `wide` or piped)."""
+    width = None if wide else terminal_width()
     if title:
-        click.echo(title)
-    for line in render_table(cols, rows, None if wide else terminal_width()):
+        click.echo(fit(title, width))
+    for line in render_table(cols, rows, width):
         click.echo(line)
 
 

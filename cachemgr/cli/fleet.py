@@ -14,10 +14,13 @@ from cachemgr.cli.common import (
     age,
     clean,
     emit_json,
+    fit,
     human_size,
     json_option,
     pass_app,
+    say,
     table,
+    terminal_width,
 )
 from cachemgr.errors import UsageError
 
@@ -57,7 +60,8 @@ def report(app, min_hosts: int, limit: int, window: float, as_json: bool) -> Non
     """
     from cachemgr.fleet.report import fleet_report
 
-    r = fleet_report(app.store, min_hosts=min_hosts, limit=limit, window=window, keep_torch=app.settings.keep_torch)
+    keep = app.settings.keep_torch
+    r = fleet_report(app.index_store, min_hosts=min_hosts, limit=limit, window=window, keep_torch=keep)
     if as_json:
         emit_json(r.as_dict())
         return
@@ -175,10 +179,11 @@ def _remote(app):
 
 def _say_skipped(skipped) -> None:
     """What was under a torch key but could not be used, and why: one line each (stderr)."""
-    for x in skipped[:50]:
-        click.echo(f"cachemgr: remote: skipped {clean(x.key)}: {clean(x.reason)}", err=True)
+    width = terminal_width()
+    for x in skipped[:50]:  # (a key of 1,024 characters: cut, where a terminal is)
+        say(f"cachemgr: remote: skipped {fit(x.key, width and max(20, width // 2))}: {clean(x.reason)}", err=True)
     if len(skipped) > 50:
-        click.echo(f"cachemgr: remote: skipped {len(skipped) - 50} more keys", err=True)
+        say(f"cachemgr: remote: skipped {len(skipped) - 50} more keys", err=True)
 
 
 @remote.command(name="stats")
@@ -205,7 +210,7 @@ def remote_stats(app, as_json: bool) -> None:
     rows.append(("total", s.entries, human_size(s.bytes)))
     table(("kind", "entries", "bytes"), rows, title=s.url)
     idle = "-" if s.max_idle_seconds is None else f"{s.max_idle_seconds / 86400:.1f}d"
-    click.echo(
+    say(
         f"pushed by cachemgr {s.pushed_by_cachemgr}, longest idle {idle}, other keys in this db {s.other_keys}"
         + (f", {len(s.skipped)} skipped" if s.skipped else "")
     )
@@ -254,14 +259,15 @@ def push(app, model: str | None, graph: str | None, force: bool, no_scan: bool, 
     if as_json:
         emit_json(r.as_dict())
         return
-    click.echo(
+    say(
         f"pushed {len(r.pushed)} entries ({human_size(r.bytes)}) to {rem.shown}; "
         f"{len(r.present)} already there"
         + (f"; {extra} extra guard sets not pushed" if extra else "")
         + (f"; {len(r.skipped)} skipped" if r.skipped else "")
     )
-    for path in r.missing:
-        click.echo(f"gone from disk, not pushed: {path}", err=True)
+    width = terminal_width()
+    for path in r.missing:  # (an index's key: escaped, and cut where a terminal is)
+        say(f"gone from disk, not pushed: {fit(path, width and max(20, width - 28))}", err=True)
     _say_skipped(r.skipped)
 
 
@@ -313,15 +319,17 @@ def remote_evict(app, max_size: int | None, max_age: float | None, dry_run: bool
     verb = "would free" if dry_run else "freed"
     freed = plan.expected_freed_bytes if result is None else result.freed_bytes
     n = len(plan.victims) if result is None else len(result.deleted)
-    click.echo(
+    say(
         f"{rem.shown}: {human_size(plan.total_bytes)} in {len(keys)} keys; {verb} {human_size(freed)} "
         f"({n} keys)"
         + (f"; {plan.kept_young} kept by the grace period" if plan.kept_young else "")
         + (f"; {len(result.skipped_in_use)} read meanwhile, kept" if result and result.skipped_in_use else "")
     )
-    if dry_run:
-        for v in plan.victims:
-            click.echo(f"  {v.reason:20} {human_size(v.bytes):>10}  idle {v.idle}s  {v.rkey}")
+    if dry_run and plan.victims:
+        table(
+            ("reason", Col("bytes", right=True), Col("idle", right=True), Col("key", cut=True, min=20)),
+            [(v.reason, human_size(v.bytes), f"{v.idle}s", v.rkey) for v in plan.victims],
+        )
 
 
 COMMANDS = (fleet, remote)

@@ -365,7 +365,7 @@ def _print_stats(doc: dict, totals, act, models) -> None:
 def _fleet_stats(app, window: float, as_json: bool) -> None:
     from cachemgr.fleet.report import fleet_stats
 
-    doc = fleet_stats(app.store, window)
+    doc = fleet_stats(app.index_store, window)
     if as_json:
         emit_json(doc)
         return
@@ -549,12 +549,13 @@ def _host_entries(app, host: str, f) -> list[tuple]:
     from cachemgr.errors import NotFound
     from cachemgr.index.store import SORT_KEYS
 
-    caches = app.store.caches(host)
+    index = app.index_store
+    caches = index.caches(host)
     if not caches:
         raise NotFound(f"no host {host!r} in the index (see: cachemgr stats --fleet)")
     out: list[tuple] = []
     for c in caches:
-        store = app.store.on(c)
+        store = index.on(c)
         rows = store.entries(f)
         shorts = store.short_keys(rows)
         out.extend((e, shorts[e.key], c.root) for e in rows)

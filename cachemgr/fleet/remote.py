@@ -177,8 +177,17 @@ def configured_url(
     if environ.get("TORCHINDUCTOR_REDIS_URL"):
         return check_url(environ["TORCHINDUCTOR_REDIS_URL"])
     host, port = environ.get("TORCHINDUCTOR_REDIS_HOST"), environ.get("TORCHINDUCTOR_REDIS_PORT")
-    if host or port:
-        return f"redis://{host or 'localhost'}:{port or '6379'}/0"
+    if host or port:  # read as Inductor reads them (redis.Redis(host=..., port=int(...))), db 0
+        try:
+            number = int(port or "6379")
+        except ValueError:
+            number = 0
+        if not 0 < number < 65536:
+            raise UsageError(f"TORCHINDUCTOR_REDIS_PORT {shown_key(port or '')!r} is not a port number")
+        host = host or "localhost"
+        if not re.fullmatch(r"[A-Za-z0-9._-]+|[0-9A-Fa-f:.]+", host):  # (a '/', '@' or '#' would name another db)
+            raise UsageError(f"TORCHINDUCTOR_REDIS_HOST {shown_key(host)!r} is not a host name or address")
+        return check_url(f"redis://{f'[{host}]' if ':' in host else host}:{number}/0")
     raise UsageError(
         f"{what}: no Redis is configured: " + (f"give {flag}, or " if flag else "") + "set redis_url in the "
         "config, CACHEMGR_REDIS_URL or TORCHINDUCTOR_REDIS_URL"
@@ -611,10 +620,13 @@ class Remote:
         todo: list[RemoteKey] = []
         for k in aot:
             m = meta.get(k.rkey)
-            if m is not None and isinstance(m.get("unreadable"), str):  # read once already: not again
-                skipped.append(Skipped(k.rkey, f"cannot read it (seen before): {m['unreadable'][:200]}"))
-                out[k.rkey] = []
-                continue
+            if m is not None and isinstance(m.get("unreadable"), str):
+                if m.get("bytes") != k.bytes:  # written anew since (by Inductor, perhaps): read again
+                    m = None
+                else:  # read once already: not again
+                    skipped.append(Skipped(k.rkey, f"cannot read it (seen before): {m['unreadable'][:200]}"))
+                    out[k.rkey] = []
+                    continue
             if m is not None and "refs" in m:
                 refs = m["refs"]
                 if isinstance(refs, list) and all(
@@ -631,16 +643,19 @@ class Remote:
                 out[k.rkey] = []
                 continue
             todo.append(k)
+        sizes = {k.rkey: k.bytes for k in todo}
         for rkey, (refs, reason) in self.read_aot(todo).items():
             if reason is not None:
                 skipped.append(Skipped(rkey, f"cannot read it: {reason}"))
                 out[rkey] = []
                 # remembered, so the next run does not read it again: our GET reset its idle time,
                 # and one read per run would keep it from ever aging out
-                learned[rkey] = json.dumps({"seen": time.time(), "refs": [], "unreadable": reason})
+                doc = {"seen": time.time(), "refs": [], "unreadable": reason, "bytes": sizes[rkey]}
+                learned[rkey] = json.dumps(doc)
                 continue
             out[rkey] = refs
-            learned[rkey] = json.dumps({**(meta.get(rkey) or {}), "seen": time.time(), "refs": refs})
+            known = {k: v for k, v in (meta.get(rkey) or {}).items() if k not in ("unreadable", "bytes")}
+            learned[rkey] = json.dumps({**known, "seen": time.time(), "refs": refs})
         if learned:
             self.call(lambda: self._remember(learned))
         return out
