@@ -29,6 +29,7 @@ import json
 import math
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -187,13 +188,19 @@ class Spool:
     Each append opens, locks (flock), checks the path still names the file it opened (the
     ingester renames files away), writes one line and closes: new signatures are rare, so
     this costs nothing that matters, and a line is never written into a file already taken.
+    Only a regular file of one link is written: a symlink, FIFO or hard link planted at the
+    name (the spool is every workload's) is left alone, and the line goes to a new name.
     """
 
     def __init__(self, directory: str | None = None) -> None:
         self._directory = directory
         self._lock = threading.Lock()
         self._warned = False
-        self.name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}{SPOOL_SUFFIX}"
+        self.name = self._fresh_name()
+
+    @staticmethod
+    def _fresh_name() -> str:
+        return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}{SPOOL_SUFFIX}"
 
     @property
     def directory(self) -> str:
@@ -237,32 +244,56 @@ class Spool:
         import fcntl
 
         os.makedirs(self.directory, exist_ok=True)
-        path = os.path.join(self.directory, self.name)
-
-        def still_named(fd: int) -> bool:  # not renamed away by an ingester since our open
-            try:
-                return os.stat(path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                return False
-
         for _ in range(10):
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            path = os.path.join(self.directory, self.name)
             try:
+                # never through a link, never blocked by a FIFO: every workload can plant one here
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            except OSError as e:
+                if e.errno not in _PLANTED:
+                    raise
+                self.name = self._fresh_name()  # left where it is: a file of our own, under a new name
+                continue
+            try:
+                if not _own_file(fd):
+                    self.name = self._fresh_name()
+                    continue
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     # An ingester took the file and holds it for its whole ingest (index writes):
                     # never wait for that in the model's forward pass, open the new one. Still
                     # named, it is a forked child's line (the same name): a moment's wait.
-                    if not still_named(fd):
+                    if not _still_named(path, fd):
                         continue
                     fcntl.flock(fd, fcntl.LOCK_EX)
-                if still_named(fd):
+                if _still_named(path, fd):
                     _write_whole(fd, line)
                     return
             finally:
                 os.close(fd)
         raise OSError(f"spool file {path} keeps being taken away")
+
+
+# what opening our name finds where something else was planted: a symlink, a FIFO no one reads, a directory
+_PLANTED = (errno.ELOOP, errno.ENXIO, errno.EISDIR)
+
+
+def _own_file(fd: int) -> bool:
+    """Whether `fd` is a file only the spool names: regular (a FIFO someone reads opens), one link
+    (another name for it may be anyone's file, outside the spool)."""
+    st = os.fstat(fd)
+    return stat.S_ISREG(st.st_mode) and st.st_nlink < 2  # (0: an ingester unlinked it since our open)
+
+
+def _still_named(path: str, fd: int) -> bool:
+    """Whether `path` itself (not what a link there points to) is still the file `fd` opened: an
+    ingester renames files away, and anyone may put something else in their place."""
+    try:
+        named, opened = os.lstat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _write_whole(fd: int, line: bytes) -> None:

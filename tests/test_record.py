@@ -197,6 +197,51 @@ def test_a_line_the_disk_has_no_room_for_is_cut_off_whole_and_written_again(spoo
     assert [d.get("signature") for d in spool_lines(spool.directory)] == [None, "(f32[1,2])"]
 
 
+def _plant(kind: str, path: str, outside: str) -> int | None:
+    """Put `kind` where the recorder's file was; a FIFO's reader's fd, if any, to read back."""
+    if kind == "symlink":
+        os.symlink(outside, path)
+    elif kind == "hard link":
+        os.link(outside, path)
+    else:
+        os.mkfifo(path)
+        if kind == "FIFO read by someone":
+            return os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hard link", "FIFO read by someone", "FIFO read by nobody"])
+def test_the_recorder_writes_only_its_own_file_never_one_planted_at_its_name(spool, tmp_path, kind):
+    """The spool is writable by every workload: a symlink to a file outside it, put where the
+    recorder's file was (taken by an ingester), had the recorder's next line appended to that
+    file, and so did a hard link; a FIFO got the line, or blocked the model's forward pass for
+    good where nobody read it. What is planted is left alone, and the line goes to a file of the
+    recorder's own under a new name."""
+    outside = tmp_path / "someone-else.txt"
+    outside.write_text("theirs\n")
+    spool.append({"n": 1})
+    first = os.path.join(spool.directory, spool.name)
+    os.rename(first, first + TAKEN)  # as an ingester takes it
+    reader = _plant(kind, first, str(outside))
+    recorder = threading.Thread(target=spool.append, args=({"n": 2},), daemon=True)
+    recorder.start()
+    recorder.join(10)
+    try:
+        assert not recorder.is_alive(), "the recorder blocked on the FIFO"
+        if reader is not None:
+            assert os.read(reader, 100) == b""  # nothing written into it
+    finally:
+        if recorder.is_alive():  # (unblock it: a reader comes)
+            os.close(os.open(first, os.O_RDONLY | os.O_NONBLOCK))
+        if reader is not None:
+            os.close(reader)
+    assert outside.read_text() == "theirs\n"
+    assert spool.name != os.path.basename(first)
+    with open(os.path.join(spool.directory, spool.name)) as f:
+        assert [json.loads(x) for x in f] == [{"n": 2}]
+    assert os.path.lexists(first)  # (what was planted is not the recorder's to remove)
+
+
 def test_ingest_is_idempotent_and_collects_varied_dims(spool, tmp_path):
     m = record.compile(torch.nn.Linear(4, 2), name="lin", spool=spool, backend="eager")
     for b in (2, 3, 5):
