@@ -10,10 +10,12 @@ import os
 import subprocess
 import sys
 import threading
+import tomllib
 
 import pytest
 
 from cachemgr.index.db import Database
+from cachemgr.prewarm import manifest as mf
 from cachemgr.prewarm import spool as spooling
 from cachemgr.prewarm.spool import TAKEN, ingest, list_shapes
 from cachemgr.record import signature_hash
@@ -224,3 +226,55 @@ def test_a_manifest_value_json_has_no_form_for_is_refused_by_every_command_that_
     ):
         r = cli.proc(*args, env={"PYTHONPATH": os.pathsep.join((str(REPO), str(REPO / "tests" / "programs")))})
         assert (r.returncode, r.stderr) == (2, expected), args
+
+
+# (a model's fields, TOML) -> (the field named, what it says)
+MISTYPED = {
+    "dtype a list": ('shapes = [[{ shape = [2, 2], dtype = ["f32"] }]]', "shapes[0][0].dtype", "must be a dtype name"),
+    "dtype a table": ("shapes = [[{ shape = [2], dtype = { f = 32 } }]]", "shapes[0][0].dtype", "must be a dtype name"),
+    "dtype a number": ("shapes = [[{ shape = [2], dtype = 32 }]]", "shapes[0][0].dtype", "must be a dtype name"),
+    "requires_grad a string": (
+        'shapes = [[{ shape = [2], requires_grad = "false" }]]',
+        "shapes[0][0].requires_grad",
+        "must be true or false",
+    ),
+    "dims in other digits": ('shapes = [["f32[\u0661\u0664]"]]', "shapes[0][0]", "tensor spec must look like"),
+    "device in other digits": ('device = "cuda:\u0661"', "device", "must be cpu, cuda or cuda:N"),
+    "device and a newline": ('device = "cuda\\n"', "device", "must be cpu, cuda or cuda:N"),
+    "factory and a newline": ('factory = "p:f\\n"', "factory", "required, 'package.module:function'"),
+}
+
+
+@pytest.mark.parametrize("case", MISTYPED)
+def test_a_manifest_value_of_the_wrong_type_is_its_model_s_field_error(case):
+    """A dtype given as a list or a table stopped every model (`TypeError: unhashable type`, exit
+    70, in prewarm, export and check); `requires_grad = "false"` was taken as true, digits of
+    other scripts as numbers, a trailing newline as part of a device or factory. Each is now a
+    field error of its own model; the others load."""
+    fields, field, says = MISTYPED[case]
+    factory = "" if fields.startswith("factory") else 'factory = "p:f"\n'
+    ok = '[[model]]\nname = "ok"\nfactory = "p:f"\nshapes = [["f32[2]"]]\n'
+    m = mf.parse(tomllib.loads(f'[[model]]\nname = "bad"\n{factory}{fields}\n\n{ok}'), "m.toml")
+    assert [x.name for x in m.models] == ["ok"]
+    assert len(m.errors) == 1 and m.errors[0][0] == "bad", m.errors
+    assert m.errors[0][1].startswith(f"manifest m.toml: model 'bad': field '{field}': {says}"), m.errors
+
+
+def test_a_dtype_given_as_a_list_is_one_line_for_every_command_that_reads_the_manifest(tmp_path, cli_for):
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(
+        '[[model]]\nname = "bad"\nfactory = "prewarm_models:mlp"\nshapes = [[{ shape = [2, 2], dtype = ["f32"] }]]\n'
+    )
+    (tmp_path / "cache").mkdir()
+    cli = cli_for(tmp_path / "cache")
+    expected = (
+        f"cachemgr: error: manifest {manifest}: model 'bad': field 'shapes[0][0].dtype': must be a dtype name "
+        'such as "f32" or "bfloat16", got [\'f32\']'
+    )
+    env = {"PYTHONPATH": os.pathsep.join((str(REPO), str(REPO / "tests" / "programs")))}
+    r = cli.proc("prewarm", "--manifest", str(manifest), env=env)
+    assert (r.returncode, r.stderr) == (2, expected + "\n")
+    r = cli.proc("export", "--manifest", str(manifest), "--out", str(tmp_path / "out.bundle"), env=env)
+    assert r.returncode == 8 and expected in r.stderr.splitlines(), r.stderr
+    r = cli.proc("check", "--manifest", str(manifest), env=env)  # (check reads the manifest's compile tables)
+    assert r.returncode == 0 and "internal error" not in r.stderr, r.stderr

@@ -42,10 +42,12 @@ DTYPES = {
     "b8": "bool",
 }
 DTYPE_NAMES = set(DTYPES.values()) | {"complex64"}
-FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+# each matched whole (fullmatch: `$` takes a trailing newline), digits ASCII (int() reads '١٤' too)
+FACTORY_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 SHAPE_RE = re.compile(
-    r"^(?P<dtype>[a-z0-9]+)\[(?P<dims>(?:\d{1,18}(?:,\d{1,18})*)?)\](?P<grad>\*?)$"
+    r"(?P<dtype>[a-z0-9]+)\[(?P<dims>(?:[0-9]{1,18}(?:,[0-9]{1,18})*)?)\](?P<grad>\*?)"
 )  # spaces removed first
+DEVICE_RE = re.compile(r"(cpu|cuda|xpu|mps)(:[0-9]+)?")
 MODEL_KEYS = {
     "name",
     "factory",
@@ -181,13 +183,13 @@ def _model(t: Any) -> ModelSpec:
     if not isinstance(name, str) or not name:
         raise _FieldError("name", "required, a non-empty string")
     factory = t.get("factory")
-    if not isinstance(factory, str) or not FACTORY_RE.match(factory):
+    if not isinstance(factory, str) or not FACTORY_RE.fullmatch(factory):
         raise _FieldError("factory", f"required, 'package.module:function', got {factory!r}")
     fkw = t.get("factory_kwargs", {})
     if not isinstance(fkw, dict):
         raise _FieldError("factory_kwargs", "must be a table")
     device = t.get("device", "cpu")
-    if not isinstance(device, str) or not re.match(r"^(cpu|cuda|xpu|mps)(:\d+)?$", device):
+    if not isinstance(device, str) or not DEVICE_RE.fullmatch(device):
         raise _FieldError("device", f"must be cpu, cuda or cuda:N, got {device!r}")
     autocast = t.get("autocast")
     if autocast is not None and autocast not in AUTOCAST:
@@ -299,7 +301,7 @@ def _arg(a: Any, where: str, depth: int = 0) -> dict:
             raise _FieldError(where, f"lists nested deeper than {MAX_NESTING}")
         return {"t": "list", "items": [_arg(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(a)]}
     if isinstance(a, str):
-        m = SHAPE_RE.match(a.replace(" ", ""))
+        m = SHAPE_RE.fullmatch(a.replace(" ", ""))
         if not m:
             raise _FieldError(
                 where,
@@ -316,11 +318,16 @@ def _arg(a: Any, where: str, depth: int = 0) -> dict:
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62 for d in a["shape"])
         ):
             raise _FieldError(where, 'a tensor table is {shape = [..ints..], dtype = "float32", requires_grad = false}')
-        return _tensor(a.get("dtype", "float32"), a["shape"], bool(a.get("requires_grad", False)), where)
+        grad = a.get("requires_grad", False)
+        if not isinstance(grad, bool):  # (bool("false") is True)
+            raise _FieldError(f"{where}.requires_grad", f"must be true or false, got {grad!r}")
+        return _tensor(a.get("dtype", "float32"), a["shape"], grad, where)
     raise _FieldError(where, f"unsupported argument {a!r}")
 
 
-def _tensor(dtype: str, dims: list[int], grad: bool, where: str) -> dict:
+def _tensor(dtype: Any, dims: list[int], grad: bool, where: str) -> dict:
+    if not isinstance(dtype, str):  # (a list or table is no key to look up: TypeError)
+        raise _FieldError(f"{where}.dtype", f'must be a dtype name such as "f32" or "bfloat16", got {dtype!r}')
     dtype = DTYPES.get(dtype, dtype)
     if dtype not in DTYPE_NAMES:
         raise _FieldError(where, f"unknown dtype {dtype!r} (e.g. f32, bf16, float16, int64)")
