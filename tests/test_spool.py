@@ -147,6 +147,54 @@ def test_locked_files_cost_one_short_wait_in_all_and_are_named(db, spool_dir, mo
     assert {d["signature"]: d["count"] for d in list_shapes(db, "lin")} == {"(f32[2,4])": 6, "(f32[3,4])": 1}
 
 
+LONG = "a" * 249 + ".jsonl"  # 255 bytes: taken, it is shortened to fit
+
+
+def test_a_long_named_file_left_taken_is_ingested_by_a_later_ingest(db, spool_dir):
+    """A 255-byte name, taken, was shortened to `aaa...-PID-0.ingesting`: without `.jsonl`, no
+    later ingest looked at it. Left taken while a recorder held its lock, it stayed for ever,
+    its lines never ingested. The shortened name keeps `.jsonl.ingesting`."""
+    (spool_dir / LONG).write_bytes(line("lin", (8, 16)))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(spool_dir / LONG)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+        r = ingest(db, str(spool_dir))
+    finally:
+        holder.communicate("", timeout=60)
+    assert (r.files, len(r.bad_lines)) == (0, 1) and "locked by another process" in r.bad_lines[0], r
+    (left,) = os.listdir(spool_dir)
+    assert left.startswith("a" * 200) and left.endswith(".jsonl" + TAKEN) and len(left) <= 255, left
+    r = ingest(db, str(spool_dir))
+    assert (r.files, r.lines, r.new_shapes, r.bad_lines) == (1, 1, 1, []), r
+    assert os.listdir(spool_dir) == []
+
+
+def test_a_long_named_file_a_crash_left_taken_is_recovered(db, spool_dir, monkeypatch):
+    """An ingest that dies after taking a long-named file, and a file an earlier version shortened
+    without `.jsonl`: later ingests recover both."""
+    (spool_dir / LONG).write_bytes(line("lin", (8, 16)))
+    (spool_dir / ("b" * 236 + f"-123-0{TAKEN}")).write_bytes(line("lin", (2, 4)))  # (the earlier version's)
+    real = spooling._ingest_file
+
+    def dies_once_it_took_one(db, path, recovering, *a):
+        if not recovering:
+            raise SystemExit("killed")
+        return real(db, path, recovering, *a)
+
+    with monkeypatch.context() as m:
+        m.setattr(spooling, "_ingest_file", dies_once_it_took_one)
+        with pytest.raises(SystemExit):
+            ingest(db, str(spool_dir))
+    (left,) = os.listdir(spool_dir)
+    assert left.endswith(".jsonl" + TAKEN), left
+    r = ingest(db, str(spool_dir))
+    assert (r.files, r.lines, r.new_shapes, r.bad_lines) == (1, 1, 1, []), r
+    assert os.listdir(spool_dir) == []
+    assert sorted(d["signature"] for d in list_shapes(db, "lin")) == ["(f32[2,4])", "(f32[8,16])"]
+
+
 # -- manifests ------------------------------------------------------------------------------------
 
 

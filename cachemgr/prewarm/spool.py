@@ -111,7 +111,8 @@ def ingest(db: Database, spool_dir: str) -> IngestResult:
     for name, recovering in [(n, True) for n in leftovers] + [(n, False) for n in fresh]:
         path = os.path.join(spool_dir, name)
         if not recovering:
-            taken = os.path.join(spool_dir, _fitting(name, TAKEN))
+            # shortened, a name keeps `.jsonl.ingesting`: a later ingest must find it if this one leaves it
+            taken = os.path.join(spool_dir, _fitting(name.removesuffix(SPOOL_SUFFIX), SPOOL_SUFFIX + TAKEN))
             try:
                 os.rename(path, taken)
             except FileNotFoundError:  # another ingester took it
@@ -142,7 +143,7 @@ def _spooled(spool_dir: str) -> tuple[list[str], list[str]]:
         names = sorted(os.listdir(spool_dir))
     except (OSError, ValueError):  # none yet, or not a directory we can read: nothing to ingest
         return [], []
-    leftovers = [n for n in names if n.endswith(SPOOL_SUFFIX + TAKEN)]
+    leftovers = [n for n in names if n.endswith(TAKEN)]  # (an earlier version shortened a long name without `.jsonl`)
     return leftovers, [n for n in names if n.endswith(SPOOL_SUFFIX) and not n.startswith(".")]
 
 
