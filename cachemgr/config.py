@@ -145,8 +145,11 @@ def _min_free(v: Any) -> str:
 
 def _fraction(v: Any) -> float:
     if isinstance(v, str):
+        text = _text(v).strip()
         try:
-            f = float(_text(v).strip())
+            if not text.isascii():  # (float() reads '٠.٩' too)
+                raise ValueError
+            f = float(text)
         except ValueError:
             raise ValueError("must be a number in (0, 1], like 0.9") from None
     else:
@@ -415,7 +418,7 @@ def load(
 ) -> Settings:
     """Resolve every option. `config_file` None means /etc/cachemgr/config.toml if it exists."""
     environ = os.environ if environ is None else environ
-    raw: dict[str, tuple[Any, str]] = {}
+    given: dict[str, list[tuple[Any, str]]] = {}  # each value set for an option, lowest source first
     path = (
         config_file
         or environ.get("CACHEMGR_CONFIG")
@@ -425,39 +428,45 @@ def load(
         for k, v in _read_toml(path).items():
             if k not in BY_NAME:
                 raise ConfigError(f"{path}: unknown key {k!r} (known: {', '.join(BY_NAME)})")
-            raw[k] = (v, f"file {path}")
+            given[k] = [(v, f"file {path}")]
     for o in OPTIONS:
         env = "CACHEMGR_" + o.name.upper()
         if environ.get(env) is not None:
-            raw[o.name] = (environ[env], f"env {env}")
+            given.setdefault(o.name, []).append((environ[env], f"env {env}"))
     for k, v in (flags or {}).items():
         if v is not None:
             if k not in BY_NAME:
                 raise ConfigError(f"unknown option {k!r}")
-            raw[k] = (v, "flag")
+            given.setdefault(k, []).append((v, "flag"))
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for o in OPTIONS:
-        if o.name in raw:
-            v, src = raw[o.name]
-            parse: Callable[[Any], Any] = o.parse
+        if o.name in given:
+            # every value set is checked, not only the one that wins: the file's value a variable
+            # overrides now is the one a daemon restarted without the variable reads
+            for v, src in given[o.name]:
+                values[o.name] = _parsed(o, o.parse, v, src)
         else:
             src = o.default_source(environ)
             v = o.default(environ)  # (a default read from the environment meets the text check)
-            parse = _text if isinstance(v, str) else lambda x: x
-        try:
-            values[o.name] = parse(v)
-        except UsageError as e:
-            raise ConfigError(f"{o.name} from {src}: {e}") from e
-        except (TypeError, ValueError, OverflowError) as e:
-            if o.name in URL_OPTIONS:  # (a password stays hidden, whatever is wrong with the rest)
-                shown = repr(redact_url(v)) if isinstance(v, str) else f"of type {type(v).__name__}"
-            else:
-                shown = repr(v)
-            shown = shown if len(shown) <= 80 else shown[:77] + "..."
-            raise ConfigError(f"{o.name} from {src}: invalid value {shown}: {e}") from e
+            values[o.name] = _parsed(o, _text if isinstance(v, str) else lambda x: x, v, src)
         sources[o.name] = src
     return Settings(**values, sources=sources, config_file=path)
+
+
+def _parsed(o: Option, parse: Callable[[Any], Any], v: Any, src: str) -> Any:
+    """`v` parsed for `o`; a ConfigError naming the option and where `v` came from if it cannot be."""
+    try:
+        return parse(v)
+    except UsageError as e:
+        raise ConfigError(f"{o.name} from {src}: {e}") from e
+    except (TypeError, ValueError, OverflowError) as e:
+        if o.name in URL_OPTIONS:  # (a password stays hidden, whatever is wrong with the rest)
+            shown = repr(redact_url(v)) if isinstance(v, str) else f"of type {type(v).__name__}"
+        else:
+            shown = repr(v)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise ConfigError(f"{o.name} from {src}: invalid value {shown}: {e}") from e
 
 
 MAX_TOML = 4 * 1024 * 1024  # bytes: a config file or manifest is a few KiB

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from cachemgr.errors import UsageError
 
@@ -27,23 +28,30 @@ _SIZE_UNITS = {
     "tib": 1024**4,
 }
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)  # (float() reads '１０' and '١٤' too)
 
 
 MAX_SIZE = (1 << 63) - 1
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes from '20GiB', '500MB', '1.5G' or a plain integer."""
+    """Bytes from '20GiB', '500MB', '1.5G' or a plain integer. A size that is not a whole number of
+    bytes ('0.4B', '1.1KiB') is refused, not rounded: cut down, '0.4B' was 0, which as a cap
+    evicts everything, and rounded either way the cap would not be the size written."""
     if isinstance(text, int):
         return text
     match = _NUMBER_UNIT.match(str(text))
     unit = match and match.group(2).lower()
     if not match or unit not in _SIZE_UNITS:
         raise UsageError(f"invalid size {text!r}: use a number with B, KB, MB, GB, KiB, MiB, GiB, TiB")
-    n = float(match.group(1)) * _SIZE_UNITS[unit]
-    if not n <= MAX_SIZE:  # a database integer holds 8 bytes (inf: hundreds of digits)
+    try:
+        n = Fraction(match.group(1)) * _SIZE_UNITS[unit]  # exact: as floats, 1.1GB is 1,100,000,000.0000002
+    except ValueError:  # more digits than Python converts (4,300)
+        raise UsageError(f"invalid size {text!r}: too many digits") from None
+    if n > MAX_SIZE:  # a database integer holds 8 bytes
         raise UsageError(f"invalid size {text!r}: larger than 8 EiB")
+    if n.denominator != 1:
+        raise UsageError(f"invalid size {text!r}: {float(n):.15g} bytes, not a whole number of bytes")
     return int(n)
 
 
@@ -62,10 +70,8 @@ def parse_size_or_percent(text: str) -> tuple[int | None, float | None]:
     """A free-space floor: '10%' gives (None, 0.10); '50GiB' gives (bytes, None)."""
     text = str(text).strip()
     if text.endswith("%"):
-        try:
-            pct = float(text[:-1])
-        except ValueError:
-            pct = -1.0
+        match = _NUMBER_UNIT.match(text[:-1])
+        pct = float(match.group(1)) if match and not match.group(2) else -1.0
         if not 0 <= pct < 100:
             raise UsageError(f"invalid percentage {text!r}: use a number from 0 to 99, like 10%")
         return None, pct / 100
