@@ -35,9 +35,9 @@ MAX_SIZE = (1 << 63) - 1
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes from '20GiB', '500MB', '1.5G' or a plain integer. A size that is not a whole number of
-    bytes ('0.4B', '1.1KiB') is refused, not rounded: cut down, '0.4B' was 0, which as a cap
-    evicts everything, and rounded either way the cap would not be the size written."""
+    """Bytes from '20GiB', '500MB', '1.5G' or a plain integer; a fraction of a byte is dropped
+    ('1.1GiB'), but a size under one byte that is not 0 ('0.4B') is refused: cut down to 0, as
+    a cap it evicts everything."""
     if isinstance(text, int):
         return text
     match = _NUMBER_UNIT.match(str(text))
@@ -50,8 +50,8 @@ def parse_size(text: str | int) -> int:
         raise UsageError(f"invalid size {text!r}: too many digits") from None
     if n > MAX_SIZE:  # a database integer holds 8 bytes
         raise UsageError(f"invalid size {text!r}: larger than 8 EiB")
-    if n.denominator != 1:
-        raise UsageError(f"invalid size {text!r}: {float(n):.15g} bytes, not a whole number of bytes")
+    if 0 < n < 1:
+        raise UsageError(f"invalid size {text!r}: less than one byte (0 is written 0)")
     return int(n)
 
 

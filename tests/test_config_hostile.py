@@ -1,5 +1,5 @@
-"""Settings values that were taken though wrong: a file's value hidden by a variable, a size that
-is no whole number of bytes, digits of other scripts. Each is a ConfigError naming key and source
+"""Settings values that were taken though wrong: a file's value hidden by a variable, a size under
+one byte, digits of other scripts. Each is a ConfigError naming key and source
 (one line, exit 2)."""
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ def test_a_file_value_a_variable_or_flag_overrides_is_still_checked(tmp_path, cl
     assert (r.returncode, r.stderr.count("\n")) == (2, 1) and "max_size from file" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("size", ["0.4B", "0.5", "1.1KiB"])
-def test_a_size_that_is_no_whole_number_of_bytes_is_refused(size, tmp_path):
-    """`max_size = "0.4B"` (or "0.5") was cut down to 0 bytes: a cap that evicts everything.
-    A size that is not a whole number of bytes is refused, not rounded either way."""
-    with pytest.raises(ConfigError, match=f"^max_size from file .*: invalid size '{size}': .* not a whole number"):
+@pytest.mark.parametrize("size", ["0.4B", "0.5", "0.0001KB"])
+def test_a_size_under_one_byte_is_refused(size, tmp_path):
+    """`max_size = "0.4B"` (or "0.5") was cut down to 0 bytes: a cap that evicts everything."""
+    with pytest.raises(ConfigError, match=f"^max_size from file .*: invalid size '{size}': less than one byte"):
         load(tmp_path, f'max_size = "{size}"')
 
 
-def test_fractions_that_make_whole_bytes_are_exact():
-    assert [parse_size(s) for s in ("1.5GiB", "1.1GB", "0.5KB", "2.25KiB")] == [3 << 29, 1_100_000_000, 500, 2304]
+def test_sizes_are_exact_and_drop_a_fraction_of_a_byte():
+    sizes = ("1.5GiB", "1.1GB", "0.5KB", "2.25KiB", "1.1KiB", "0", "0.0B")
+    assert [parse_size(s) for s in sizes] == [3 << 29, 1_100_000_000, 500, 2304, 1126, 0, 0]
     with pytest.raises(UsageError, match="too many digits"):
         parse_size("1." + "0" * 5000 + "1")  # (past the 4,300 digits Python converts)
 
