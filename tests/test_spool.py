@@ -324,5 +324,8 @@ def test_a_dtype_given_as_a_list_is_one_line_for_every_command_that_reads_the_ma
     assert (r.returncode, r.stderr) == (2, expected + "\n")
     r = cli.proc("export", "--manifest", str(manifest), "--out", str(tmp_path / "out.bundle"), env=env)
     assert r.returncode == 8 and expected in r.stderr.splitlines(), r.stderr
-    r = cli.proc("check", "--manifest", str(manifest), env=env)  # (check reads the manifest's compile tables)
+    r = cli.proc("check", "--manifest", str(manifest), "--json", env=env)  # (it reads the compile tables)
     assert r.returncode == 0 and "internal error" not in r.stderr, r.stderr
+    # said, and the manifest is not complete: that model's options are not known (it said complete)
+    assert expected.replace("error: ", "", 1) in r.stderr.splitlines(), r.stderr
+    assert json.loads(r.stdout)["host"]["manifest_complete"] is False

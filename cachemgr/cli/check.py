@@ -20,6 +20,7 @@ from cachemgr.cli.common import (
     json_option,
     pass_app,
     plural,
+    say,
     terminal_width,
     wide_option,
 )
@@ -64,7 +65,8 @@ def check_spec(app, manifest, devices: list[str] | None, **extra) -> dict:
     return {
         "option_sets": sets,
         "devices": devices,
-        "complete": manifest is not None,
+        # (a model the manifest could not give is a workload cachemgr does not know)
+        "complete": manifest is not None and not manifest.errors,
         **extra,
     }
 
@@ -226,6 +228,8 @@ def check_cmd(
         from cachemgr.prewarm import manifest as mf
 
         manifest = mf.load(manifest_path)
+        for _, error in manifest.errors:  # (its options then unknown: the manifest is not complete)
+            say(f"cachemgr: {error}", err=True)
     target = app
     if cache_dir:
         target = App(app.config_file, {**app.flags, "cache_dir": cache_dir})
