@@ -405,3 +405,37 @@ def remove_at(
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dir_fd)
+
+
+def remove_tree(dir_fd: int, name: str, mount: int | None, depth: int = 0) -> bool:
+    """Remove directory `name` in directory `dir_fd` and everything below it, through descriptors:
+    each directory opened relative to its parent without following a symlink (a symlink is
+    unlinked, never followed), none deeper than MAX_DEPTH entered, and none on another mount than
+    `mount` (the root's: `mount_id`) entered. A mount point stays, with every directory above it.
+    True when all of it went."""
+    try:
+        fd = os.open(name, O_DIR, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        if depth >= MAX_DEPTH or (mount is not None and mount_id(fd) != mount):
+            return False
+        with os.scandir(fd) as it:
+            found = [(d.name, d.is_dir(follow_symlinks=False)) for d in it]
+        whole = True
+        for n, is_dir in found:
+            if is_dir:
+                whole = remove_tree(fd, n, mount, depth + 1) and whole
+                continue
+            try:
+                os.unlink(n, dir_fd=fd)
+            except OSError:  # (made a folder since the listing, or a file bind-mounted there: EBUSY)
+                whole = False
+    finally:
+        os.close(fd)
+    if whole:
+        try:
+            os.rmdir(name, dir_fd=dir_fd)
+        except OSError:
+            return False
+    return whole

@@ -1090,7 +1090,6 @@ def load_staged(torch, payload: bytes, root: str) -> tuple[Any, list[str]]:
     follows none (a file whose way holds one stays out, and is named). The folder is
     tempfile-named, as Inductor's own temporary folders are: scans and eviction leave it be.
     Returns torch's answer and what was not moved in, and why."""
-    import shutil
     import tempfile
 
     from cachemgr import layout, safefs
@@ -1129,7 +1128,7 @@ def load_staged(torch, payload: bytes, root: str) -> tuple[Any, list[str]]:
                         refused.append(f"{layout.key_of(rel)}: {e.strerror or e}")
         return info, refused
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove_staging(root, os.path.basename(staging))
 
 
 STAGING_MARK = ".cachemgr-import"  # in the folder a bundle is loaded into (a dotfile: never moved in)
@@ -1138,22 +1137,40 @@ STAGING_DEAD = 6 * 3600  # seconds after which such a folder is an import's that
 
 def _remove_dead_stagings(root: str) -> None:
     """Remove the folders killed imports left (eviction keeps every tempfile-named folder, as
-    Inductor's): those that hold STAGING_MARK, made over STAGING_DEAD seconds ago."""
-    import shutil
-
-    from cachemgr import layout
+    Inductor's): those that hold STAGING_MARK, made over STAGING_DEAD seconds ago. One with a
+    mount point inside it stays whole (docs/safety.md: nothing at, below or above one goes)."""
+    from cachemgr import layout, safefs
 
     try:
-        names = [n for n in os.listdir(root) if layout.TEMP_FOLDER.fullmatch(n)]
+        r = safefs.Root(root)
     except OSError:
         return
-    for name in names:
+    with r:
         try:
-            st = os.stat(os.path.join(root, name, STAGING_MARK), follow_symlinks=False)
+            names = [n for n in r.listdir("") if layout.TEMP_FOLDER.fullmatch(n)]
         except OSError:
-            continue  # (not ours)
-        if stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > STAGING_DEAD:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)  # (never follows a symlink)
+            return
+        mounts = safefs.mounts_below(r)
+        for name in names:
+            if safefs.at_or_above_a_mount(name, mounts):
+                continue
+            try:
+                st = r.lstat(f"{name}/{STAGING_MARK}")  # (its folder reached without following a symlink)
+            except OSError:
+                continue  # (not ours)
+            if stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > STAGING_DEAD:
+                safefs.remove_tree(r.fd, name, r.mount)
+
+
+def _remove_staging(root: str, name: str) -> None:
+    """Remove folder `name` of cache directory `root` through descriptors (safefs.remove_tree): a
+    mount made inside it meanwhile stays, and so does what is above it."""
+    import contextlib
+
+    from cachemgr import safefs
+
+    with contextlib.suppress(OSError), safefs.Root(root) as r:
+        safefs.remove_tree(r.fd, name, r.mount)
 
 
 def _made_dir(root, rel: str) -> int:

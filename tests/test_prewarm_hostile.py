@@ -1,0 +1,70 @@
+"""Prewarm, export and import against what they must not trust or must not leave: a mount point in
+an import's staging folder, recorded shapes no replay can build as they are, a bundle's header and
+size, an interrupted run's temporary files, text that reaches the terminal."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from cachemgr import safefs
+from cachemgr.prewarm import worker
+
+
+@pytest.fixture
+def bind_mount():
+    """mount(src, dst): `mount --bind` (root only: skipped otherwise); unmounted after the test."""
+    made: list[Path] = []
+
+    def mount(src: Path, dst: Path) -> None:
+        if os.geteuid() != 0:
+            pytest.skip("mount --bind needs root")
+        r = subprocess.run(["mount", "--bind", str(src), str(dst)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"mount --bind failed: {r.stderr.strip()}")
+        made.append(dst)
+
+    yield mount
+    for dst in reversed(made):
+        subprocess.run(["umount", str(dst)], check=True)
+
+
+def test_a_dead_import_staging_is_removed_but_nothing_at_or_above_a_mount_point(tmp_path, bind_mount):
+    """An import removes the staging folders killed imports left; shutil.rmtree crossed into a
+    folder bind-mounted inside one and emptied it. One holding a mount point now stays whole; and
+    the remover itself enters no directory of another mount (one mounted after the table was read)."""
+    root = tmp_path / "cache"
+    (root / "fxgraph").mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "f").write_text("x")
+    dead = time.time() - worker.STAGING_DEAD - 3600
+
+    def staging(name: str) -> Path:
+        folder = root / name
+        folder.mkdir()
+        (folder / worker.STAGING_MARK).touch()
+        os.utime(folder / worker.STAGING_MARK, (dead, dead))
+        return folder
+
+    mounted = staging("tmpabcdefgh")
+    (mounted / "m").mkdir()
+    bind_mount(victim, mounted / "m")
+    left = staging("tmpdeadbeef")
+    (left / "fxgraph" / "ab").mkdir(parents=True)
+    (left / "fxgraph" / "ab" / "entry").write_text("y")
+    (left / "elsewhere").symlink_to(victim)  # unlinked, never followed
+
+    worker._remove_dead_stagings(str(root))
+    assert not left.exists()
+    assert (victim / "f").read_text() == "x"
+    assert sorted(p.name for p in mounted.iterdir()) == [worker.STAGING_MARK, "m"]
+
+    with safefs.Root(str(root)) as r:  # the remover alone: the mount is skipped, the rest goes
+        assert safefs.remove_tree(r.fd, "tmpabcdefgh", r.mount) is False
+    assert (victim / "f").read_text() == "x"
+    assert [p.name for p in mounted.iterdir()] == ["m"]
