@@ -4,6 +4,8 @@ size, an interrupted run's temporary files, text that reaches the terminal."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import time
@@ -12,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from cachemgr import safefs
-from cachemgr.prewarm import worker
+from cachemgr.prewarm import bundle, worker
+from tests.conftest import Cli
+from tests.test_prewarm import ENV
 
 
 @pytest.fixture
@@ -68,3 +72,26 @@ def test_a_dead_import_staging_is_removed_but_nothing_at_or_above_a_mount_point(
         assert safefs.remove_tree(r.fd, "tmpabcdefgh", r.mount) is False
     assert (victim / "f").read_text() == "x"
     assert [p.name for p in mounted.iterdir()] == ["m"]
+
+
+def _graphs(cache: Path) -> list[tuple[str, bytes]]:
+    """A cache's fxgraph entries as a bundle holds them: (key, bytes)."""
+    files = (f for f in sorted((cache / "fxgraph").rglob("*")) if f.is_file() and not f.name.startswith("."))
+    return [(f.parent.name, f.read_bytes()) for f in files]
+
+
+@pytest.mark.slow  # an import worker starts torch
+def test_the_check_of_a_bundle_of_thousands_of_graphs_reaches_the_cli(fixture_cache, tmp_path, db_url):
+    """The worker's `imported` event names every graph of the bundle's check: at about 3,500 graphs
+    it was over the 1 MiB an event line could be, was dropped, and a good import (or check) was
+    reported as failed, "the import worker reported nothing" (exit 9). A bundle may hold 50,000."""
+    cache = fixture_cache("torch-2.13.0-cpu")
+    junk = [("f" + hashlib.sha256(str(i).encode()).hexdigest()[:51], b"not a pickle") for i in range(5000)]
+    path = tmp_path / "many.bundle"
+    bundle.write(str(path), {"torch": "2.13.0+cpu"}, bundle.payload_of({"inductor": _graphs(cache) + junk}))
+    r = Cli(cache, db_url).proc("import", str(path), "--check-only", "--allow-partial", "--json", timeout=600, env=ENV)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(r.stdout) > 1 << 20
+    doc = json.loads(r.stdout)
+    assert doc["ok"] and doc["check"]["graphs"] == 5008 and doc["check"]["hit"] > 0
+    assert len(doc["check"]["missing"]) == 5000  # each junk entry: it does not read

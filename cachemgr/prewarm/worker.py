@@ -534,7 +534,11 @@ def _rest(s: Slice, done: set[tuple[str, int]]) -> Slice | None:
     return _slice(s.model, idx) if idx else None
 
 
-MAX_EVENT = 1 << 20  # bytes of one event line from a worker; more is not ours (a model writing to the fd)
+# Bytes of one event line from a worker; more is not ours (a model writing to the fd). The largest
+# of ours is `imported`: the check of a bundle names each of its graphs (bundle.MAX_ARTIFACTS at
+# most), about 0.5 KB for one that will hit and 6 KB for one that misses by another torch's options
+# (each differing component listed, its values cut to 200 characters), and the keys the load wrote.
+MAX_EVENT = 512 << 20
 
 
 def _one_worker(
@@ -576,7 +580,7 @@ def _one_worker(
         proc.stdin.close()
     except BrokenPipeError:
         pass
-    buf = b""
+    buf = bytearray()  # the line being read, grown in place (bytes `+=` copied all of it per chunk)
     finished = False
     deadline = None
     try:
@@ -588,12 +592,13 @@ def _one_worker(
                     procs.kill_group(proc)
                     proc.wait()
                     return f"timed out after {timeout:g} s (worker killed)"
-                chunk = pipe.read(65536)
+                chunk = pipe.read(1 << 20)
                 if not chunk:
                     break
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
+                *ends, rest = chunk.split(b"\n")  # each of `ends` ends a line
+                for end in ends:
+                    buf += end
+                    line, buf = buf, bytearray()
                     try:
                         ev = json.loads(line)
                         ev["e"]
@@ -606,8 +611,9 @@ def _one_worker(
                     elif ev["e"] in ("shape", "imported", "exported", "host_side"):
                         deadline = None
                     on(ev)
+                buf += rest
                 if len(buf) > MAX_EVENT:
-                    buf = b""
+                    buf = bytearray()
     finally:
         code = proc.wait()
         workers.discard(proc)
