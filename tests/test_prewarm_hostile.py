@@ -16,7 +16,7 @@ import pytest
 from cachemgr import safefs
 from cachemgr.prewarm import bundle, worker
 from tests.conftest import Cli
-from tests.test_prewarm import ENV
+from tests.test_prewarm import ENV, ConfCli, proc_json
 
 
 @pytest.fixture
@@ -95,3 +95,33 @@ def test_the_check_of_a_bundle_of_thousands_of_graphs_reaches_the_cli(fixture_ca
     doc = json.loads(r.stdout)
     assert doc["ok"] and doc["check"]["graphs"] == 5008 and doc["check"]["hit"] > 0
     assert len(doc["check"]["missing"]) == 5000  # each junk entry: it does not read
+
+
+def _recorded(tmp_path: Path, db_url: str, shapes: list[tuple[str, list[int], list[int], str]]) -> ConfCli:
+    """A CLI whose spool holds these recorded calls, one tensor each: (model, shape, stride, dtype)."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    t0 = time.time() - 100
+    lines = []
+    for i, (model, shape, stride, dtype) in enumerate(shapes):
+        arg = {"t": "tensor", "shape": shape, "dtype": dtype, "device": "cpu", "stride": stride}
+        spec = {"args": [arg], "kwargs": {}, "grad": False}
+        lines.append(json.dumps({"model": model, "signature_hash": f"h{i}", "spec": spec, "ts": t0 + i}) + "\n")
+    (spool / "w.jsonl").write_text("".join(lines))
+    (tmp_path / "config.toml").write_text(f'spool_dir = "{spool}"\n')
+    return ConfCli(tmp_path / "cache", db_url, tmp_path / "config.toml")
+
+
+EAGER_MLP = 'factory = "prewarm_models:mlp"\ncompile = { backend = "eager" }\n'
+
+
+@pytest.mark.slow  # a prewarm worker starts torch
+def test_a_recorded_expanded_input_is_replayed(tmp_path, db_url):
+    """An expanded input (stride 0: Hugging Face's `position_ids = arange(n).expand(b, n)`) was
+    built by filling the tensor itself, which torch refuses for elements that share memory ("more
+    than one element of the written-to tensor refers to a single memory location"): every such
+    shape failed, exit 8. Its storage is filled now, and the call made with the recorded strides."""
+    cli = _recorded(tmp_path, db_url, [("ids", [4, 16], [16, 1], "float32"), ("ids", [4, 16], [0, 1], "float32")])
+    (tmp_path / "m.toml").write_text(f'[[model]]\nname = "ids"\n{EAGER_MLP}')
+    doc, _ = proc_json(cli, "prewarm", "--manifest", str(tmp_path / "m.toml"), code=0)
+    assert [(r["index"], r["ok"], r["error"]) for r in doc["shapes"]] == [(0, True, None), (1, True, None)]

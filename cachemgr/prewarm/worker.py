@@ -969,14 +969,19 @@ def input_bytes(torch, spec: dict) -> int:
             stride = s.get("stride") or _contig(shape)
             if len(stride) != len(shape):
                 raise ValueError(f"stride {stride} does not match shape {shape}")
-            if 0 not in shape:
-                span = 1 + sum((d - 1) * abs(st) for d, st in zip(shape, stride, strict=True))
-                total += span * _dtype(torch, s["dtype"]).itemsize
+            total += _span(shape, stride) * _dtype(torch, s["dtype"]).itemsize
         elif t in ("tuple", "list"):
             stack.extend(s["items"])
         elif t == "dict":
             stack.extend(s["items"].values())
     return total
+
+
+def _span(shape: list[int], stride: list[int]) -> int:
+    """Elements of the storage a tensor of this shape and stride takes."""
+    if 0 in shape:
+        return 0
+    return 1 + sum((d - 1) * abs(st) for d, st in zip(shape, stride, strict=True))
 
 
 def _dtype(torch, name: str):
@@ -990,13 +995,17 @@ def _build(torch, s: dict, device: str):
     t = s["t"]
     if t == "tensor":
         dtype = _dtype(torch, s["dtype"])
-        x = torch.empty_strided(s["shape"], s.get("stride") or _contig(s["shape"]), dtype=dtype, device=device)
+        shape, stride = s["shape"], s.get("stride") or _contig(s["shape"])
+        x = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        # Its storage is filled, not the tensor: the elements of an expanded input (a stride of 0,
+        # as `arange(n).expand(b, n)` makes) share memory, which no in-place op writes through.
+        storage = x.as_strided([_span(shape, stride)], [1])
         if dtype.is_floating_point or dtype.is_complex:
-            x.normal_()
+            storage.normal_()
         elif dtype == torch.bool:
-            x.zero_()
+            storage.zero_()
         else:
-            x.random_(0, 2)  # small ints: safe as indices and as counts
+            storage.random_(0, 2)  # small ints: safe as indices and as counts
         if s.get("requires_grad"):
             x.requires_grad_(True)
         return x
