@@ -125,3 +125,21 @@ def test_a_recorded_expanded_input_is_replayed(tmp_path, db_url):
     (tmp_path / "m.toml").write_text(f'[[model]]\nname = "ids"\n{EAGER_MLP}')
     doc, _ = proc_json(cli, "prewarm", "--manifest", str(tmp_path / "m.toml"), code=0)
     assert [(r["index"], r["ok"], r["error"]) for r in doc["shapes"]] == [(0, True, None), (1, True, None)]
+
+
+@pytest.mark.slow  # a prewarm worker starts torch
+def test_a_recorded_shape_of_more_elements_than_max_input_bytes_is_refused_not_replayed(tmp_path, db_url):
+    """`b8[2**31,2**31]` of strides (0, 0) takes one byte of storage, under any max_input_bytes, and
+    its fill (then its call) went through 2**62 elements: prewarm hung. An input of more elements
+    than the model's max_input_bytes is refused by name now, and the model's other shapes run."""
+    huge = 1 << 31
+    cli = _recorded(tmp_path, db_url, [("m", [2, 16], [16, 1], "float32"), ("m", [huge, huge], [0, 0], "bool")])
+    (tmp_path / "m.toml").write_text(f'[[model]]\nname = "m"\n{EAGER_MLP}')
+    # (--timeout: a hang fails the test instead of stalling it)
+    doc, _ = proc_json(cli, "prewarm", "--manifest", str(tmp_path / "m.toml"), "--timeout", "120", code=8)
+    assert [r["ok"] for r in doc["shapes"]] == [True, False]
+    assert doc["failures"] == [
+        f"model 'm' shape #1 {doc['shapes'][1]['signature']} on cpu: InputsTooLarge: the inputs hold "
+        "4,611,686,018,427,387,904 elements, more than the model's max_input_bytes (1.0 GiB) allows for one "
+        "replayed call: not built"
+    ]

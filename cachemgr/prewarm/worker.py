@@ -7,7 +7,8 @@ that order: the first shape compiles a static graph, the next a dynamic one, as 
 The child reports JSON lines on a pipe of its own (the model may print on stdout); the parent
 enforces the per-shape timeout, and a worker that dies or hangs is replaced for the shapes left.
 A call's inputs are measured before any is built (recorded shapes are anyone's): over the model's
-`max_input_bytes` that shape fails, naming its size, and nothing is allocated.
+`max_input_bytes`, or holding more elements than that (a stride of 0 spans a huge shape with one),
+that shape fails, naming its size, and nothing is allocated.
 
 Workers live in process groups of their own (cachemgr.procs): a terminal's Ctrl-C reaches only the
 CLI, which kills every worker group and waits for it before it exits 130; a worker (and the compile
@@ -17,6 +18,7 @@ processes torch starts in its group) also dies with the CLI when that is killed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import stat
@@ -911,16 +913,22 @@ def _replay_model(m: dict, device: str, phase: str, out: _Out, torch, counters) 
 
 
 class InputsTooLarge(ValueError):
-    """A shape whose inputs would take more than the model's max_input_bytes: never allocated."""
+    """A shape whose inputs would take more than the model's max_input_bytes, or hold more
+    elements than it has bytes: never allocated."""
 
 
 def _call(torch, compiled, spec: dict, device: str, model: dict) -> None:
     cap = model.get("max_input_bytes") or MAX_INPUT_BYTES
-    need = input_bytes(torch, spec)
+    need, elements = input_size(torch, spec)
     if need > cap:
         raise InputsTooLarge(
             f"the inputs would take {format_size(need)}, over the model's max_input_bytes "
             f"({format_size(cap)}) for one replayed call: not built"
+        )
+    if elements > cap:  # (an element takes a byte at least: an input of more is a hostile shape, hours of work)
+        raise InputsTooLarge(
+            f"the inputs hold {elements:,} elements, more than the model's max_input_bytes "
+            f"({format_size(cap)}) allows for one replayed call: not built"
         )
     args = [_build(torch, a, device) for a in spec["args"]]
     kwargs = {k: _build(torch, v, device) for k, v in spec["kwargs"].items()}
@@ -956,10 +964,12 @@ def _tensors(torch, obj):
             yield from _tensors(torch, o)
 
 
-def input_bytes(torch, spec: dict) -> int:
-    """Bytes the inputs of one call take once built, before any is: each tensor's storage as its
-    shape and stride span it (a stride alone can make a small shape need a huge storage)."""
-    total = 0
+def input_size(torch, spec: dict) -> tuple[int, int]:
+    """Bytes and elements the inputs of one call take once built, before any is: each tensor's
+    storage as its shape and stride span it (a stride alone can make a small shape need a huge
+    storage), and the elements its shape holds (a stride of 0 makes a huge shape take one
+    element's storage, and the call then goes through every element)."""
+    total = elements = 0
     stack = [*spec["args"], *spec["kwargs"].values()]
     while stack:
         s = stack.pop()
@@ -970,11 +980,12 @@ def input_bytes(torch, spec: dict) -> int:
             if len(stride) != len(shape):
                 raise ValueError(f"stride {stride} does not match shape {shape}")
             total += _span(shape, stride) * _dtype(torch, s["dtype"]).itemsize
+            elements += math.prod(shape)
         elif t in ("tuple", "list"):
             stack.extend(s["items"])
         elif t == "dict":
             stack.extend(s["items"].values())
-    return total
+    return total, elements
 
 
 def _span(shape: list[int], stride: list[int]) -> int:
