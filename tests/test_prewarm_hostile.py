@@ -143,3 +143,26 @@ def test_a_recorded_shape_of_more_elements_than_max_input_bytes_is_refused_not_r
         "4,611,686,018,427,387,904 elements, more than the model's max_input_bytes (1.0 GiB) allows for one "
         "replayed call: not built"
     ]
+
+
+def _nested_header(path: Path, levels: int) -> None:
+    """A bundle at `path` whose header (an object) holds lists nested to `levels` in all."""
+    bundle.write(str(path), {"torch": "2.13.0+cpu", "expects": {"autotune": []}}, bundle.payload_of({}))
+    magic, header, payload = path.read_bytes().split(b"\n", 2)
+    deep = b', "x": ' + b"[" * (levels - 1) + b"]" * (levels - 1) + b"}"
+    path.write_bytes(magic + b"\n" + header[:-1] + deep + b"\n" + payload)
+
+
+@pytest.mark.parametrize("levels", [17, 983])
+def test_a_bundle_header_nested_deep_is_refused_as_no_bundle(tmp_path, db_url, levels):
+    """983 nested lists in a header parsed, and what printed the header then failed: `import
+    --check-only --json` exit 70 (RecursionError); 985 and more were refused (the parser's own
+    limit). A header is refused past 16 levels (cachemgr writes 3), before torch starts."""
+    path = tmp_path / "deep.bundle"
+    _nested_header(path, levels)
+    r = Cli(tmp_path / "cache", db_url).proc("import", str(path), "--check-only", "--json")
+    assert r.returncode == 9 and r.stderr == (
+        f"cachemgr: error: bundle {path}: its header is not one cachemgr writes (nested deeper than 16 levels)\n"
+    )
+    _nested_header(path, 16)
+    assert bundle.read(str(path)).header["x"] == json.loads("[" * 15 + "]" * 15)

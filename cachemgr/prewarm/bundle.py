@@ -100,14 +100,17 @@ def _kind_of(mode: int) -> str:
 
 
 MAX_HEADER = 1 << 20  # bytes of the header line (a few hundred real ones)
+MAX_HEADER_NESTING = 16  # levels of the header's JSON: cachemgr writes 3
 MAX_BYTES = MAX_BUNDLE_BYTES
 
 
 def _header_problem(h: Any) -> str | None:
     """The first field of a header that is not as cachemgr writes it (of those read), or None: a
-    list for `expects` crashed the check."""
+    list for `expects` crashed the check; 983 nested lists crashed what printed it (RecursionError)."""
     if not isinstance(h, dict):
         return "not an object"
+    if _nests_deeper(h, MAX_HEADER_NESTING):
+        return f"nested deeper than {MAX_HEADER_NESTING} levels"
 
     def texts(v: Any) -> bool:
         return isinstance(v, list) and all(isinstance(x, str) for x in v)
@@ -121,6 +124,19 @@ def _header_problem(h: Any) -> str | None:
         "expects": expects is None or (isinstance(expects, dict) and all(texts(v) for v in expects.values())),
     }
     return next((f"field {name!r}" for name, good in ok.items() if not good), None)
+
+
+def _nests_deeper(doc: Any, levels: int) -> bool:
+    """Whether `doc` (parsed JSON) holds lists and objects nested deeper than `levels`. Iterative:
+    no recursion however deep it is."""
+    stack = [(doc, 1)]
+    while stack:
+        v, level = stack.pop()
+        if isinstance(v, (dict, list)):
+            if level > levels:
+                return True
+            stack.extend((x, level + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False
 
 
 def read(path: str, payload: bool = True) -> Bundle:
