@@ -7,7 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 
 from cachemgr import safefs
 from cachemgr.prewarm import bundle, worker
-from tests.conftest import Cli
+from tests.conftest import REPO, Cli, subprocess_env
 from tests.test_prewarm import ENV, ConfCli, proc_json
 
 
@@ -166,3 +168,66 @@ def test_a_bundle_header_nested_deep_is_refused_as_no_bundle(tmp_path, db_url, l
     )
     _nested_header(path, 16)
     assert bundle.read(str(path)).header["x"] == json.loads("[" * 15 + "]" * 15)
+
+
+STALL = """
+import os, time
+if os.environ.get("CACHEMGR_WORKER_FD"):  # in the worker, not the CLI: stall where it writes through a temporary
+    def stalling(real, at):
+        def call(*args, **kwargs):
+            if at(*args, **kwargs):
+                open(os.environ["STALLED"], "w").close()
+                time.sleep(3600)
+            return real(*args, **kwargs)
+        return call
+    # export: the rename of the written bundle; import: the first move out of the staging folder
+    os.replace = stalling(os.replace, lambda src, dst, **kw: str(src).endswith(".tmp") and "bundle" in str(src))
+    os.rename = stalling(os.rename, lambda src, dst, **kw: "src_dir_fd" in kw)
+"""
+
+
+@pytest.mark.slow  # an export or import worker starts torch
+@pytest.mark.parametrize("command", ["export", "import"])
+def test_ctrl_c_during_export_or_import_leaves_nothing_behind(fixture_cache, tmp_path, db_url, command):
+    """Ctrl-C killed the worker (its process group, SIGKILL), whose own clean-up then never ran:
+    export left its `.NAME.bundle.XXXX.tmp` in the --out folder (up to 4 GiB), import its staging
+    folder in the cache (removed by an import six hours later). The CLI removes them once the
+    worker is gone."""
+    cache = fixture_cache("torch-2.13.0-cpu")
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STALL)  # (run by every Python at start-up)
+    stalled = tmp_path / "stalled"
+    if command == "export":
+        watched = tmp_path / "out"
+        watched.mkdir()
+        cli, args = Cli(cache, db_url), ["export", "--out", str(watched / "cache.bundle")]
+    else:
+        path = tmp_path / "b.bundle"
+        bundle.write(str(path), {"torch": "2.13.0+cpu"}, bundle.payload_of({"inductor": _graphs(cache)}))
+        watched = tmp_path / "new-cache"
+        cli, args = Cli(watched, db_url), ["import", str(path)]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "cachemgr", *cli.base(), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(PYTHONPATH=os.pathsep.join((str(hook), str(REPO))), STALLED=str(stalled)),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # Ctrl-C as a terminal sends it
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not stalled.exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+        made = [p.name for p in watched.iterdir() if p.name.startswith((".cache.bundle.", "tmp"))]
+        assert len(made) == 1, sorted(os.listdir(watched))
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 130 and err.endswith("cachemgr: interrupted\n"), err
+        assert not (watched / made[0]).exists()
+        assert command == "import" or os.listdir(watched) == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

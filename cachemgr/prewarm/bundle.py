@@ -20,8 +20,8 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import stat
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -44,20 +44,26 @@ class Bundle:
     payload: bytes
 
 
-def write(path: str, header: dict, payload: bytes) -> dict:
-    header = {**header, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+def temp_path(path: str) -> str:
+    """Where `write` writes a bundle before it renames it to `path`: beside it, a dotfile of a name
+    nobody can guess (a symlink planted at a guessable one took the write)."""
     folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
+
+
+def write(path: str, header: dict, payload: bytes, tmp: str | None = None) -> dict:
+    """Write a bundle to `path` whole or not at all: into `tmp` (temp_path's, made here; named by
+    the caller where another process removes it should this one be killed), then renamed."""
+    header = {**header, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
     _refuse_odd_target(path)
-    # a new file of an unpredictable name (O_EXCL): a symlink planted at a guessable one took the write
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    tmp = tmp or temp_path(path)
+    # a new file (O_EXCL) as open() makes one (0666 less the umask), through no symlink
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(MAGIC)
             f.write(json.dumps(header, sort_keys=True).encode() + b"\n")
             f.write(payload)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as open() would make it (mkstemp's is 0600)
         _refuse_odd_target(path)  # (again: made meanwhile)
         os.replace(tmp, path)
     except BaseException:

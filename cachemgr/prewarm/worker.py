@@ -11,12 +11,14 @@ A call's inputs are measured before any is built (recorded shapes are anyone's):
 that shape fails, naming its size, and nothing is allocated.
 
 Workers live in process groups of their own (cachemgr.procs): a terminal's Ctrl-C reaches only the
-CLI, which kills every worker group and waits for it before it exits 130; a worker (and the compile
-processes torch starts in its group) also dies with the CLI when that is killed.
+CLI, which kills every worker group and waits for it, then removes what an import or export was
+writing, before it exits 130; a worker (and the compile processes torch starts in its group) also
+dies with the CLI when that is killed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -344,8 +346,15 @@ def run(
 
     Interrupted (KeyboardInterrupt, or any exception in this thread), it kills every worker's
     process group and waits until nothing of them runs, then re-raises: no compile and no cache
-    write happens after it returns."""
+    write happens after it returns. What the import or export was writing through (its staging
+    folder, the bundle's temporary file) is named here and removed once the workers are gone: a
+    worker killed (interrupted, timed out, out of memory) leaves it behind."""
     t0 = time.monotonic()
+    imp = {"path": import_bundle, "staging": staging_name()} if import_bundle else None
+    if export is not None:
+        from cachemgr.prewarm import bundle
+
+        export = {**export, "tmp": bundle.temp_path(export["out"])}
     results: list[ShapeResult] = []
     model_errors: list[tuple[str, str]] = []
     extra: dict[str, Any] = {}
@@ -390,7 +399,7 @@ def run(
                     timeout,
                     emit,
                     workers,
-                    import_bundle if i == 0 else None,
+                    imp if i == 0 else None,
                     export if i == 0 else None,
                     check if i == 0 else None,
                 ),
@@ -405,6 +414,8 @@ def run(
     except BaseException:
         workers.stop()
         raise
+    finally:
+        _remove_leftovers(env.get("TORCHINDUCTOR_CACHE_DIR"), imp, export)
     if failed:
         from cachemgr.errors import PrewarmError
 
@@ -425,14 +436,14 @@ def _job_doc(
     device: str,
     slices: list[Slice],
     phase: str,
-    import_bundle: str | None,
+    imp: dict | None,
     export: dict | None,
     check: dict | None = None,
 ) -> dict:
     return {
         "device": device,
         "phase": phase,
-        "import_bundle": import_bundle,
+        "import": imp,
         "export": export,
         "check": check,
         "models": [
@@ -455,7 +466,7 @@ def _drive(
     timeout: float | None,
     emit: Callable[[Event], None],
     workers: _Workers,
-    import_bundle: str | None,
+    imp: dict | None,
     export: dict | None,
     check: dict | None = None,
 ) -> None:
@@ -467,7 +478,7 @@ def _drive(
             device,
             remaining,
             phase,
-            import_bundle if first else None,
+            imp if first else None,
             export if first else None,
             check if first else None,
         )
@@ -700,11 +711,12 @@ def child_main() -> None:
         fingerprint=fingerprint,
     )
     unusable = _device_problem(torch, device)
-    if job.get("check") and not job.get("import_bundle"):
+    imp = job.get("import")
+    if job.get("check") and not imp:
         out(e="host_side", **host_side(torch, adapter, fingerprint, job["check"]))
-    if job.get("import_bundle"):
+    if imp:
         out(e="import_start")
-        out(e="imported", **_import_bundle(job["import_bundle"], torch, adapter, fingerprint, job.get("check") or {}))
+        out(e="imported", **_import_bundle(imp, torch, adapter, fingerprint, job.get("check") or {}))
     replay_models = job["models"]
     for m in replay_models:
         if unusable:
@@ -1054,13 +1066,15 @@ def check_bundle(path: str, b, arts, torch, adapter, fingerprint: dict | None, s
     return {**report.as_dict(), "missing": bundle.completeness(contents, b.header.get("expects"))}
 
 
-def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: dict) -> dict:
-    """Check the bundle first; load it (torch.compiler.load_cache_artifacts) unless none of its
-    graphs would hit here, or it is partial (and `allow_partial` is not set), or `check_only`.
-    `written_graphs`: the fxgraph entries the load added (files that were not there before)."""
+def _import_bundle(imp: dict, torch, adapter, fingerprint: dict | None, spec: dict) -> dict:
+    """Check the bundle (`imp["path"]`) first; load it (torch.compiler.load_cache_artifacts,
+    through the staging folder `imp["staging"]`) unless none of its graphs would hit here, or it
+    is partial (and `allow_partial` is not set), or `check_only`. `written_graphs`: the fxgraph
+    entries the load added (files that were not there before)."""
     from cachemgr import layout
     from cachemgr.prewarm import bundle
 
+    path = imp["path"]
     try:
         b = bundle.read(path)
         arts = bundle.artifacts(b.payload, path)  # (read once: each artifact is a copy of its bytes)
@@ -1093,7 +1107,7 @@ def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: di
         root = os.environ["TORCHINDUCTOR_CACHE_DIR"]
         graphs = (layout.fxgraph_entry_key(key, content) for key, content in arts.get("inductor", []))
         fresh = [k for k in graphs if not os.path.lexists(os.path.join(root, k))]  # what the load writes
-        info, refused = load_staged(torch, b.payload, root)
+        info, refused = load_staged(torch, b.payload, root, imp["staging"])
         if info is None:
             return {**base, "ok": False, "error": f"bundle {path}: torch could not read its artifacts"}
         if refused:
@@ -1109,19 +1123,20 @@ def _import_bundle(path: str, torch, adapter, fingerprint: dict | None, spec: di
         return {"ok": False, "error": str(e) if hasattr(e, "exit_code") else _first_line(e)}
 
 
-def load_staged(torch, payload: bytes, root: str) -> tuple[Any, list[str]]:
+def load_staged(torch, payload: bytes, root: str, name: str | None = None) -> tuple[Any, list[str]]:
     """torch.compiler.load_cache_artifacts into a folder of the cache's own, then each file it
     wrote moved into place under `root` through its descriptors: torch follows any symlink on its
     way, and one made in the cache after the command's check took entries out of it; a move
     follows none (a file whose way holds one stays out, and is named). The folder is
-    tempfile-named, as Inductor's own temporary folders are: scans and eviction leave it be.
+    tempfile-named (`staging_name`), as Inductor's own temporary folders are: scans and eviction
+    leave it be; `name` is given where another process removes it should this one be killed.
     Returns torch's answer and what was not moved in, and why."""
-    import tempfile
-
     from cachemgr import layout, safefs
 
     _remove_dead_stagings(root)
-    staging = tempfile.mkdtemp(dir=root)
+    name = name or staging_name()
+    staging = os.path.join(root, name)
+    os.mkdir(staging, 0o700)  # (as tempfile makes it)
     try:
         open(os.path.join(staging, STAGING_MARK), "x").close()
         before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -1147,18 +1162,27 @@ def load_staged(torch, payload: bytes, root: str) -> tuple[Any, list[str]]:
                     refused.extend(f"{layout.key_of(rel)}: {e.strerror or e}" for rel in rels)
                     continue
                 for rel in rels:
-                    name = rel.rpartition("/")[2]
+                    leaf = rel.rpartition("/")[2]
                     try:
-                        os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
+                        os.rename(leaf, leaf, src_dir_fd=src, dst_dir_fd=dst)
                     except OSError as e:
                         refused.append(f"{layout.key_of(rel)}: {e.strerror or e}")
         return info, refused
     finally:
-        _remove_staging(root, os.path.basename(staging))
+        _remove_staging(root, name)
 
 
 STAGING_MARK = ".cachemgr-import"  # in the folder a bundle is loaded into (a dotfile: never moved in)
 STAGING_DEAD = 6 * 3600  # seconds after which such a folder is an import's that was killed
+
+
+def staging_name() -> str:
+    """A name for the folder an import loads a bundle into, as tempfile names its folders
+    (layout.TEMP_NAME), and as hard to guess."""
+    import secrets
+    import string
+
+    return "tmp" + "".join(secrets.choice(string.ascii_lowercase + string.digits + "_") for _ in range(8))
 
 
 def _remove_dead_stagings(root: str) -> None:
@@ -1191,12 +1215,21 @@ def _remove_dead_stagings(root: str) -> None:
 def _remove_staging(root: str, name: str) -> None:
     """Remove folder `name` of cache directory `root` through descriptors (safefs.remove_tree): a
     mount made inside it meanwhile stays, and so does what is above it."""
-    import contextlib
-
     from cachemgr import safefs
 
     with contextlib.suppress(OSError), safefs.Root(root) as r:
         safefs.remove_tree(r.fd, name, r.mount)
+
+
+def _remove_leftovers(root: str | None, imp: dict | None, export: dict | None) -> None:
+    """Remove what an import or export was writing through (its staging folder, the bundle's
+    temporary file), where its worker was killed before it removed or renamed it. Called once
+    the workers are gone."""
+    if imp and root:
+        _remove_staging(root, imp["staging"])
+    if export:
+        with contextlib.suppress(OSError):
+            os.unlink(export["tmp"])
 
 
 def _made_dir(root, rel: str) -> int:
@@ -1250,7 +1283,7 @@ def _export(export: dict, models: list[str], device: str, adapter, fingerprint: 
             "complete": not missing,
             "missing": missing[:100],
         }
-        written = bundle.write(export["out"], header, payload)
+        written = bundle.write(export["out"], header, payload, export["tmp"])
         out = {"ok": True, "header": written, "out": export["out"]}
         return {**out, "skipped": skipped[:20], "skipped_count": len(skipped)}
     except Exception as e:  # noqa: BLE001
