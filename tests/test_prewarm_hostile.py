@@ -231,3 +231,18 @@ def test_ctrl_c_during_export_or_import_leaves_nothing_behind(fixture_cache, tmp
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("where", ["file/cache", "file"])
+def test_a_cache_dir_that_cannot_be_made_is_exit_4_for_every_command(tmp_path, db_url, where):
+    """A --cache-dir under a regular file: import said so (exit 4), but its worker's torch could
+    not start there, and `import --check-only` failed with torch's "AssertionError: Artifact of
+    type=precompile already registered" (exit 9), `check --bundle` with "the worker reported
+    nothing" (exit 8). The directory is made before any worker starts, the same for every command."""
+    (tmp_path / "file").write_text("x")
+    path = tmp_path / "b.bundle"
+    bundle.write(str(path), {"torch": "2.13.0+cpu"}, bundle.payload_of({}))
+    cache = tmp_path / where
+    for args in (["import", str(path)], ["import", str(path), "--check-only"], ["check", "--bundle", str(path)]):
+        r = Cli(cache, db_url)(*args, code=4)
+        assert r.stderr == f"cachemgr: error: cannot create cache directory {cache}: Not a directory\n", args

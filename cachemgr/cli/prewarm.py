@@ -545,24 +545,17 @@ def _index_loaded(app, imported: dict | None) -> None:
 
 
 def _cache_to_write(cache_dir: str, bundle_path: str | None) -> list[str]:
-    """The cache directory torch will write into, made if missing (exit 4 where it cannot be).
-    One a bundle goes into must hold Inductor's own layout (exit 7 otherwise): torch writes a
-    bundle's entries by path, through a symlinked `fxgraph/` to wherever it points, or one below
-    it (`_refuse_write_hazards`, whose autotune results replaced are returned). Refused, the
-    directory is not made."""
-    from cachemgr.errors import CacheDirError
+    """Check the cache directory torch will write into (worker.run makes it where missing, exit 4
+    where it cannot be). One a bundle goes into must hold Inductor's own layout (exit 7
+    otherwise): torch writes a bundle's entries by path, through a symlinked `fxgraph/` to
+    wherever it points, or one below it (`_refuse_write_hazards`, whose autotune results replaced
+    are returned). Refused, the directory is not made."""
+    if not bundle_path:
+        return []
+    from cachemgr.evict.execute import refuse_foreign_root
 
-    replaced = []
-    if bundle_path:
-        from cachemgr.evict.execute import refuse_foreign_root
-
-        refuse_foreign_root(cache_dir, "import a bundle into it")
-        replaced = _refuse_write_hazards(cache_dir, bundle_path)
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
-    except OSError as e:
-        raise CacheDirError(f"cannot create cache directory {cache_dir}: {e.strerror}") from None
-    return replaced
+    refuse_foreign_root(cache_dir, "import a bundle into it")
+    return _refuse_write_hazards(cache_dir, bundle_path)
 
 
 def _refuse_write_hazards(cache_dir: str, bundle_path: str) -> list[str]:
@@ -577,8 +570,8 @@ def _refuse_write_hazards(cache_dir: str, bundle_path: str) -> list[str]:
     arts = bundle.artifacts(bundle.read(bundle_path).payload, bundle_path)
     try:
         root = safefs.Root(cache_dir)
-    except FileNotFoundError:
-        return []  # (made empty next)
+    except (FileNotFoundError, NotADirectoryError):
+        return []  # (made empty next, or worker.run says why it cannot be: as for --check-only)
     except OSError as e:
         raise CacheDirError(f"cannot open cache directory {cache_dir}: {e.strerror}") from None
     with root:

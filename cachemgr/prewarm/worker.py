@@ -344,12 +344,15 @@ def run(
 ) -> RunResult:
     """Run the jobs' workers concurrently (at least one, on the CPU); return every shape's result.
 
+    The cache directory (the env's TORCHINDUCTOR_CACHE_DIR) is made first where missing.
     Interrupted (KeyboardInterrupt, or any exception in this thread), it kills every worker's
     process group and waits until nothing of them runs, then re-raises: no compile and no cache
     write happens after it returns. What the import or export was writing through (its staging
     folder, the bundle's temporary file) is named here and removed once the workers are gone: a
     worker killed (interrupted, timed out, out of memory) leaves it behind."""
     t0 = time.monotonic()
+    if env.get("TORCHINDUCTOR_CACHE_DIR"):
+        _make_cache_dir(env["TORCHINDUCTOR_CACHE_DIR"])
     imp = {"path": import_bundle, "staging": staging_name()} if import_bundle else None
     if export is not None:
         from cachemgr.prewarm import bundle
@@ -430,6 +433,21 @@ def run(
         extra.get("host_side"),
         fingerprints,
     )
+
+
+def _make_cache_dir(root: str) -> None:
+    """Make the cache directory the workers' torch uses, where missing (torch would: one it cannot
+    make fails its import, and the worker reported nothing). CacheDirError (exit 4), the same for
+    every command, where it cannot be made."""
+    import errno
+
+    from cachemgr.errors import CacheDirError
+
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        why = os.strerror(errno.ENOTDIR) if isinstance(e, FileExistsError) else e.strerror  # (a file of that name)
+        raise CacheDirError(f"cannot create cache directory {root}: {why}") from None
 
 
 def _job_doc(
