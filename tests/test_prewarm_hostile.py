@@ -246,3 +246,28 @@ def test_a_cache_dir_that_cannot_be_made_is_exit_4_for_every_command(tmp_path, d
     for args in (["import", str(path)], ["import", str(path), "--check-only"], ["check", "--bundle", str(path)]):
         r = Cli(cache, db_url)(*args, code=4)
         assert r.stderr == f"cachemgr: error: cannot create cache directory {cache}: Not a directory\n", args
+
+
+def test_export_into_the_cache_dir_is_a_usage_error(tmp_path, db_url):
+    """A bundle exported into the cache dir is a file Inductor never makes there: every later
+    `evict` refused the whole cache (exit 7). --out there is refused before anything runs, the
+    cache dir named through a symlink too."""
+    cache = tmp_path / "cache"
+    (cache / "fxgraph").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(cache)
+    for out in (cache / "x.bundle", cache / "fxgraph" / "x.bundle", tmp_path / "link" / "x.bundle"):
+        r = Cli(cache, db_url)("export", "--out", str(out), code=2)
+        assert r.stderr == f"cachemgr: error: export --out {out}: it is in the cache dir {cache}: write it elsewhere\n"
+    assert sorted(p.name for p in cache.iterdir()) == ["fxgraph"]
+
+
+def test_a_bundle_over_the_size_import_reads_is_not_written(tmp_path, monkeypatch):
+    """`export` wrote a bundle of any size, and `import` then refused one over 4 GiB: the write
+    fails now, naming both sizes, and leaves nothing."""
+    monkeypatch.setattr(bundle, "MAX_BYTES", 1000)
+    out = tmp_path / "big.bundle"
+    with pytest.raises(bundle.BundleError, match=r"^the bundle would take 1\.\d KiB, over the 1000 B a bundle may be"):
+        bundle.write(str(out), {"torch": "2.13.0+cpu"}, b"x" * 1000)
+    assert list(tmp_path.iterdir()) == []
+    bundle.write(str(out), {"torch": "2.13.0+cpu"}, b"x" * 100)
+    assert bundle.read(str(out)).payload == b"x" * 100

@@ -446,9 +446,9 @@ def prewarm(
     (0, "the bundle was written"),
     (
         2,
-        "bad command line or manifest file, --out in a missing folder, or an\n"
-        "--out that is not a regular file (a device, FIFO or symlink is never\n"
-        "replaced)",
+        "bad command line or manifest file, --out in a missing folder or in\n"
+        "the cache dir, or an --out that is not a regular file (a device, FIFO\n"
+        "or symlink is never replaced)",
     ),
     (3, "a model named does not exist"),
     (4, "the cache dir does not exist (without --manifest) or cannot be read"),
@@ -473,6 +473,10 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
         raise UsageError(f"export --out {out}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"export --out {out}: folder {folder} is not writable")
+    # a bundle in the cache is no file Inductor makes there: every later evict refused the cache
+    root = os.path.realpath(app.settings.cache_dir)
+    if os.path.commonpath([os.path.realpath(folder), root]) == root:
+        raise UsageError(f"export --out {out}: it is in the cache dir {app.settings.cache_dir}: write it elsewhere")
     odd = bundle.odd_target(out)  # the bundle is renamed over it: /dev/null would become a file
     if odd:
         raise UsageError(f"export --out {out}: it is {odd}, not a regular file: refusing to replace it")

@@ -55,6 +55,12 @@ def write(path: str, header: dict, payload: bytes, tmp: str | None = None) -> di
     """Write a bundle to `path` whole or not at all: into `tmp` (temp_path's, made here; named by
     the caller where another process removes it should this one be killed), then renamed."""
     header = {**header, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    line = json.dumps(header, sort_keys=True).encode() + b"\n"
+    size = len(MAGIC) + len(line) + len(payload)
+    if size > MAX_BYTES:  # (read refuses it)
+        raise BundleError(
+            f"the bundle would take {format_size(size)}, over the {format_size(MAX_BYTES)} a bundle may be: not written"
+        )
     _refuse_odd_target(path)
     tmp = tmp or temp_path(path)
     # a new file (O_EXCL) as open() makes one (0666 less the umask), through no symlink
@@ -62,7 +68,7 @@ def write(path: str, header: dict, payload: bytes, tmp: str | None = None) -> di
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(MAGIC)
-            f.write(json.dumps(header, sort_keys=True).encode() + b"\n")
+            f.write(line)
             f.write(payload)
         _refuse_odd_target(path)  # (again: made meanwhile)
         os.replace(tmp, path)
