@@ -271,3 +271,44 @@ def test_a_bundle_over_the_size_import_reads_is_not_written(tmp_path, monkeypatc
     assert list(tmp_path.iterdir()) == []
     bundle.write(str(out), {"torch": "2.13.0+cpu"}, b"x" * 100)
     assert bundle.read(str(out)).payload == b"x" * 100
+
+
+def test_a_model_name_in_the_progress_bar_is_no_markup(monkeypatch, capsys):
+    """On a terminal, the bar's label went through rich's markup: a model named `ranker[v2]`
+    showed as "ranker", one named `[link=...]` sent an OSC 8 hyperlink; a control character went
+    out raw. The label is shown as it is, escaped."""
+    from cachemgr.cli.prewarm import _progress
+
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # (rich draws as on a terminal)
+    monkeypatch.setenv("COLUMNS", "80")
+    names = ("ranker[v2]", "[link=https://example.com/]x[/link]", "bell\x07")
+    with _progress(True) as on:
+        for name in names:
+            on({"e": "model", "model": name, "shapes": 1, "device": "cpu"})
+    err = capsys.readouterr().err
+    assert "ranker[v2]" in err and "[link=https://example.com/]x[/link]" in err and "bell\\x07" in err
+    assert "\x1b]" not in err and "\x07" not in err  # (no OSC sequence; rich's own CSI ones move the cursor)
+
+
+EVIL = "\x1b]0;PWNED\x07"
+
+
+@pytest.mark.slow  # a prewarm worker starts torch
+def test_what_prewarm_prints_is_escaped_and_fits_the_terminal(tmp_path, db_url):
+    """The cache dir (the table's title), a kwarg's name in a signature (each progress line, each
+    `cachemgr: model ... failed` line) reached the terminal raw: an escape sequence in them was
+    sent (this one retitles the window). All of it is escaped, every line fitted to 80 columns
+    (but the error line the exit code comes with: one line, whole)."""
+    (tmp_path / "m.toml").write_text(
+        '[[model]]\nname = "ranker[v2]"\nfactory = "prewarm_models:mlp"\ncompile = { backend = "eager" }\n'
+        'shapes = [{ args = ["f32[2,16]"], kwargs = { "\\u001b]0;PWNED\\u0007" = "f32[2,16]" } }]\n'
+    )
+    cache = tmp_path / f"cache{EVIL}"
+    r = Cli(cache, db_url).proc("prewarm", "--manifest", str(tmp_path / "m.toml"), env={**ENV, "COLUMNS": "80"})
+    assert r.returncode == 8, r.stderr
+    out, err = r.stdout.splitlines(), r.stderr.splitlines()
+    assert "\x1b" not in r.stdout + r.stderr and "\x07" not in r.stdout + r.stderr
+    assert out[0].startswith(f"prewarm {tmp_path}/cache") and err[-1].startswith("cachemgr: error: 1 problem(s)")
+    assert [line for line in out + err[:-1] if len(line) > 80] == []
+    assert any(line.startswith("cachemgr: model 'ranker[v2]' shape #0 ") for line in err)
+    assert "\\x1b]0;PWNED\\x07" in r.stderr  # (shown, escaped)

@@ -13,7 +13,19 @@ from contextlib import contextmanager, suppress
 
 import click
 
-from cachemgr.cli.common import Col, emit_json, exit_codes, ingest_spool, json_option, pass_app, table
+from cachemgr.cli.common import (
+    Col,
+    clean,
+    emit_json,
+    exit_codes,
+    fit,
+    ingest_spool,
+    json_option,
+    pass_app,
+    say,
+    table,
+    terminal_width,
+)
 from cachemgr.errors import PrewarmError, UsageError
 from cachemgr.prewarm import MAX_BUNDLE_BYTES
 from cachemgr.units import format_size
@@ -152,13 +164,14 @@ def _devices(value: str | None) -> list[str] | None:
 def _progress(tty: bool, label: str = "prewarm"):
     """Progress on stderr from the first second: a line when a worker starts and when torch is up
     in it, per model, per shape (compiling, then its result). On a terminal, with per-model bars
-    under the lines. Yields the event callback."""
+    under the lines. Yields the event callback. What a line quotes (a signature, an error) is
+    anyone's: escaped, and cut to the terminal."""
     if not tty:
 
         def on_line(ev: dict) -> None:
             line = _progress_line(ev, label)
             if line:
-                click.echo(line, err=True)
+                click.echo(fit(line, terminal_width()), err=True)
 
         yield on_line
         return
@@ -167,7 +180,7 @@ def _progress(tty: bool, label: str = "prewarm"):
     from rich.text import Text
 
     with Progress(
-        TextColumn("[bold]{task.description}"),
+        TextColumn("{task.description}", style="bold", markup=False),  # (a model named `a[b]` is no markup)
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -178,10 +191,10 @@ def _progress(tty: bool, label: str = "prewarm"):
         def on(ev: dict) -> None:
             line = _progress_line(ev, label)
             if line:
-                p.console.print(Text(line))  # Text: a signature like '[s0, 32]' is not markup
+                p.console.print(Text(fit(line, terminal_width())))  # Text: a signature like '[s0, 32]' is not markup
             if ev["e"] == "model":
                 if ev["model"] not in tasks:
-                    tasks[ev["model"]] = p.add_task(Text(ev["model"]).plain, total=0)
+                    tasks[ev["model"]] = p.add_task(clean(ev["model"]), total=0)
                 task = tasks[ev["model"]]
                 p.update(task, total=(p.tasks[task].total or 0) + ev["shapes"])
             elif ev["e"] == "shape" and not ev.get("lead_in") and ev["model"] in tasks:
@@ -253,7 +266,7 @@ def _print_run(result, title: str) -> None:
                 Col("result", cut=True, min=6),
             ),
             rows,
-            title=title,
+            title=fit(title, terminal_width()),
         )
 
 
@@ -413,16 +426,16 @@ def prewarm(
         if len(results) > 1:
             _print_run(results[1], "verify (fresh workers)")
         if result.imported and result.imported.get("check"):
-            click.echo(_check_line(result.imported["check"]))
+            say(clean(_check_line(result.imported["check"])))
         if result.imported and result.imported.get("ok"):
-            click.echo(f"imported {bundle_path}: {_artifacts(result.imported.get('artifacts'))}")
+            say(clean(f"imported {bundle_path}: {_artifacts(result.imported.get('artifacts'))}"))
         n = sum(1 for r in result.shapes if r.ok and not r.lead_in)
         click.echo(f"{n} shape(s) prewarmed in {result.seconds:.1f} s, {len(failures)} problem(s)")
     if result.imported and result.imported.get("loaded"):
         _say_replaced(replaced)
     if failures:
         for f in failures:
-            click.echo(f"cachemgr: {f}", err=True)
+            say(clean(f"cachemgr: {f}"), err=True)
         refused = result.imported is not None and not result.imported.get("ok")  # (the first failure)
         from cachemgr.prewarm.bundle import BundleError
 
@@ -516,22 +529,28 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
         from cachemgr.units import format_size
 
         h = ex["header"]
-        click.echo(
-            f"wrote {out}: {format_size(h['bytes'])}, {_artifacts(h['artifacts'])}; torch {h['torch']}, "
-            f"Triton {h['triton'] or '-'}, GPU {','.join(h['gpu_arch'] or []) or '-'}"
-            + ("" if h.get("complete", True) else "; PARTIAL")
+        say(
+            clean(
+                f"wrote {out}: {format_size(h['bytes'])}, {_artifacts(h['artifacts'])}; torch {h['torch']}, "
+                f"Triton {h['triton'] or '-'}, GPU {','.join(h['gpu_arch'] or []) or '-'}"
+                + ("" if h.get("complete", True) else "; PARTIAL")
+            )
         )
     if ex.get("ok") and not ex["header"].get("complete", True):
         missing = ex["header"].get("missing") or []
-        click.echo(
-            f"cachemgr: {out} is a partial bundle: {len(missing)} thing(s) its entries name are not in it "
-            f"(first: {missing[0] if missing else '?'}); `import` refuses it without --allow-partial",
+        say(
+            clean(
+                f"cachemgr: {out} is a partial bundle: {len(missing)} thing(s) its entries name are not in it "
+                f"(first: {missing[0] if missing else '?'}); `import` refuses it without --allow-partial"
+            ),
             err=True,
         )
     if ex.get("skipped"):  # cache files that import would refuse: left out, the rest exported
-        click.echo(
-            f"cachemgr: left out {ex.get('skipped_count', len(ex['skipped']))} cache file(s) that import would "
-            f"refuse (first: {ex['skipped'][0]})",
+        say(
+            clean(
+                f"cachemgr: left out {ex.get('skipped_count', len(ex['skipped']))} cache file(s) that import would "
+                f"refuse (first: {ex['skipped'][0]})"
+            ),
             err=True,
         )
     if failures:
@@ -592,8 +611,11 @@ def _refuse_write_hazards(cache_dir: str, bundle_path: str) -> list[str]:
 
 def _say_replaced(replaced: list[str]) -> None:
     if replaced:
-        click.echo(
-            f"cachemgr: the bundle's autotune results replaced {len(replaced)} this cache held (first: {replaced[0]})",
+        say(
+            clean(
+                f"cachemgr: the bundle's autotune results replaced {len(replaced)} this cache held "
+                f"(first: {replaced[0]})"
+            ),
             err=True,
         )
 
@@ -678,11 +700,11 @@ def import_(
         emit_json(imp)
     else:
         if imp.get("check"):
-            click.echo(_check_line(imp["check"]))
+            say(clean(_check_line(imp["check"])))
         if imp.get("ok") and imp.get("loaded"):
-            click.echo(f"imported {bundle_path} into {app.settings.cache_dir}: {_artifacts(imp['artifacts'])}")
+            say(clean(f"imported {bundle_path} into {app.settings.cache_dir}: {_artifacts(imp['artifacts'])}"))
         elif imp.get("ok"):
-            click.echo(f"check only: nothing written to {app.settings.cache_dir}")
+            say(clean(f"check only: nothing written to {app.settings.cache_dir}"))
     if imp.get("loaded"):
         _say_replaced(replaced)
     if not imp.get("ok"):
