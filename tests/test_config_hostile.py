@@ -65,3 +65,12 @@ def test_digits_of_other_scripts_are_refused(line, says, tmp_path):
     with pytest.raises(ConfigError, match=f"^{key} from file ") as e:
         load(tmp_path, line)
     assert says in str(e.value)
+
+
+def test_numbers_are_read_as_float_reads_them_in_ascii():
+    """'.5%' and '5.' were taken before digits were held to ASCII (a min_free = ".5%" that
+    loaded then must load now)."""
+    from cachemgr.units import parse_size_or_percent
+
+    assert [parse_size_or_percent(s) for s in (".5%", "5.%")] == [(None, 0.005), (None, 0.05)]
+    assert [parse_size(s) for s in (".5KB", "5.KB")] == [500, 5000]

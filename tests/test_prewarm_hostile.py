@@ -313,3 +313,19 @@ def test_what_prewarm_prints_is_escaped_and_fits_the_terminal(tmp_path, db_url):
     assert [line for line in out + err[:-1] if len(line) > 80] == []
     assert any(line.startswith("cachemgr: model 'ranker[v2]' shape #0 ") for line in err)
     assert "\\x1b]0;PWNED\\x07" in r.stderr  # (shown, escaped)
+
+
+def test_only_a_staging_folder_holding_the_mark_is_removed_by_the_parent(tmp_path):
+    """The parent removes the staging folder it named once the workers are gone: a folder of that
+    name the worker did not make (its mkdir failed on it, or another made it anew after the worker
+    removed its own) holds no mark, and is not ours to remove."""
+    from cachemgr.prewarm import worker
+
+    theirs, ours = tmp_path / "tmpabcdefgh", tmp_path / "tmpijklmnop"
+    for d in (theirs, ours):
+        (d / "fxgraph").mkdir(parents=True)
+        (d / "fxgraph" / "f").write_text("x")
+    (ours / worker.STAGING_MARK).touch()
+    worker._remove_staging(str(tmp_path), theirs.name)
+    worker._remove_staging(str(tmp_path), ours.name)
+    assert (theirs / "fxgraph" / "f").exists() and not ours.exists()

@@ -929,3 +929,30 @@ def test_an_unreadable_value_written_anew_is_read_again(cpu_cache, cli_for, redi
     again = remote_json(a, redis_url, "evict", "--max-age", "30d")
     assert [x for x in again["skipped"] if x["key"] == k] == [], again["skipped"]
     assert json.loads(rconn.hget("cachemgr:meta", k))["refs"], rconn.hget("cachemgr:meta", k)
+
+
+def test_an_aot_entry_goes_when_any_graph_it_needs_goes(redis_url, rconn):
+    """An AOT entry chosen because the graphs it needs were followed the first of them only: that
+    one read meanwhile (kept), the other deleted, the AOT entry stayed, though it can only miss."""
+    from cachemgr.fleet.remote import Remote, plan_eviction
+
+    fx = ["f" + c * 51 for c in "gh"]
+    fx_keys = [f"pt2:fx-graph-v1::{k}:c1" for k in fx]
+    aot = "pt2:autograd-experimental::a" + "b" * 51 + ":c1"
+    for k in (*fx_keys, aot):
+        rconn.set(k, b"x")
+    rconn.hset("cachemgr:meta", aot, json.dumps({"refs": fx}))
+    for k in fx_keys:
+        _age(rconn, k, 10 * 86400)
+    _age(rconn, aot, 3600)
+    rem = Remote(redis_url)
+    try:
+        keys = rem.inspect()
+        plan = plan_eviction(keys, rem.aot_refs(keys), max_size=None, max_age=86400)
+        assert {v.rkey: v.reason for v in plan.victims} == {**dict.fromkeys(fx_keys, "age"), aot: "needs-evicted-graph"}
+        first = next(k.rkey for k in keys if k.kind == "fxgraph")  # (the one the AOT entry was chosen with)
+        rconn.get(first)  # an Inductor lookup of it between plan and delete
+        result = rem.execute(plan)
+    finally:
+        rem.close()
+    assert result.skipped_in_use == [first] and torch_keys(rconn) == [first]

@@ -710,10 +710,12 @@ class Remote:
                 done = self.call(partial(script, keys=keys, args=[idle(v) for v in chunk]))
                 deleted.extend(d.decode() if isinstance(d, bytes) else d for d in done)
 
-        delete([v for v in plan.victims if not v.graph], lambda v: v.idle)
+        delete([v for v in plan.victims if not v.graphs], lambda v: v.idle)
         went = set(deleted)
-        after = [v for v in plan.victims if v.graph in went or (v.graph and v.reason != "needs-evicted-graph")]
-        delete(after, lambda v: 0 if v.rkey in self.read_here and v.graph in went else v.idle)
+        after = [
+            v for v in plan.victims if v.graphs and (went.intersection(v.graphs) or v.reason != "needs-evicted-graph")
+        ]
+        delete(after, lambda v: 0 if v.rkey in self.read_here and went.intersection(v.graphs) else v.idle)
         gone = set(deleted)
         freed = sum(v.bytes for v in plan.victims if v.rkey in gone)
         kept = [v.rkey for v in plan.victims if v.rkey not in gone]
@@ -973,7 +975,7 @@ class Victim:
     bytes: int
     idle: int
     reason: str  # age | size | needs-evicted-graph
-    graph: str = ""  # an AOT entry's: a chosen graph it needs (its Redis key), whose eviction it follows
+    graphs: tuple[str, ...] = ()  # an AOT entry's: the chosen graphs it needs (Redis keys): it follows them
 
 
 @dataclass(frozen=True)
@@ -1032,7 +1034,7 @@ def plan_eviction(
         if k.kind == "fxgraph" and follow:
             for a in needed_by.get(k.key, ()):
                 if a.rkey not in chosen:
-                    chosen[a.rkey] = Victim(a.rkey, a.kind, a.bytes, a.idle, "needs-evicted-graph", k.rkey)
+                    chosen[a.rkey] = Victim(a.rkey, a.kind, a.bytes, a.idle, "needs-evicted-graph")
                     freed += a.bytes
         return freed
 
@@ -1054,13 +1056,13 @@ def plan_eviction(
                 young += 1
                 continue
             remaining -= take(k, "size")
-    # An AOT entry chosen with a graph it needs is deleted after it (Remote.execute)
+    # An AOT entry chosen with graphs it needs is deleted after them (Remote.execute)
     fx_rkeys = {k.key: k.rkey for k in keys if k.kind == "fxgraph"}
     for a in keys:
         v = chosen.get(a.rkey)
-        if v is not None and a.kind == "aotautograd" and not v.graph:
-            graph = next((fx_rkeys[fx] for fx in aot_refs.get(a.rkey, ()) if fx_rkeys.get(fx) in chosen), "")
-            chosen[a.rkey] = replace(v, graph=graph)
+        if v is not None and a.kind == "aotautograd":
+            graphs = tuple(fx_rkeys[fx] for fx in aot_refs.get(a.rkey, ()) if fx_rkeys.get(fx) in chosen)
+            chosen[a.rkey] = replace(v, graphs=graphs)
     victims = tuple(chosen.values())
     return EvictPlan(victims, total, sum(v.bytes for v in victims), young)
 

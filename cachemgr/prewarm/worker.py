@@ -568,8 +568,11 @@ def _rest(s: Slice, done: set[tuple[str, int]]) -> Slice | None:
 # Bytes of one event line from a worker; more is not ours (a model writing to the fd). The largest
 # of ours is `imported`: the check of a bundle names each of its graphs (bundle.MAX_ARTIFACTS at
 # most), about 0.5 KB for one that will hit and 6 KB for one that misses by another torch's options
-# (each differing component listed, its values cut to 200 characters), and the keys the load wrote.
-MAX_EVENT = 512 << 20
+# (each differing component listed, its values cut to 200 characters), and the keys the load wrote:
+# 64 MiB holds 10,000 such misses or 100,000 hits. Parsed, a line takes several times its size in
+# this process (a line of '{},' 27x): the bound is that process's memory, not the bundle's size (a
+# larger check is refused: "the import worker reported nothing").
+MAX_EVENT = 64 << 20
 
 
 def _one_worker(
@@ -1231,12 +1234,15 @@ def _remove_dead_stagings(root: str) -> None:
 
 
 def _remove_staging(root: str, name: str) -> None:
-    """Remove folder `name` of cache directory `root` through descriptors (safefs.remove_tree): a
-    mount made inside it meanwhile stays, and so does what is above it."""
+    """Remove folder `name` of cache directory `root` through descriptors (safefs.remove_tree), if
+    it holds STAGING_MARK (a folder of that name the worker did not make, or made anew by another
+    after the worker removed its own, is not ours): a mount made inside it meanwhile stays, and so
+    does what is above it."""
     from cachemgr import safefs
 
     with contextlib.suppress(OSError), safefs.Root(root) as r:
-        safefs.remove_tree(r.fd, name, r.mount)
+        if stat.S_ISREG(r.lstat(f"{name}/{STAGING_MARK}").st_mode):
+            safefs.remove_tree(r.fd, name, r.mount)
 
 
 def _remove_leftovers(root: str | None, imp: dict | None, export: dict | None) -> None:
