@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 from sqlalchemy import Engine, create_engine, event, make_url, select, text
 from sqlalchemy.engine.interfaces import DBAPIConnection
@@ -103,7 +105,7 @@ class Database:
             )
         if self.is_sqlite:
             with self.engine.connect() as conn:
-                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+                schema.use_wal(cast("sqlite3.Connection", conn.connection.driver_connection))
             if revision is None and self._create_at_head():
                 return
         from alembic import command

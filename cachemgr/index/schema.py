@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from pathlib import Path
 from urllib.parse import quote
 
@@ -76,6 +77,23 @@ def folder_for(path: Path, create: bool) -> None:
         raise DatabaseError(f"cannot create the index folder {folder}: {e.strerror}") from e
 
 
+def use_wal(conn: sqlite3.Connection, wait: float = 30.0) -> None:
+    """Put the index at `conn` (a stdlib connection, no transaction open) in WAL mode, which the
+    file keeps. Processes opening one new index at once: setting it takes a lock that SQLite's
+    busy timeout does not wait for ("database is locked" at once), so it is asked again until
+    `wait` seconds have passed; one that finds it set already sets nothing."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            if str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def open_at_head(path: str, create_folder: bool) -> sqlite3.Connection | None:
     """A stdlib connection (autocommit, the pragmas taken) to the SQLite index at `path`, made
     at head if the file is new or empty. None where it is anything else: an index at another
@@ -90,7 +108,7 @@ def open_at_head(path: str, create_folder: bool) -> sqlite3.Connection | None:
     try:
         apply_pragmas(conn)
         if new or conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone() is None:
-            conn.execute("PRAGMA journal_mode=WAL")  # (not inside a transaction)
+            use_wal(conn)  # (not inside a transaction)
             conn.execute("BEGIN IMMEDIATE")
             try:
                 create_at_head(conn)
