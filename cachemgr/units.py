@@ -28,9 +28,8 @@ _SIZE_UNITS = {
     "tib": 1024**4,
 }
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_NUMBER_UNIT = re.compile(
-    r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$", re.ASCII
-)  # (float() reads '１０' and '١٤' too)
+# a number as float() reads one ('5', '.5', '5.', '1.5'), in ASCII digits only (float() reads '１０' too)
+_NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$", re.ASCII)
 
 
 MAX_SIZE = (1 << 63) - 1

@@ -411,7 +411,9 @@ def _head(text: str, columns: int) -> str:
 
 
 def say(text: str, err: bool = False) -> None:
-    """A line of prose, wrapped to fit the terminal (whole when piped, for grep)."""
+    """A line of prose, escaped (what it quotes, a path or a key, is anyone's) and wrapped to fit
+    the terminal (whole when piped, for grep)."""
+    text = clean(text)
     width = terminal_width()
     if width is None or cells(text) <= width:
         click.echo(text, err=err)

@@ -12,7 +12,6 @@ from cachemgr.cli.common import (
     SIZE,
     Col,
     age,
-    clean,
     emit_json,
     fit,
     human_size,
@@ -181,7 +180,7 @@ def _say_skipped(skipped) -> None:
     """What was under a torch key but could not be used, and why: one line each (stderr)."""
     width = terminal_width()
     for x in skipped[:50]:  # (a key of 1,024 characters: cut, where a terminal is)
-        say(f"cachemgr: remote: skipped {fit(x.key, width and max(20, width // 2))}: {clean(x.reason)}", err=True)
+        say(f"cachemgr: remote: skipped {fit(x.key, width and max(20, width // 2))}: {x.reason}", err=True)
     if len(skipped) > 50:
         say(f"cachemgr: remote: skipped {len(skipped) - 50} more keys", err=True)
 

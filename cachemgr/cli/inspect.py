@@ -128,17 +128,15 @@ def scan(app, full: bool, as_json: bool) -> None:
         f"{r.unchanged} unchanged ({r.seconds:.2f} s)"
     )
     for key, reason in r.corrupt:
-        say(f"corrupt: {key}: {clean(reason)}", err=True)  # (wrapped to the terminal; the key whole)
+        say(f"corrupt: {key}: {reason}", err=True)  # (wrapped to the terminal; the key whole)
     for d in r.unreadable:
         say(
-            f"cachemgr: warning: cannot read {clean(d or '.')}/ under {clean(r.root)}: "
-            "its entries are kept as last indexed",
+            f"cachemgr: warning: cannot read {d or '.'}/ under {r.root}: its entries are kept as last indexed",
             True,
         )
     for d in r.mounted:
         say(
-            f"cachemgr: warning: {clean(d)}/ under {clean(r.root)} is a mount point (another file system's): "
-            "not indexed",
+            f"cachemgr: warning: {d}/ under {r.root} is a mount point (another file system's): not indexed",
             True,
         )
 

@@ -426,16 +426,16 @@ def prewarm(
         if len(results) > 1:
             _print_run(results[1], "verify (fresh workers)")
         if result.imported and result.imported.get("check"):
-            say(clean(_check_line(result.imported["check"])))
+            say(_check_line(result.imported["check"]))
         if result.imported and result.imported.get("ok"):
-            say(clean(f"imported {bundle_path}: {_artifacts(result.imported.get('artifacts'))}"))
+            say(f"imported {bundle_path}: {_artifacts(result.imported.get('artifacts'))}")
         n = sum(1 for r in result.shapes if r.ok and not r.lead_in)
         click.echo(f"{n} shape(s) prewarmed in {result.seconds:.1f} s, {len(failures)} problem(s)")
     if result.imported and result.imported.get("loaded"):
         _say_replaced(replaced)
     if failures:
         for f in failures:
-            say(clean(f"cachemgr: {f}"), err=True)
+            say(f"cachemgr: {f}", err=True)
         refused = result.imported is not None and not result.imported.get("ok")  # (the first failure)
         from cachemgr.prewarm.bundle import BundleError
 
@@ -530,27 +530,21 @@ def export_(app, out: str, model: str | None, manifest_path: str | None, as_json
 
         h = ex["header"]
         say(
-            clean(
-                f"wrote {out}: {format_size(h['bytes'])}, {_artifacts(h['artifacts'])}; torch {h['torch']}, "
-                f"Triton {h['triton'] or '-'}, GPU {','.join(h['gpu_arch'] or []) or '-'}"
-                + ("" if h.get("complete", True) else "; PARTIAL")
-            )
+            f"wrote {out}: {format_size(h['bytes'])}, {_artifacts(h['artifacts'])}; torch {h['torch']}, "
+            f"Triton {h['triton'] or '-'}, GPU {','.join(h['gpu_arch'] or []) or '-'}"
+            + ("" if h.get("complete", True) else "; PARTIAL")
         )
     if ex.get("ok") and not ex["header"].get("complete", True):
         missing = ex["header"].get("missing") or []
         say(
-            clean(
-                f"cachemgr: {out} is a partial bundle: {len(missing)} thing(s) its entries name are not in it "
-                f"(first: {missing[0] if missing else '?'}); `import` refuses it without --allow-partial"
-            ),
+            f"cachemgr: {out} is a partial bundle: {len(missing)} thing(s) its entries name are not in it "
+            f"(first: {missing[0] if missing else '?'}); `import` refuses it without --allow-partial",
             err=True,
         )
     if ex.get("skipped"):  # cache files that import would refuse: left out, the rest exported
         say(
-            clean(
-                f"cachemgr: left out {ex.get('skipped_count', len(ex['skipped']))} cache file(s) that import would "
-                f"refuse (first: {ex['skipped'][0]})"
-            ),
+            f"cachemgr: left out {ex.get('skipped_count', len(ex['skipped']))} cache file(s) that import would "
+            f"refuse (first: {ex['skipped'][0]})",
             err=True,
         )
     if failures:
@@ -612,10 +606,7 @@ def _refuse_write_hazards(cache_dir: str, bundle_path: str) -> list[str]:
 def _say_replaced(replaced: list[str]) -> None:
     if replaced:
         say(
-            clean(
-                f"cachemgr: the bundle's autotune results replaced {len(replaced)} this cache held "
-                f"(first: {replaced[0]})"
-            ),
+            f"cachemgr: the bundle's autotune results replaced {len(replaced)} this cache held (first: {replaced[0]})",
             err=True,
         )
 
@@ -700,11 +691,11 @@ def import_(
         emit_json(imp)
     else:
         if imp.get("check"):
-            say(clean(_check_line(imp["check"])))
+            say(_check_line(imp["check"]))
         if imp.get("ok") and imp.get("loaded"):
-            say(clean(f"imported {bundle_path} into {app.settings.cache_dir}: {_artifacts(imp['artifacts'])}"))
+            say(f"imported {bundle_path} into {app.settings.cache_dir}: {_artifacts(imp['artifacts'])}")
         elif imp.get("ok"):
-            say(clean(f"check only: nothing written to {app.settings.cache_dir}"))
+            say(f"check only: nothing written to {app.settings.cache_dir}")
     if imp.get("loaded"):
         _say_replaced(replaced)
     if not imp.get("ok"):
