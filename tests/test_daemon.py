@@ -493,9 +493,9 @@ def test_kill9_during_eviction_then_restart_index_matches_disk(tmp_path, start, 
     n0 = len(disk_keys(cache))
     trash = cache / layout.TRASH_DIR
 
-    def moving() -> bool:  # (a reader's links there are named read-*)
+    def moving() -> bool:  # something in a bin there (a reader's links are named read-*)
         try:
-            return any(not n.startswith("read-") for n in os.listdir(trash))
+            return any(os.listdir(trash / n) for n in os.listdir(trash) if n.startswith("bin."))
         except FileNotFoundError:
             return False
 

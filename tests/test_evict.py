@@ -1256,18 +1256,95 @@ def test_a_worker_that_cannot_be_started_leaves_nothing_open(aged_gpu, db_url, m
     assert spawned[0].returncode == 0  # it read EOF for its start, and ended, before the error was raised
 
 
-def test_a_worker_refuses_a_replaced_root(aged_gpu, tmp_path):
-    """A worker opens the root by path: if it is not the directory the evicting process holds
-    locked (replaced meanwhile), it refuses to look at anything."""
+def test_a_worker_refuses_a_replaced_root_or_bin(aged_gpu, tmp_path):
+    """A worker opens the root by path, and its bin in the trash by name: if either is not the
+    directory the evicting process holds (replaced meanwhile), it refuses to look at anything."""
     from cachemgr import safefs
     from cachemgr.evict import look
 
     other = tmp_path / "other"
     other.mkdir()
+    (aged_gpu / layout.TRASH_DIR).mkdir(exist_ok=True)
     with safefs.Root(str(aged_gpu)) as root:
         with pytest.raises(safefs.Refused, match="replaced"):
-            look._start(os.getpid(), str(other), root.id, None, {}, 0.0)
-        assert look._start(os.getpid(), str(aged_gpu), root.id, None, {}, 0.0).root.id == root.id
+            look._start(os.getpid(), str(other), root.id, None, {}, 0.0, 0)
+        assert look._start(os.getpid(), str(aged_gpu), root.id, None, {}, 0.0, 0).root.id == root.id
+        trash = root.dir_fd(layout.TRASH_DIR)
+        trash_id = safefs.identity(os.fstat(trash))
+        (b,) = look.make_bins(trash, 1)
+        assert b is not None
+        looker = look._start(os.getpid(), str(aged_gpu), root.id, (trash_id, b.name, b.id), {}, 0.0, 3)
+        assert safefs.identity(os.fstat(looker.trash)) == b.id and looker.bin == 3
+        os.close(looker.trash)
+        os.rmdir(b.name, dir_fd=trash)
+        os.mkdir(b.name, dir_fd=trash)  # the same name, another folder
+        with pytest.raises(safefs.Refused, match="trash folder was replaced"):
+            look._start(os.getpid(), str(aged_gpu), root.id, (trash_id, b.name, b.id), {}, 0.0, 0)
+        look.close_bins(trash, [b])
+        assert os.listdir(trash) == []
+
+
+def test_each_worker_process_moves_into_a_bin_of_its_own(aged_gpu, db_url, monkeypatch):
+    """Two looker processes never rename into, or unlink from, one folder (the kernel holds a
+    folder's lock for each: they took turns): each has its bin in the trash, and the run leaves
+    no bin behind."""
+    from cachemgr.evict import Limits, evict, execute, look
+
+    db, cid = _indexed(aged_gpu, db_url)
+    trash, seen = aged_gpu / layout.TRASH_DIR, []
+
+    def hook(stage):
+        if stage == "renamed":
+            seen.append({b.name: len(os.listdir(b)) for b in trash.iterdir()})
+
+    execute_run = execute.Executor.run
+
+    def with_hook(self, *a, **kw):
+        self.hook = hook
+        return execute_run(self, *a, **kw)
+
+    monkeypatch.setattr(execute, "PROCESSES_FROM", 0)
+    monkeypatch.setattr(execute, "LOOK_PROCESSES", 2)
+    monkeypatch.setattr(execute, "BATCH", 8)
+    monkeypatch.setattr(execute.Executor, "run", with_hook)
+    r = evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
+    assert r.evicted > 16 and len(seen) > 2
+    bins = {name for batch in seen for name in batch}
+    assert len(bins) == 2 and all(n.startswith(look.BIN_PREFIX) for n in bins)
+    assert all(set(batch) == bins for batch in seen)
+    assert any(all(batch.values()) for batch in seen)  # both moved units of one batch
+    assert os.listdir(trash) == [] and disk(aged_gpu) == {}
+
+
+def test_a_dead_runs_bins_are_emptied_one_level_and_nothing_through_a_symlink(aged_cpu, db_url, tmp_path):
+    """What a killed run left in its bins goes with the next run: its files and kernel folders
+    of files. A folder someone put into a kernel folder since stays (never descended into: it
+    could be anyone's), and so do its kernel folder and bin; a symlink named like a bin is
+    removed, never followed."""
+    from cachemgr.evict import Limits, evict
+
+    db, cid = _indexed(aged_cpu, db_url)
+    trash = aged_cpu / layout.TRASH_DIR
+    left = trash / "bin.4242.0"
+    (left / "k" / "sub").mkdir(parents=True)
+    (left / "k" / "sub" / "theirs").write_text("x")
+    (left / "k" / "kernel.json").write_text("{}")
+    (left / "kernel2").mkdir()
+    (left / "kernel2" / "a.cubin").write_text("x")
+    (left / "4242-7").write_text("module")
+    (trash / "4242-8").write_text("as an older cachemgr left it")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("x")
+    (trash / "bin.4242.1").symlink_to(outside)
+    evict(db, cid, str(aged_cpu), Limits(max_size=0, grace=0))
+    assert sorted(str(p.relative_to(trash)) for p in trash.rglob("*")) == [
+        "bin.4242.0",
+        "bin.4242.0/k",
+        "bin.4242.0/k/sub",
+        "bin.4242.0/k/sub/theirs",
+    ]
+    assert (outside / "precious").read_text() == "x"
 
 
 def _indexed(root: Path, db_url: str):

@@ -9,15 +9,15 @@ directory) holds only the files looked at. A unit is kept whole if any file of i
 of an entry that bundles it) was written or read within the grace period, if a lock that guards
 it is held, or if anything in it changed between the look and the delete.
 
-A unit is renamed into `<root>/.cachemgr-trash/` (same file system: atomic, and the files leave
-Inductor's view at once), its index rows are deleted and 'evict' events recorded in one
-transaction, and only then is the trash unlinked. Where the trash cannot take it (a full disk:
-no room for a new name; a trash that is not a directory) the unit is deleted in place and its
-rows deleted right after. Nothing at, below or above a mount point inside the root (another file
-system, a bind mount) is moved or deleted: such a unit stays, "another mount". Either way, a failure half way through a
-batch commits what did go (with its events) and puts back what did not; and a kill -9 at any
-point leaves a state the next scan repairs (the trash is a dotdir, never walked or indexed, and
-emptied by the next run).
+A unit is renamed into `<root>/.cachemgr-trash/`, into the bin there of the looker that took it
+(same file system: atomic, and the files leave Inductor's view at once), its index rows are
+deleted and 'evict' events recorded in one transaction, and only then is the trash unlinked.
+Where the trash cannot take it (a full disk: no room for a new name; a trash that is not a
+directory) the unit is deleted in place and its rows deleted right after. Nothing at, below or
+above a mount point inside the root (another file system, a bind mount) is moved or deleted: such
+a unit stays, "another mount". Either way, a failure half way through a batch commits what did
+go (with its events) and puts back what did not; and a kill -9 at any point leaves a state the
+next scan repairs (the trash is a dotdir, never walked or indexed, and emptied by the next run).
 
 One eviction at a time per cache: `exclusive()` holds a lock on the root directory itself (no
 file to create, so it works on a full disk too) from planning to the last delete, so two runs
@@ -44,7 +44,19 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from cachemgr import layout, safefs
 from cachemgr.errors import UnsafePath
-from cachemgr.evict.look import Look, Looker, Lookers, Took, remove_quietly
+from cachemgr.evict.look import (
+    Bin,
+    Look,
+    Looker,
+    Lookers,
+    Took,
+    WorkerDied,
+    close_bins,
+    empty_trash,
+    make_bins,
+    remove_quietly,
+    restore,
+)
 from cachemgr.evict.policy import Evicted, Plan, Table, Unit
 from cachemgr.index import schema
 from cachemgr.index.db import Database
@@ -143,6 +155,7 @@ class Executor:
         self.db, self.cache_id, self.root, self.grace, self.hook = db, cache_id, root, grace, hook
         self.now = time.time() if now is None else now
         self.trash: int | None = None
+        self.bins: list[Bin | None] = []  # a looker's own folder in the trash, each (None: it deletes in place)
         self.looker = Looker(root, None, {}, self.now - grace)
         self.in_place = False
         self.completed = False  # every batch of the plan went through (an interrupt may follow)
@@ -162,14 +175,19 @@ class Executor:
         skipped: dict[str, str] = {}
         freed = nfiles = again = 0
         if not dry_run:
-            self.trash = self.looker.trash = self._open_trash()
+            self.trash = self._open_trash()
         units = plan.units  # (a plan's Units make each when sliced: a batch at a time)
         processes = default_processes() if len(units) >= PROCESSES_FROM and not dry_run else 0
         lookers: Lookers | None = None
         batch = following = None
         ctrl_c = _CtrlC()
         try:  # (from the first worker on: a failure closes what was opened, the trash included)
-            lookers = Lookers(self.looker, processes)
+            trash = None
+            if self.trash is not None:
+                trash = safefs.identity(os.fstat(self.trash))
+                self.bins = make_bins(self.trash, max(1, processes))
+                self.looker.trash = self._bin_fd(0)  # (with no worker processes, this looker moves)
+            lookers = Lookers(self.looker, processes, trash, self.bins)
             batch = self._look(lookers, units[:BATCH], dry_run) if units else None
             at = 0
             while batch is not None:
@@ -199,7 +217,7 @@ class Executor:
                         freed += nbytes
                         nfiles += n
                 if not dry_run:
-                    lookers.unlink([name for t in done for _, name in t.took.trashed])
+                    lookers.unlink([t.took for t in done])
                 if ctrl_c.seen and batch is not None:
                     raise KeyboardInterrupt  # between batches: the one in flight is settled below
             if not dry_run:
@@ -220,12 +238,16 @@ class Executor:
                 if lookers is not None:
                     lookers.close()
                 if self.trash is not None:
+                    close_bins(self.trash, self.bins)
                     os.close(self.trash)
                     self.trash = self.looker.trash = None
+                    self.bins = []
             finally:
                 ctrl_c.release()
         if ctrl_c.seen:  # during the last batch: everything is settled; the caller stops here
             raise KeyboardInterrupt
+        if lookers is not None and lookers.died:  # (each job it held was answered: everything is committed)
+            raise WorkerDied(lookers.died)
         return Outcome(removed, tuple(sorted(skipped.items())), freed, nfiles, again, self.in_place)
 
     def _look(self, lookers: Lookers, units: Sequence[Unit], dry_run: bool) -> _Batch:
@@ -287,7 +309,7 @@ class Executor:
             trashed = any(t.took.trashed for t in taken)
             if trashed:
                 for t in taken:
-                    remove_quietly(self.trash, [name for _, name in t.took.trashed])
+                    remove_quietly(self._bin_fd(t.took.bin), [name for _, name in t.took.trashed])
                     t.took.trashed, t.took.deleted = [], True
             reserve = self.db.reserve is not None and schema.release_reserve(self.db.reserve)
             if not (trashed or reserve):
@@ -321,7 +343,7 @@ class Executor:
         gone = [t for t in taken if t.took.deleted]
         for t in taken:
             if not t.took.deleted:
-                self.looker.restore(t.took)
+                restore(self.root, self._bin_fd(t.took.bin), t.took)
         if gone:
             try:
                 self._commit(gone)
@@ -360,12 +382,14 @@ class Executor:
             os.close(fd)
             return None
         try:
-            for name in os.listdir(fd):  # we hold the eviction lock: what is here belongs to a run that died
-                if not (mounts and safefs.at_or_above_a_mount(f"{layout.TRASH_DIR}/{name}", mounts)):
-                    remove_quietly(fd, [name])
+            empty_trash(fd, mounts)  # we hold the eviction lock: what is here belongs to a run that died
         except OSError:
             pass
         return fd
+
+    def _bin_fd(self, number: int) -> int | None:
+        b = self.bins[number] if number < len(self.bins) else None
+        return None if b is None else b.fd
 
     def _drop_empty_dirs(self, rows: Table) -> None:
         """Remove graph-key directories that hold no entry, once they have been empty a grace
