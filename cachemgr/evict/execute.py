@@ -76,7 +76,9 @@ CHECKPOINT_PAGES = 8192
 # before: in a thread for a small plan, in worker processes for a large one (a worker costs about
 # 0.1 s to start). 100,000 files on a 16-core host: 2.57 s with one thread, 2.16 s with 4 workers,
 # 3.28 s with 8, 4.15 s with 16 (they contend in the kernel and for this process's commits).
-# Threads did not help: with 2-8 looker threads the GIL made it slower, 4.1-5.0 s.
+# Threads did not help: with 2-8 looker threads the GIL made it slower, 4.1-5.0 s. (Those runs
+# shared one trash folder; with a bin each, 8 workers took 1.60 s and 4 took 1.61-1.68 s on an
+# H100 host: the evicting process's own plan and commits are the bound there.)
 LOOK_PROCESSES = 4
 PROCESSES_FROM = 2000  # units in a plan
 LOOK_CHUNK = 16  # units per look task (a future per unit costs more than looking at a small one)

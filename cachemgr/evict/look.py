@@ -309,7 +309,7 @@ class Looker:
                         try:
                             self.root.move(layout.fs_path(key), ident, self.trash, name)
                             if f.inodes is not None and not self._same_files(name, f.inodes):
-                                self._put_back(key, name)
+                                put_back(self.root, self.trash, key, name)
                                 raise safefs.Refused("written to since it was looked at", key)
                             took.trashed.append((key, name))
                             continue
@@ -333,10 +333,6 @@ class Looker:
                     restore(self.root, self.trash, took)
                     return why
         return None
-
-    def _put_back(self, key: str, name: str) -> None:
-        assert self.trash is not None  # (only what went into the trash comes back)
-        put_back(self.root, self.trash, key, name)
 
 
 def restore(root: safefs.Root, trash: int | None, took: Took) -> None:
