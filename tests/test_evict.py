@@ -1161,6 +1161,9 @@ def test_a_worker_process_killed_mid_eviction(aged_gpu, db_url, monkeypatch, whe
         with pytest.raises(look.WorkerDied, match=r"eviction worker process ended \(signal SIGKILL\)"):
             carry_out(db, cid, root, p, rows, 0, hook=hook)
     assert len(made) == 2 and all(w.proc.poll() is not None for w in made)  # none is left running
+    if when != "busy":  # every job of the dead worker was answered: what went is unlinked (its bin
+        # too, by the evicting process), what did not go is back
+        assert not [p for p in (aged_gpu / layout.TRASH_DIR).rglob("*") if p.is_file()]
     after = disk(aged_gpu)
     assert set(after) < set(before) and all(after[k] == before[k] for k in after)
     for path in set(before) - set(after):
@@ -1345,6 +1348,67 @@ def test_a_dead_runs_bins_are_emptied_one_level_and_nothing_through_a_symlink(ag
         "bin.4242.0/k/sub/theirs",
     ]
     assert (outside / "precious").read_text() == "x"
+
+
+@pytest.mark.parametrize("processes", [0, 2], ids=["thread", "workers"])
+def test_with_no_room_for_a_bin_the_trash_itself_takes_the_units(aged_gpu, db_url, monkeypatch, processes):
+    """A full disk (or a quota) refuses a new folder in the trash, where a rename into the trash
+    needs none: each looker then moves into the trash itself, not deletes in place."""
+    import errno
+
+    from cachemgr.evict import Limits, evict, execute
+
+    db, cid = _indexed(aged_gpu, db_url)
+    mkdir, trash, seen = os.mkdir, aged_gpu / layout.TRASH_DIR, []
+
+    def full(path, *a, **kw):
+        if str(path).startswith("bin."):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return mkdir(path, *a, **kw)
+
+    execute_run = execute.Executor.run
+
+    def with_hook(self, *a, **kw):
+        self.hook = lambda stage: stage == "renamed" and seen.append(sorted(os.listdir(trash)))
+        return execute_run(self, *a, **kw)
+
+    monkeypatch.setattr(os, "mkdir", full)
+    monkeypatch.setattr(execute, "PROCESSES_FROM", 0 if processes else 1 << 30)
+    monkeypatch.setattr(execute, "LOOK_PROCESSES", max(processes, 1))
+    monkeypatch.setattr(execute.Executor, "run", with_hook)
+    r = evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
+    assert r.evicted and not r.in_place and seen and all(names for names in seen)
+    assert not any(n.startswith("bin.") for names in seen for n in names)
+    assert os.listdir(trash) == [] and disk(aged_gpu) == {}
+
+
+def test_another_users_folder_in_the_trash_is_not_emptied(aged_cpu, db_url):
+    """A folder named like a bin that another user owns, or anything in a trash another user
+    owns (made by their scan; or one they put in place of ours), may hold what they could not
+    delete themselves: eviction, run as root, empties neither; names that are no folder go."""
+    from cachemgr.evict import Limits, evict
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make another user's folders")
+    db, cid = _indexed(aged_cpu, db_url)
+    trash = aged_cpu / layout.TRASH_DIR
+    planted = trash / "bin.77.0"
+    (planted / "V").mkdir(parents=True)
+    (planted / "V" / "theirs").write_text("x")
+    (planted / "top").write_text("x")
+    for p in (planted, planted / "V"):
+        os.chown(p, 4321, 4321)
+    evict(db, cid, str(aged_cpu), Limits(max_size=0, grace=0))
+    assert (planted / "V" / "theirs").exists()  # never entered: the folder one level down stays
+    assert not (planted / "top").exists()  # (one level, as any folder in a trash of ours)
+
+    os.chown(trash, 4321, 4321)  # now the trash is theirs
+    (trash / "folder").mkdir()
+    (trash / "folder" / "f").write_text("x")
+    (trash / "read-1-2").write_text("a dead reader's link")
+    evict(db, cid, str(aged_cpu), Limits(max_size=0, grace=0))
+    assert (trash / "folder" / "f").exists() and (planted / "V" / "theirs").exists()
+    assert not (trash / "read-1-2").exists()
 
 
 def _indexed(root: Path, db_url: str):

@@ -296,19 +296,17 @@ def carry_out(
     if isinstance(root, str):
         with exclusive(root) as opened:
             return carry_out(db, cache_id, opened, p, rows, grace, dry_run, now, hook)
+    from cachemgr.evict.look import WorkerDied
+
     ex = Executor(db, cache_id, root, grace, now, hook)
     try:
         out = ex.run(p, table_of(rows), dry_run=dry_run)
-    except KeyboardInterrupt:
-        if ex.completed and p.clock is not None and not dry_run:  # Ctrl-C in the last batch: all went
-            keep_clock(db, cache_id, p.clock)
+    except (KeyboardInterrupt, WorkerDied):
+        if ex.completed and not dry_run:  # Ctrl-C in the last batch, a worker found dead at the end: all went
+            _keep(db, cache_id, p.clock)
         raise
-    if p.clock is not None and not dry_run and out.removed:
-        keep_clock(db, cache_id, p.clock)
-    if db.reserve is not None and not dry_run:  # given back to commit on a full disk: made again if there is room
-        from cachemgr.index.schema import keep_reserve
-
-        keep_reserve(db.reserve)
+    if not dry_run:
+        _keep(db, cache_id, p.clock if out.removed else None)
     skipped = dict(p.skipped)
     skipped.update(out.skipped)
     remaining = remaining_bytes(db, cache_id)
@@ -328,6 +326,17 @@ def carry_out(
         skipped=tuple(sorted(skipped.items())),
         in_place=out.in_place,
     )
+
+
+def _keep(db: Database, cache_id: int, clock: Clock | None) -> None:
+    """After a run that carried its plan out: the cost policy's clock kept, and the index's
+    reserve (given back to commit on a full disk) made again if there is room."""
+    if clock is not None:
+        keep_clock(db, cache_id, clock)
+    if db.reserve is not None:
+        from cachemgr.index.schema import keep_reserve
+
+        keep_reserve(db.reserve)
 
 
 def evict(

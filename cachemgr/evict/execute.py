@@ -157,7 +157,7 @@ class Executor:
         self.db, self.cache_id, self.root, self.grace, self.hook = db, cache_id, root, grace, hook
         self.now = time.time() if now is None else now
         self.trash: int | None = None
-        self.bins: list[Bin | None] = []  # a looker's own folder in the trash, each (None: it deletes in place)
+        self.bins: list[Bin] = []  # each looker's own folder in the trash (none: no trash, in place)
         self.looker = Looker(root, None, {}, self.now - grace)
         self.in_place = False
         self.completed = False  # every batch of the plan went through (an interrupt may follow)
@@ -390,8 +390,7 @@ class Executor:
         return fd
 
     def _bin_fd(self, number: int) -> int | None:
-        b = self.bins[number] if number < len(self.bins) else None
-        return None if b is None else b.fd
+        return self.bins[number].fd if number < len(self.bins) else None
 
     def _drop_empty_dirs(self, rows: Table) -> None:
         """Remove graph-key directories that hold no entry, once they have been empty a grace

@@ -368,60 +368,81 @@ class Bin:
     id: safefs.Identity
 
 
-def make_bins(trash: int, n: int) -> list[Bin | None]:
-    """`n` new bins in the trash (descriptor `trash`); None for one that cannot be made (a full
-    disk: that looker deletes in place)."""
-    out: list[Bin | None] = []
+def make_bins(trash: int, n: int) -> list[Bin]:
+    """`n` new bins in the trash (descriptor `trash`). Where no folder can be made there (a full
+    disk, a quota: a rename into a folder that has held names needs no new block), a looker's bin
+    is the trash itself ('.')."""
+    out: list[Bin] = []
     names = (f"{BIN_PREFIX}{os.getpid()}.{i}" for i in itertools.count())
-    while len(out) < n:
-        name = next(names)
-        try:
-            os.mkdir(name, 0o700, dir_fd=trash)
-            fd = os.open(name, safefs.O_DIR, dir_fd=trash)
-        except FileExistsError:
-            continue  # a dead run's of the same pid that could not be emptied
-        except OSError:
-            out.append(None)
-            continue
-        out.append(Bin(name, fd, safefs.identity(os.fstat(fd))))
+    try:
+        while len(out) < n:
+            name = next(names)
+            try:
+                os.mkdir(name, 0o700, dir_fd=trash)
+            except FileExistsError:
+                continue  # a dead run's of the same pid that could not be emptied
+            except OSError as e:
+                if e.errno in safefs.SHORT:
+                    raise
+                name = "."
+            try:
+                fd = os.open(name, safefs.O_DIR, dir_fd=trash)
+            except BaseException:
+                if name != ".":
+                    remove_quietly(trash, [name])
+                raise
+            out.append(Bin(name, fd, safefs.identity(os.fstat(fd))))
+    except BaseException:
+        close_bins(trash, out)
+        raise
     return out
 
 
-def close_bins(trash: int, bins: Sequence[Bin | None]) -> None:
+def close_bins(trash: int, bins: Sequence[Bin]) -> None:
     """Close the bins, and remove those that are empty (what is left in one: the next run's)."""
     for b in bins:
-        if b is not None:
-            os.close(b.fd)
+        os.close(b.fd)
+        if b.name != ".":
             try:
                 os.rmdir(b.name, dir_fd=trash)
             except OSError:
                 pass
 
 
+def _ours(st: os.stat_result) -> bool:
+    """A folder of this user's that no one else may write to: nothing in it was put there by
+    another user (a folder can only be moved in by one who may write to it)."""
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
 def empty_trash(trash: int, mounts: frozenset[str]) -> None:
-    """Remove what dead runs left in the trash: bins of the files and kernel folders they moved
-    (each emptied one level: a folder put into a kernel folder since stays), the names older
-    versions moved straight into it, links of readers that died. Nothing at or above a mount."""
+    """Remove what dead runs left in the trash: their bins, with the files and kernel folders they
+    moved (each of those emptied one level: a folder put into a kernel folder since stays), names
+    older versions moved straight into the trash, links of readers that died. A folder is
+    emptied only if no other user can have put it there: a bin of ours, or anything in a trash of
+    ours (another user's `.cachemgr-trash`, or a folder of theirs named like a bin, could hold
+    what they may not delete themselves). Nothing at or above a mount."""
+    trusted = _ours(os.fstat(trash))
     for name in os.listdir(trash):
         at = f"{layout.TRASH_DIR}/{name}"
         if mounts and safefs.at_or_above_a_mount(at, mounts):
             continue
-        if name.startswith(BIN_PREFIX):
-            try:
-                fd = os.open(name, safefs.O_DIR, dir_fd=trash)
-            except OSError:
-                fd = None  # not a folder (removed below as any name is)
-            if fd is not None:
-                try:
-                    for inner in os.listdir(fd):
-                        if not (mounts and safefs.at_or_above_a_mount(f"{at}/{inner}", mounts)):
-                            remove_quietly(fd, [inner])
-                finally:
-                    os.close(fd)
+        try:
+            fd = os.open(name, safefs.O_DIR, dir_fd=trash)
+        except OSError:
+            remove_quietly(trash, [name])  # not a folder (a file, a link): only its name goes
+            continue
+        try:
+            st = os.fstat(fd)
+            if name.startswith(BIN_PREFIX) and _ours(st):
+                for inner in os.listdir(fd):
+                    if not (mounts and safefs.at_or_above_a_mount(f"{at}/{inner}", mounts)):
+                        remove_quietly(fd, [inner])
+            elif not trusted:
+                continue  # another user's folder in their trash: not ours to empty
+        finally:
+            os.close(fd)
         remove_quietly(trash, [name])
-
-
-# -- where the looks run --------------------------------------------------------------------------
 
 
 class Lookers:
@@ -434,14 +455,14 @@ class Lookers:
         looker: Looker,
         processes: int = 0,
         trash: safefs.Identity | None = None,
-        bins: Sequence[Bin | None] = (),
+        bins: Sequence[Bin] = (),
     ) -> None:
-        self.looker = looker
+        self.looker, self.bins = looker, bins
         self.workers: list[_Process] = []
         self.threads: list[ThreadPoolExecutor] = []
         if processes:
             root = looker.root
-            given = [*bins, *[None] * (processes - len(bins))]  # (no bins: no trash, each deletes in place)
+            given: list[Bin | None] = [*bins, *[None] * (processes - len(bins))]  # (none: no trash, in place)
             starts = [
                 (
                     os.getpid(),
@@ -482,12 +503,12 @@ class Lookers:
             if t.trashed:
                 by_bin.setdefault(t.bin, []).extend(name for _, name in t.trashed)
         for b, names in by_bin.items():
-            if self.workers:
-                f = self.workers[b].submit((UNLINK, names))
-                if f.done():
-                    f.result()  # refused by a worker that died: the run stops here (WorkerDied)
-            else:
+            if not self.workers:
                 self.threads[1].submit(remove_quietly, self.looker.trash, names)
+            elif self.workers[b].ended is not None:  # it died (the run stops at its next look, or
+                remove_quietly(self.bins[b].fd, names)  # at its end): its bin is emptied here
+            else:
+                self.workers[b].submit((UNLINK, names))  # (if it dies first, the next run empties it)
 
     def _worker(self) -> _Process:
         """The least loaded worker, or one that has died: a run stops at its first dead worker
