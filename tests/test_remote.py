@@ -667,6 +667,18 @@ def test_an_endless_scan_ends_at_the_budget(fake_redis):
         Remote(url, budget=0.5).stats()
 
 
+def test_a_call_cut_short_by_the_commands_budget_says_the_budget(fake_redis):
+    """A call whose time is what was left of the command's budget (here all of it: the budget is
+    under the call's own timeout) and runs out says the budget ran out, not that Redis gave no
+    whole answer within some fraction of a second (a CI run: 'within 0.0003682 s')."""
+    from cachemgr.errors import RemoteError
+    from cachemgr.fleet.remote import Remote
+
+    url = fake_redis(lambda args: [b"-ERR unknown command\r\n"] if args[0] == b"HELLO" else [5.0])
+    with pytest.raises(RemoteError, match=r"^Redis at .* took 0.3 s of this command in all: stopped$"):
+        Remote(url, timeout=30, budget=0.3).stats()
+
+
 def test_an_lfu_policy_keeps_no_idle_times(fake_redis):
     """Under an LFU maxmemory-policy OBJECT IDLETIME is an error: every key read as gone (0
     entries, nothing said). Now each counts, as just read, and one note says why. (A server of

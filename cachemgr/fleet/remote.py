@@ -344,6 +344,10 @@ class Remote:
                 return fn()
         except _Late:
             self.r.connection_pool.disconnect()  # (its connection stopped in the middle of an answer)
+            if limit < self.timeout:  # what was left of the command's time ran out, not the call's own
+                raise RemoteError(
+                    f"Redis at {self.shown} took {self.budget:g} s of this command in all: stopped"
+                ) from None
             raise RemoteError(f"Redis at {self.shown} timed out: no whole answer within {limit:g} s") from None
         except _TooLarge:
             self.r.connection_pool.disconnect()
