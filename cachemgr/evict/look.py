@@ -445,6 +445,9 @@ def empty_trash(trash: int, mounts: frozenset[str]) -> None:
         remove_quietly(trash, [name])
 
 
+# -- where the looks run --------------------------------------------------------------------------
+
+
 class Lookers:
     """Looks and unlinks run beside the caller: in a thread each (`processes` 0: `looker` does
     them), or in that many worker processes, each with a Looker of its own made like `looker`,
