@@ -1309,6 +1309,7 @@ def test_each_worker_process_moves_into_a_bin_of_its_own(aged_gpu, db_url, monke
     monkeypatch.setattr(execute, "PROCESSES_FROM", 0)
     monkeypatch.setattr(execute, "LOOK_PROCESSES", 2)
     monkeypatch.setattr(execute, "BATCH", 8)
+    monkeypatch.setattr(execute, "LOOK_CHUNK", 1)  # a batch's units go to both workers
     monkeypatch.setattr(execute.Executor, "run", with_hook)
     r = evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
     assert r.evicted > 16 and len(seen) > 2
