@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from cachemgr.errors import ConfigError, UsageError
+from cachemgr.errors import CachemgrError, ConfigError, UsageError
 from cachemgr.units import MAX_SIZE, parse_duration, parse_size, parse_size_or_percent
 
 DEFAULT_CONFIG_FILE = "/etc/cachemgr/config.toml"
@@ -472,9 +472,12 @@ def _parsed(o: Option, parse: Callable[[Any], Any], v: Any, src: str) -> Any:
 MAX_TOML = 4 * 1024 * 1024  # bytes: a config file or manifest is a few KiB
 
 
-def read_toml(path: str, what: str, error: type[UsageError]) -> dict[str, Any]:
-    """A TOML file as a dict; a missing, unreadable or malformed file is one `error` line. Only a
-    regular file of at most MAX_TOML bytes is read (a FIFO would block, /dev/zero never ends)."""
+def read_toml(
+    path: str, what: str, error: type[UsageError], missing: type[CachemgrError] | None = None
+) -> dict[str, Any]:
+    """A TOML file as a dict; a missing (`missing`, else `error`), unreadable or malformed file is
+    one `error` line. Only a regular file of at most MAX_TOML bytes is read (a FIFO would block,
+    /dev/zero never ends)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
@@ -486,7 +489,7 @@ def read_toml(path: str, what: str, error: type[UsageError]) -> dict[str, Any]:
             raise error(f"{what} {path} is larger than {MAX_TOML >> 20} MiB")
         return tomllib.loads(data.decode("utf-8"))
     except FileNotFoundError:
-        raise error(f"{what} {path} does not exist") from None
+        raise (missing or error)(f"{what} {path} does not exist") from None
     except IsADirectoryError:
         raise error(f"{what} {path} is not a regular file") from None
     except OSError as e:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import re
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -518,9 +518,8 @@ class Explainer:
         code_diff: tuple[str, ...] = ()
         similarity = None
         if gm is not None:
-            la, lb = gm[0].splitlines(), gm[1].splitlines()
-            similarity = round(difflib.SequenceMatcher(None, la, lb, autojunk=False).ratio(), 3)
-            code_diff = tuple(difflib.unified_diff(la, lb, "A", "B", n=1, lineterm=""))
+            ratio, code_diff = diff_code(gm[0].splitlines(), gm[1].splitlines())
+            similarity = round(ratio, 3)
         # the gm change's values: the whole code is in code_diff
         changes = [
             Change(
@@ -710,6 +709,44 @@ class Activity:
             "compile_seconds": round(self.compile_seconds, 3),
             "evictions": self.evictions,
         }
+
+
+# Lines x lines diffed line by line where two graph codes differ: difflib's matching is quadratic
+# in them (two hand-made codes of 40,000 repeated lines kept `explain` and `stats` busy for ever).
+MAX_DIFF_CELLS = 1_000_000
+_HUNK = re.compile(r"@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@")
+
+
+def diff_code(la: list[str], lb: list[str]) -> tuple[float, tuple[str, ...]]:
+    """How alike two graph codes' lines are (0-1, as difflib's ratio) and their unified diff (one
+    line of context). The lines they share at the start and the end are set aside first (a
+    changed graph is mostly the same code); if what is left between is over MAX_DIFF_CELLS, the
+    likeness counts the lines both hold and the diff says it was not made."""
+    n = min(len(la), len(lb))
+    head = 0
+    while head < n and la[head] == lb[head]:
+        head += 1
+    tail = 0
+    while tail < n - head and la[-1 - tail] == lb[-1 - tail]:
+        tail += 1
+    if head == n and len(la) == len(lb):
+        return 1.0, ()
+    start = max(0, head - 1)  # (a line of context kept each side)
+    ma, mb = la[start : len(la) - max(0, tail - 1)], lb[start : len(lb) - max(0, tail - 1)]
+    kept = len(la) - len(ma)  # lines alike outside what is diffed
+    total = len(la) + len(lb)
+    if len(ma) * len(mb) > MAX_DIFF_CELLS:
+        alike = kept + sum((Counter(ma) & Counter(mb)).values())
+        return 2 * alike / total, (f"(the codes differ in {len(ma):,} and {len(mb):,} lines: too many to diff here)",)
+    sm = difflib.SequenceMatcher(None, ma, mb, autojunk=False)
+    alike = kept + sum(m.size for m in sm.get_matching_blocks())
+    out = []
+    for line in difflib.unified_diff(ma, mb, "A", "B", n=1, lineterm=""):
+        m = _HUNK.fullmatch(line) if line.startswith("@@") else None
+        if m:  # (numbered from the start of the codes, not of what was diffed)
+            line = f"@@ -{int(m[1]) + start}{m[2] or ''} +{int(m[3]) + start}{m[4] or ''} @@"
+        out.append(line)
+    return 2 * alike / total, tuple(out)
 
 
 def activity(

@@ -382,3 +382,46 @@ def test_explain_counts_the_nearest_as_diff_does(fixture_cache, cli_for):
     for key, nearest in pairs:
         counts = cli("diff", nearest, key).stdout.splitlines()[2]
         assert f": {nearest}, {counts}\n" in text, (key, counts)  # "nearest:" or "same graph code:"
+
+
+def test_a_hand_edited_index_is_read_and_nothing_of_it_reaches_the_terminal_raw(fixture_cache, cli_for, db_url):
+    """A set id that is no number (a hand edit; `check` and `explain` sorted it with the others:
+    exit 70), a ref stored as a BLOB (compared with text: exit 70), and refs that carry escape
+    sequences and a BEL (printed raw by explain's and diff's lines): each is read as what it is,
+    and every line printed is escaped."""
+    import sqlite3
+
+    cli = cli_for(fixture_cache("torch-2.13.0-cpu"))
+    cli("scan")
+    with sqlite3.connect(db_url.removeprefix("sqlite:///")) as c:
+        ids = [i for (i,) in c.execute("SELECT id FROM entries WHERE kind = 'fxgraph' ORDER BY id")]
+        c.execute("UPDATE entry_component_sets SET set_id = 'abc' WHERE entry_id = ? AND part = 'options'", (ids[0],))
+        c.execute("UPDATE entries SET ref = CAST(ref AS BLOB) WHERE id = ?", (ids[1],))
+        c.execute("UPDATE entries SET ref = char(27) || '[2J' || char(7) || ref WHERE id > ?", (ids[1],))
+    doc = cli.json("explain", "--since", "3650d", "--limit", "100")
+    text = cli("explain", "--since", "3650d", "--limit", "100").stdout
+    assert doc["misses"] and "\x1b" not in text and "\x07" not in text and "\\x1b[2J\\x07" in text
+    keys = [m["key"] for m in doc["misses"]]
+    out = cli("diff", keys[-1], keys[-2]).stdout
+    assert "\x1b" not in out and "\x07" not in out
+
+
+def test_graph_codes_too_far_apart_to_diff_are_said_so_and_a_long_one_is_numbered_whole():
+    """Two graph codes of 20,000 repeated lines each (hand made: the graph code is kept to 1 MiB)
+    kept `explain`, `diff`, `stats` and the daemon's metrics busy for ever in difflib: what differs
+    is diffed only up to a bound, beyond it the diff says why it is missing. A long code with one
+    line changed is diffed as difflib diffs it, hunks numbered from the codes' start."""
+    import difflib
+
+    from cachemgr.explain import diff_code
+
+    a, b = ["x = y"] * 20_000 + ["z"], ["z"] + ["x = y"] * 20_000
+    alike, lines = diff_code(a, b)
+    assert lines == ("(the codes differ in 20,001 and 20,001 lines: too many to diff here)",)
+    assert 0.99 < alike <= 1.0
+    a = [f"line {i}" for i in range(50_000)]
+    b = [*a[:30_000], "changed", *a[30_001:]]
+    alike, lines = diff_code(a, b)
+    assert lines == tuple(difflib.unified_diff(a, b, "A", "B", n=1, lineterm=""))
+    assert lines[2] == "@@ -30000,3 +30000,3 @@" and 0.99 < alike < 1
+    assert diff_code(a, list(a)) == (1.0, ())

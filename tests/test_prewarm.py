@@ -222,6 +222,10 @@ def test_a_missing_bundle_or_a_manifest_with_nothing_to_run_is_named_before_any_
     (tmp_path / "bad.toml").write_text('[[model]]\nname = "a"\nshapes = [["f32[2,x]"]]\n')
     r = Cli(tmp_path / "c", db_url).proc("prewarm", "--manifest", str(tmp_path / "bad.toml"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "model 'a': field 'factory'" in r.stderr, r.stderr
+    for command in ("prewarm", "check"):  # a manifest named that is not there: exit 3, as help says
+        r = Cli(tmp_path / "c", db_url).proc(command, "--manifest", str(tmp_path / "none.toml"))
+        assert r.returncode == 3, r.stderr
+        assert r.stderr == f"cachemgr: error: manifest {tmp_path / 'none.toml'} does not exist\n"
 
 
 def test_manifest_errors_name_model_and_field(tmp_path):

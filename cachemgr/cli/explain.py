@@ -20,7 +20,6 @@ from cachemgr.cli.common import (
     pass_app,
     plural,
     say,
-    short,
     text_width,
 )
 from cachemgr.units import format_duration
@@ -122,7 +121,7 @@ def diff_cmd(app, key_a: str, key_b: str, as_json: bool) -> None:
     width = text_width()
     for label, e, n in (("A", a, na), ("B", b, nb)):
         more = f", newest of {n}" if n > 1 else ""
-        click.echo(short(f"{label}  {shorts[e.key]}  compiled {age(e.mtime)} ago{more}", width))
+        click.echo(fit(f"{label}  {shorts[e.key]}  compiled {age(e.mtime)} ago{more}", width))
     if a.key == b.key:
         click.echo("A and B are the same entry: nothing to compare")
         return
@@ -254,7 +253,7 @@ def _counts(d) -> str:
 
 def render_miss(m, shorts: dict[str, str], width: int) -> list[str]:
     secs = "" if m.event.seconds is None else f", {m.event.seconds:.2f} s to compile"
-    out = [short(f"{shorts.get(m.key, m.key)}  compiled {age(m.event.ts)} ago{secs}", width)]
+    out = [fit(f"{shorts.get(m.key, m.key)}  compiled {age(m.event.ts)} ago{secs}", width)]
     if m.verdict == "first":
         out.append("  first compile in this cache: no earlier entry to compare with")
         return out
@@ -268,13 +267,13 @@ def render_miss(m, shorts: dict[str, str], width: int) -> list[str]:
         return out
     best = m.nearest[0]
     if m.diff is None:  # the same key, where no hash components are recorded
-        out.append(short(f"  same graph key as {shorts.get(best.entry.key, best.entry.key)}", width))
+        out.append(fit(f"  same graph key as {shorts.get(best.entry.key, best.entry.key)}", width))
     else:
         how = "same graph code" if best.same_code else "nearest"
-        out.append(short(f"  {how}: {shorts.get(best.entry.key, best.entry.key)}, {_counts(m.diff)}", width))
+        out.append(fit(f"  {how}: {shorts.get(best.entry.key, best.entry.key)}, {_counts(m.diff)}", width))
     if len(m.nearest) > 1:
         others = ", ".join(f"{shorts.get(c.entry.key, c.entry.key)} ({c.differ})" for c in m.nearest[1:])
-        out.append(short(f"  next nearest (components differing by name): {others}", width))
+        out.append(fit(f"  next nearest (components differing by name): {others}", width))
     if m.verdict == "guards":
         out.extend(
             _wrap(

@@ -317,7 +317,7 @@ def _print_run(result, title: str) -> None:
 @exit_codes(
     (0, "every shape compiled (with --verify: a fresh process saw only hits)"),
     (2, "bad command line, manifest or config file"),
-    (3, "a model or bundle named does not exist"),
+    (3, "a model, manifest or bundle named does not exist"),
     (4, "the cache dir cannot be made"),
     5,
     (

@@ -228,6 +228,11 @@ def text(v: Any) -> Any:
     return v.decode("utf-8", "backslashreplace") if isinstance(v, bytes) else v
 
 
+def words(v: Any) -> str | None:
+    """Text where text belongs, whatever a hand edit stored there (a BLOB, a number); None kept."""
+    return None if v is None else str(text(v))
+
+
 def moment(v: Any, missing: float = 0.0) -> float:
     """A time (or seconds) as stored, `missing` where it is not a finite number."""
     if type(v) is float and math.isfinite(v):
@@ -1038,7 +1043,13 @@ class Store:
         )
         return [
             CompileEvent(
-                int(i), moment(ts), key, gk, None if s is None else moment(s), kind == Event.LOADED or bool(copy), eid
+                int(i),
+                moment(ts),
+                str(text(key)),
+                words(gk),
+                None if s is None else moment(s),
+                kind == Event.LOADED or bool(copy),
+                eid,
             )
             for i, ts, key, gk, s, kind, eid, copy in rows
         ]
@@ -1125,7 +1136,10 @@ class Store:
 
     def fingerprint_names(self) -> dict[str, str]:
         """torch_version hash -> the torch build it names, as processes running it reported."""
-        return dict(self._rows("SELECT hash, name FROM fingerprints WHERE kind = 'torch' ORDER BY last_seen"))
+        return {
+            str(text(h)): str(text(n))
+            for h, n in self._rows("SELECT hash, name FROM fingerprints WHERE kind = 'torch' ORDER BY last_seen")
+        }
 
     # -- explain: hash components -------------------------------------------------------------------
 
@@ -1136,7 +1150,8 @@ class Store:
             "SELECT s.entry_id, s.part, s.set_id FROM entry_component_sets s JOIN entries e ON e.id = s.entry_id "
             "WHERE e.cache_id = :cache AND e.kind = 'fxgraph'"
         ):
-            sets.setdefault(eid, {})[part] = set_id
+            if type(set_id) is int:  # (a hand edit's text or BLOB names no set: the part is unrecorded)
+                sets.setdefault(eid, {})[str(text(part))] = set_id
         rows = self._rows(
             "SELECT e.id, e.key, e.ref, e.graph_key, e.mtime, e.guards, e.unrecorded, "
             "COALESCE(e.torch_version, (SELECT f.name FROM fingerprints f WHERE f.kind = 'torch' AND "
@@ -1145,7 +1160,17 @@ class Store:
             "AND e.parse_state = 0 ORDER BY e.mtime, e.id"
         )
         return [
-            GraphEntry(int(i), k, r, g, moment(m), gu, un, tv, sets.get(int(i), {}))
+            GraphEntry(
+                int(i),
+                str(text(k)),
+                words(r),
+                words(g),
+                moment(m),
+                words(gu),
+                words(un),
+                words(tv),
+                sets.get(int(i), {}),
+            )
             for i, k, r, g, m, gu, un, tv in rows
         ]
 
@@ -1166,7 +1191,9 @@ class Store:
         out: dict[int, dict[str, Component]] = {}
         column = "value" if values else "NULL"
         for set_id, name, h, value in self._chunked(
-            f"SELECT set_id, name, hash, {column} FROM component_set_items WHERE {{in}}", "set_id", sorted(set(set_ids))
+            f"SELECT set_id, name, hash, {column} FROM component_set_items WHERE {{in}}",
+            "set_id",
+            sorted({i for i in set_ids if type(i) is int}),
         ):
             # (as text: a BLOB or a number where a hand edit put one)
             out.setdefault(set_id, {})[str(text(name))] = (str(text(h)), None if value is None else str(text(value)))

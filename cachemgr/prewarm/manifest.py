@@ -115,7 +115,7 @@ class Manifest:
 def load(path: str) -> Manifest:
     from cachemgr.config import read_toml
 
-    return parse(read_toml(path, "manifest", ManifestError), path)
+    return parse(read_toml(path, "manifest", ManifestError, NotFound), path)  # (a file named that is not: exit 3)
 
 
 def parse(doc: dict, path: str = "<manifest>") -> Manifest:
