@@ -86,6 +86,12 @@ def test_check_refuses_a_cuda_device_this_host_lacks_as_prewarm_does(fixture_cac
     )
 
 
+def test_a_device_number_of_other_digits_is_no_device(fixture_cache, cli_for):
+    """`cuda:٣` (an Arabic-Indic three) passed as a device number: only ASCII digits name one."""
+    r = cli_for(fixture_cache()).proc("check", "--devices", "cuda:\u0663")
+    assert r.returncode == 2 and "devices are cpu, cuda or cuda:N" in r.stderr, r.stderr
+
+
 def test_show_json_is_one_object_however_many_entries_a_key_names(fixture_cache, cli_for):
     """show --json was an object for one entry and an array for a graph of several."""
     root = fixture_cache()

@@ -152,7 +152,7 @@ def _devices(value: str | None) -> list[str] | None:
     if not devs:
         raise click.BadParameter("name at least one device (cpu, cuda or cuda:N)", param_hint="--devices")
     for d in devs:
-        if not re.match(r"^(cpu|cuda(:\d+)?)$", d):
+        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", d):  # (ASCII digits: `\d` takes '٣')
             raise click.BadParameter(f"{d!r}: devices are cpu, cuda or cuda:N", param_hint="--devices")
         problem = cuda_problem(d)
         if problem:
