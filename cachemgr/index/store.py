@@ -1178,7 +1178,7 @@ class Store:
         """(key, graph key, why it does not read) of each fxgraph entry of the cache that did
         not parse, or (why None) is not parsed yet: what graph_entries leaves out."""
         return [
-            (str(text(k)), text(g), None if c is None else str(text(c)))
+            (str(text(k)), text(g), words(c))
             for k, g, c in self._rows(
                 "SELECT key, graph_key, corrupt FROM entries WHERE cache_id = :cache AND kind = 'fxgraph' "
                 "AND (corrupt IS NOT NULL OR parse_state <> 0) ORDER BY mtime, id"
@@ -1196,7 +1196,7 @@ class Store:
             sorted({i for i in set_ids if type(i) is int}),
         ):
             # (as text: a BLOB or a number where a hand edit put one)
-            out.setdefault(set_id, {})[str(text(name))] = (str(text(h)), None if value is None else str(text(value)))
+            out.setdefault(set_id, {})[str(text(name))] = (str(text(h)), words(value))
         return out
 
     # -- fleet: every cache of the index ------------------------------------------------------------
