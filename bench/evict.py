@@ -73,8 +73,7 @@ if sys.argv[6]:  # --profile: the evicting process under cProfile (its time is t
     profile = cProfile.Profile()
     profile.enable()
 # evict() as it is (under one lock: plan, then carry out), its two halves timed, and the main
-# thread's share of the carrying out (handing looks out, waiting for them) and the commits (in a
-# thread of their own, beside the handing out)
+# thread's share of the carrying out: handing looks out, waiting for them, committing
 from cachemgr.evict import carry_out, make_plan
 spent = {"look": 0.0, "wait": 0.0, "commit": 0.0}
 def _timed(name, f):
@@ -235,8 +234,8 @@ def main() -> None:
         )
         print(
             f"  of which: plan {res['plan']:.2f} s; carrying out {ours - res['plan']:.2f} s, its main thread "
-            f"handing looks out {res['look']:.2f} s, waiting for them {res['wait']:.2f} s; committing "
-            f"(a thread of its own) {res['commit']:.2f} s"
+            f"handing looks out {res['look']:.2f} s, waiting for them {res['wait']:.2f} s, committing "
+            f"{res['commit']:.2f} s"
         )
         print(f"find -delete over the same paths:               {theirs:.2f} s")
         print(f"ratio: {ours / theirs:.2f}x (target <= 2x)")

@@ -1138,37 +1138,22 @@ def test_a_worker_process_killed_mid_eviction(aged_gpu, db_url, monkeypatch, whe
 
     renamed = []
 
-    def kill(worker):
-        os.kill(worker.proc.pid, signal.SIGKILL)
-        while worker.ended is None:  # as the run learns of it: its reader sees the pipe close
-            time.sleep(0.001)
-
     def hook(stage):  # after a batch was moved, before its commit: the first, or the last
         if stage != "renamed" or made[0].ended is not None:
             return
         renamed.append(stage)
-        if when == "busy":
-            return
         if when == "idle-last" and len(renamed) < -(-len(p.units) // execute.BATCH):  # (not the last yet)
             return
-        while made[0].jobs:
+        while when != "busy" and made[0].jobs:
             time.sleep(0.001)
-        kill(made[0])
-
-    handing = look.Lookers.look
-
-    def handed(self, *a):  # busy: killed as it holds units of the second batch (the first commits)
-        f = handing(self, *a)
-        holding = [w for w in made if w.jobs and w.ended is None]
-        if when == "busy" and renamed and holding and not any(w.ended for w in made):
-            kill(holding[0])
-        return f
+        os.kill(made[0].proc.pid, signal.SIGKILL)
+        while made[0].ended is None:  # as the run learns of it: its reader sees the pipe close
+            time.sleep(0.001)
 
     monkeypatch.setattr(execute, "PROCESSES_FROM", 0)
     monkeypatch.setattr(execute, "LOOK_PROCESSES", 2)
     monkeypatch.setattr(execute, "BATCH", 8)
     monkeypatch.setattr(look._Process, "__init__", recorded)
-    monkeypatch.setattr(look.Lookers, "look", handed)
     before = disk(aged_gpu)
     with exclusive(str(aged_gpu)) as root:
         p, rows = make_plan(db, cid, root, Limits(max_size=0, grace=0))
@@ -1571,42 +1556,44 @@ def test_a_commit_that_fails_puts_back_its_batch_and_the_next(aged_gpu, db_url, 
     assert not (check.added or check.changed or check.removed), check.as_dict()
 
 
-def test_a_batch_committed_while_the_next_failed_to_go_out_stays_evicted(aged_gpu, db_url, monkeypatch):
-    """A batch commits (in a thread of its own) while the next is handed out, and handing it out
-    fails (the index locked as its access times are read): the committed batch stays evicted and
-    nothing of it is left in the trash; the rest is untouched; index and disk agree."""
+def test_a_failure_right_after_a_commit_puts_nothing_of_it_back(aged_gpu, db_url, monkeypatch):
+    """Something raises just after a batch's commit returned (a second Ctrl-C there; here the
+    test's hook): the batch is not put back (its rows and events are committed: a scan found its
+    files again as new entries), the batch looked at meanwhile is, and the next run empties what
+    the committed batch left in the trash."""
     from cachemgr.evict import Limits, evict, execute
     from cachemgr.index.scan import reconcile
 
     db, cid = _indexed(aged_gpu, db_url)
-    look, commit, calls, committed = execute.Executor._look, execute.Executor._commit, [], []
+    execute_run, commit, committed = execute.Executor.run, execute.Executor._commit, []
 
-    def failing_look(self, lookers, units, dry_run):
-        calls.append(len(units))
-        if len(calls) == 3:  # (the second batch commits meanwhile: held until this failure, to be sure)
-            raise sqlite3.OperationalError("database is locked")
-        return look(self, lookers, units, dry_run)
-
-    def slow_commit(self, taken):
-        while len(calls) < 3 and len(committed) == 1:
-            time.sleep(0.001)
+    def recorded(self, taken):
         commit(self, taken)
         committed.append([e.key for t in taken for e in t.unit.entries])
 
+    def hook(stage):
+        if stage == "committed" and len(committed) == 2:
+            raise RuntimeError("stopped right after a commit")
+
+    def with_hook(self, *a, **kw):
+        self.hook = hook
+        return execute_run(self, *a, **kw)
+
     monkeypatch.setattr(execute, "BATCH", 8)
-    monkeypatch.setattr(execute.Executor, "_look", failing_look)
-    monkeypatch.setattr(execute.Executor, "_commit", slow_commit)
+    monkeypatch.setattr(execute.Executor, "_commit", recorded)
+    monkeypatch.setattr(execute.Executor, "run", with_hook)
     before = disk(aged_gpu)
-    with pytest.raises(sqlite3.OperationalError, match="locked"):
+    with pytest.raises(RuntimeError, match="right after a commit"):
         evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
     after = disk(aged_gpu)
-    assert len(calls) == 3 and len(committed) == 2
     gone = {layout.classify(path).key for path in set(before) - set(after)}  # type: ignore[union-attr]
-    assert gone == {key for keys in committed for key in keys}
+    assert len(committed) == 2 and gone == {key for keys in committed for key in keys}
     assert all(after[p] == before[p] for p in after)
-    assert not [p for p in (aged_gpu / layout.TRASH_DIR).rglob("*") if not p.is_dir()]
     check = reconcile(db, cid, str(aged_gpu))
     assert not (check.added or check.changed or check.removed), check.as_dict()
+    monkeypatch.setattr(execute.Executor, "run", execute_run)
+    evict(db, cid, str(aged_gpu), Limits(max_size=0, grace=0))
+    assert not [p for p in (aged_gpu / layout.TRASH_DIR).rglob("*") if not p.is_dir()]
 
 
 def test_streamed_links_plan_as_the_rows_do(aged_gpu, db_url):

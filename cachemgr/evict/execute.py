@@ -33,7 +33,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import SupportsInt, cast
@@ -182,11 +182,6 @@ class Executor:
         processes = default_processes() if len(units) >= PROCESSES_FROM and not dry_run else 0
         lookers: Lookers | None = None
         batch = following = None
-        # A batch's rows and events are committed in a thread of its own while the main thread hands
-        # the next batch out: SQLite works without the GIL, and on a GPU host the two, one after
-        # the other, were most of the run.
-        committer = ThreadPoolExecutor(1, thread_name_prefix="cachemgr-commit")
-        committing: Future | None = None  # the commit of `batch`, while the next is handed out
         ctrl_c = _CtrlC()
         try:  # (from the first worker on: a failure closes what was opened, the trash included)
             trash = None
@@ -204,18 +199,18 @@ class Executor:
                 if failure is not None:
                     raise failure
                 at += BATCH
-                if batch.taken and not dry_run:
+                # the next batch is looked at (and moved) while this one commits
+                following = self._look(lookers, units[at : at + BATCH], dry_run) if at < len(units) else None
+                committing = bool(batch.taken) and not dry_run
+                if committing:
                     if self.hook:
                         self.hook("renamed")
-                    committing = committer.submit(self._commit, batch.taken)
-                # the next batch is handed out, looked at and moved while this one commits
-                following = self._look(lookers, units[at : at + BATCH], dry_run) if at < len(units) else None
-                if committing is not None:
-                    committing.result()  # (its failure: the batch goes back, below)
-                    committing = None
-                    if self.hook:
-                        self.hook("committed")
+                    self._commit(batch.taken)
+                # committed: whatever is raised from here on, nothing of it goes back (what it moved
+                # stays in the bins, for the next run to empty)
                 done, batch, following = batch.taken, following, None
+                if committing and self.hook:
+                    self.hook("committed")
                 for t in done:
                     self.in_place = self.in_place or t.took.deleted
                     for e, (nbytes, n) in zip(t.unit.entries, t.took.sizes, strict=True):
@@ -242,10 +237,6 @@ class Executor:
             self.completed = True  # (an interrupt seen during the last batch is raised below)
         finally:
             try:  # (a second Ctrl-C may interrupt this too: the handler is put back whatever happens)
-                committer.shutdown()  # (waits for a commit in flight: nothing is put back under it)
-                if committing is not None and batch is not None and committing.exception() is None:
-                    self._empty_bins_of(batch.taken)  # committed, then the next batch failed: gone
-                    batch = None
                 for b in (batch, following):  # looked at, not committed: what moved goes back
                     if b is not None:
                         self._settle(b, skipped, dry_run)
@@ -322,17 +313,13 @@ class Executor:
                 raise
             trashed = any(t.took.trashed for t in taken)
             if trashed:
-                self._empty_bins_of(taken)
+                for t in taken:
+                    remove_quietly(self._bin_fd(t.took.bin), [name for _, name in t.took.trashed])
+                    t.took.trashed, t.took.deleted = [], True
             reserve = self.db.reserve is not None and schema.release_reserve(self.db.reserve)
             if not (trashed or reserve):
                 raise
             self._write(taken, events)
-
-    def _empty_bins_of(self, taken: list[_Taken]) -> None:
-        """Unlink what `taken` moved into the trash, here (not by the lookers)."""
-        for t in taken:
-            remove_quietly(self._bin_fd(t.took.bin), [name for _, name in t.took.trashed])
-            t.took.trashed, t.took.deleted = [], True
 
     def _write(self, taken: list[_Taken], events: list[dict]) -> None:
         with self.db.engine.connect() as conn:
