@@ -1281,8 +1281,12 @@ def test_a_worker_refuses_a_replaced_root_or_bin(aged_gpu, tmp_path):
         os.close(looker.trash)
         os.rmdir(b.name, dir_fd=trash)
         os.mkdir(b.name, dir_fd=trash)  # the same name, another folder
-        with pytest.raises(safefs.Refused, match="trash folder was replaced"):
+        with pytest.raises(safefs.Refused, match="trash folder's bin was replaced") as replaced:
             look._start(os.getpid(), str(aged_gpu), root.id, (trash_id, b.name, b.id), {}, 0.0, 0)
+        assert replaced.value.filename == f"{layout.TRASH_DIR}/{b.name}"
+        with pytest.raises(safefs.Refused, match="trash folder was replaced") as replaced:  # the trash itself
+            look._start(os.getpid(), str(aged_gpu), root.id, (root.id, b.name, b.id), {}, 0.0, 0)
+        assert replaced.value.filename == layout.TRASH_DIR
         look.close_bins(trash, [b])
         assert os.listdir(trash) == []
 

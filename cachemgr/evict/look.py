@@ -643,25 +643,26 @@ def _start(
     fd = None
     if bin is not None:
         trash_id, name, bin_id = bin
-        trash = _open_same(root.fd, layout.TRASH_DIR, trash_id)
+        trash = _open_same(root.fd, layout.TRASH_DIR, trash_id, "the trash folder")
         try:
-            fd = _open_same(trash, name, bin_id)
+            fd = _open_same(trash, name, bin_id, "the trash folder's bin", f"{layout.TRASH_DIR}/{name}")
         finally:
             os.close(trash)  # (only its bin is used)
     return Looker(root, fd, code_stems, cutoff, number)
 
 
-def _open_same(dir_fd: int, name: str, want: safefs.Identity) -> int:
-    """Directory `name` in `dir_fd`, if it is the very one (`want`) the evicting process made."""
+def _open_same(dir_fd: int, name: str, want: safefs.Identity, what: str, path: str | None = None) -> int:
+    """Directory `name` in `dir_fd`, if it is the very one (`want`) the evicting process made
+    (else `what`, at `path` in the root, was replaced)."""
     try:
         fd = os.open(name, safefs.O_DIR, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in safefs.SHORT:
             raise  # (short of descriptors: exit 1, as anywhere)
-        raise safefs.Refused("the trash folder was replaced during eviction", layout.TRASH_DIR) from e
+        raise safefs.Refused(f"{what} was replaced during eviction", path or name) from e
     if safefs.identity(os.fstat(fd)) != want:
         os.close(fd)
-        raise safefs.Refused("the trash folder was replaced during eviction", layout.TRASH_DIR)
+        raise safefs.Refused(f"{what} was replaced during eviction", path or name)
     return fd
 
 
