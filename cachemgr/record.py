@@ -241,8 +241,6 @@ class Spool:
             return False
 
     def _write(self, line: bytes) -> None:
-        import fcntl
-
         os.makedirs(self.directory, exist_ok=True)
         for _ in range(10):
             path = os.path.join(self.directory, self.name)
@@ -258,15 +256,14 @@ class Spool:
                 if not _own_file(fd):
                     self.name = self._fresh_name()
                     continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+                if not _locked(fd):
                     # An ingester took the file and holds it for its whole ingest (index writes):
                     # never wait for that in the model's forward pass, open the new one. Still
-                    # named, it is a forked child's line (the same name): a moment's wait.
-                    if not _still_named(path, fd):
-                        continue
-                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    # named, it is a forked child's line (the same name), or anyone's lock (the
+                    # file is world-readable): never waited on either, a new file of our own.
+                    if _still_named(path, fd):
+                        self.name = self._fresh_name()
+                    continue
                 if _still_named(path, fd):
                     _write_whole(fd, line)
                     return
@@ -274,6 +271,23 @@ class Spool:
                 os.close(fd)
         raise OSError(f"spool file {path} keeps being taken away")
 
+
+def _locked(fd: int) -> bool:
+    """Take the file's lock, trying a few times over a millisecond or two (a forked child's line
+    holds it for microseconds); False if someone holds it longer: never waited for."""
+    import fcntl
+
+    for attempt in range(LOCK_TRIES):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if attempt + 1 < LOCK_TRIES:
+                time.sleep(0.0002)
+    return False
+
+
+LOCK_TRIES = 8
 
 # what opening our name finds where something else was planted: a symlink, a FIFO no one reads, a directory
 _PLANTED = (errno.ELOOP, errno.ENXIO, errno.EISDIR)

@@ -35,6 +35,19 @@ def test_a_file_value_a_variable_or_flag_overrides_is_still_checked(tmp_path, cl
     assert (r.returncode, r.stderr.count("\n")) == (2, 1) and "max_size from file" in r.stderr, r.stderr
 
 
+def test_config_show_escapes_the_config_files_path(tmp_path, cli_for):
+    """The path of the config file is anyone's name: `config show` printed it raw on its first line
+    (a window title, a cleared screen); its errors already escaped it."""
+    folder = tmp_path / "c\x1b]0;PWNED\x07\x1b[2J"
+    folder.mkdir()
+    cfg = folder / "config.toml"
+    cfg.write_text('max_size = "2GB"\n')
+    (tmp_path / "cache").mkdir()
+    r = cli_for(tmp_path / "cache").proc("config", "show", env={"CACHEMGR_CONFIG": str(cfg)})
+    assert r.returncode == 0 and "\x1b" not in r.stdout and "\x07" not in r.stdout, r.stdout
+    assert r.stdout.splitlines()[0] == "# config file: " + str(cfg).replace("\x1b", "\\x1b").replace("\x07", "\\x07")
+
+
 @pytest.mark.parametrize("size", ["0.4B", "0.5", "0.0001KB"])
 def test_a_size_under_one_byte_is_refused(size, tmp_path):
     """`max_size = "0.4B"` (or "0.5") was cut down to 0 bytes: a cap that evicts everything."""

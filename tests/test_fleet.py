@@ -408,6 +408,31 @@ def strict_json(text: str):
 HOST_B = "SELECT id FROM caches WHERE host = 'host-b'"
 
 
+def test_stats_reads_file_counts_and_idle_sizes_no_cache_has_as_unknown(two_hosts, monkeypatch):
+    """Two rows edited to 2**31 - 1 files, two more to 2**63 - 1 bytes, all idle for years: SQLite's
+    integer SUM of the file counts, and of the idle entries' files and bytes (the max_age line),
+    went past int64 and stopped `stats` (exit 5); PostgreSQL added them up into billions of
+    files. Each such value reads as unknown (0), as sizes already did."""
+    url, _, a, b = two_hosts
+    cli = Cli(a, url, host="host-a")
+    monkeypatch.setenv("CACHEMGR_MAX_AGE", "1d")
+    mine = "(SELECT id FROM caches WHERE host = 'host-a')"
+    code = edit(url, f"SELECT id, files, bytes FROM entries WHERE cache_id = {mine} AND kind = 'code' ORDER BY id")
+    (one, f1, _), (two, f2, _), (three, f3, b3), (four, f4, b4), *_ = code
+    edit(url, f"UPDATE entries SET last_access = 1000 WHERE cache_id = {mine}")  # every entry idle for years
+    was = cli.json("stats")
+    edit(url, f"UPDATE entries SET files = {(1 << 31) - 1} WHERE id IN ({one}, {two})")  # (PostgreSQL's largest)
+    edit(url, f"UPDATE entries SET bytes = {(1 << 63) - 1}, files = -3 WHERE id IN ({three}, {four})")
+    now = cli.json("stats")
+    unknown = f1 + f2 + f3 + f4
+    assert now["files"] == now["limits"]["max_files"]["used"] == was["files"] - unknown
+    idle = now["limits"]["max_age"]
+    assert idle["idle_entries"] == was["limits"]["max_age"]["idle_entries"]
+    assert idle["idle_bytes"] == was["limits"]["max_age"]["idle_bytes"] - b3 - b4
+    fleet = cli.json("stats", "--fleet")
+    assert fleet["files"] == was["files"] - unknown + Cli(b, url, host="host-b").json("stats")["files"]
+
+
 def test_fleet_stats_reads_odd_values_of_another_host_as_unknown(two_hosts):
     url, dialect, a, b = two_hosts
     cli = Cli(a, url, host="host-a")

@@ -305,6 +305,31 @@ def test_a_recorder_never_waits_for_an_ingest_of_its_file(spool, tmp_path, monke
     assert spool_lines(spool.directory) == [{"second": 2}]  # the first file was ingested and removed
 
 
+def test_a_recorder_never_waits_for_anyones_lock_on_its_file(spool):
+    """Spool files are world-readable: anyone may hold a lock on one (`flock -s`). The recorder
+    waited for it in the model's forward pass (as for a forked child's line), for as long as the
+    lock was held. It now writes the line into a new file of its own."""
+    import fcntl
+
+    spool.append({"first": 1})
+    taken = os.path.join(spool.directory, spool.name)
+    fd = os.open(taken, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # held until the end of the test
+        recorder = threading.Thread(target=spool.append, args=({"second": 2},))
+        recorder.start()
+        recorder.join(60)  # (a hang guard: it returns at once, or never did)
+        assert not recorder.is_alive(), "the recorder waited for a reader's lock"
+        assert os.path.join(spool.directory, spool.name) != taken
+        with open(taken) as f:
+            assert [json.loads(x) for x in f] == [{"first": 1}]
+        with open(os.path.join(spool.directory, spool.name)) as f:
+            assert [json.loads(x) for x in f] == [{"second": 2}]
+    finally:
+        os.close(fd)
+        recorder.join(60)
+
+
 def test_ingest_recovers_a_crash_without_double_counting(spool, tmp_path):
     m = record.compile(torch.nn.Linear(4, 2), name="lin", spool=spool, backend="eager")
     m(torch.randn(2, 4))

@@ -420,6 +420,26 @@ def test_redis_url_from_inductors_env(cpu_cache, cli_for, redis_url):
     assert r.returncode == 0 and json.loads(r.stdout)["url"] == redis_url, r.stderr
 
 
+def test_where_the_redis_url_comes_from_and_a_bad_config_with_redis_named(cpu_cache, cli_for, redis_url, tmp_path):
+    """$CACHEMGR_REDIS_URL, then the config's redis_url, then $TORCHINDUCTOR_REDIS_URL (as help
+    says: it said the config came first). A config file that is wrong is exit 2 whatever names the
+    Redis: with --redis, `remote stats` never read it."""
+    cli = cli_for(cpu_cache)
+    config = tmp_path / "config.toml"
+    config.write_text(f'redis_url = "{redis_url}"\n')
+    elsewhere = "redis://127.0.0.1:1/13"
+    r = cli.proc("--config", str(config), "remote", "stats", env={"CACHEMGR_REDIS_URL": elsewhere})
+    assert r.returncode == 6 and "127.0.0.1:1" in r.stderr, r.stderr
+    r = cli.proc("--config", str(config), "remote", "stats", "--json", env={"TORCHINDUCTOR_REDIS_URL": elsewhere})
+    assert r.returncode == 0 and json.loads(r.stdout)["url"] == redis_url, r.stderr
+    help_text = " ".join(cli.proc("remote", "--help").stdout.split())
+    assert "$CACHEMGR_REDIS_URL, redis_url in the config, $TORCHINDUCTOR_REDIS_URL" in help_text, help_text
+    config.write_text('max_size = "bogus"\n')
+    for args in (["--redis", redis_url, "stats"], ["--redis", redis_url, "evict", "--max-age", "1d", "--dry-run"]):
+        r = cli.proc("--config", str(config), "remote", *args)
+        assert r.returncode == 2 and "invalid size 'bogus'" in r.stderr and not r.stdout, (args, r.stderr)
+
+
 def test_remote_commands_on_postgres_index(cpu_cache, pg_url, redis_url, rconn):  # noqa: F811
     cli = Cli(cpu_cache, pg_url, host="pg-host")
     r = cli.proc("remote", "--redis", redis_url, "push", "--json")
@@ -858,6 +878,13 @@ def test_what_redis_holds_reaches_no_terminal_as_escapes(tmp_path, db_url, redis
         f"cachemgr: remote: skipped {k}: cannot read it (seen before): "
         "\\x1b]0;PWNED\\x07\\r\\ncachemgr: deleted everything"
     ]
+    long = "Z" * 300  # on a terminal the reason is cut to it, as the key is
+    rconn.hset("cachemgr:meta", k, json.dumps({"unreadable": evil + long, "bytes": rconn.memory_usage(k, samples=0)}))
+    args = ("remote", "--redis", redis_url, "evict", "--max-age", "1d", "--dry-run")
+    r = Cli(tmp_path / "cache", db_url).proc(*args, env={"COLUMNS": "80"})
+    skipped = [x for x in r.stderr.splitlines() if "skipped" in x or "ZZZ" in x]
+    assert r.returncode == 0 and skipped and all(len(x) <= 80 for x in skipped), r.stderr
+    assert skipped[0].startswith(f"cachemgr: remote: skipped {k}: cannot read it") and "ZZZ" not in r.stderr
 
 
 def test_push_skips_what_an_edited_index_holds(cpu_cache, cli_for, redis_url, rconn, db_url):

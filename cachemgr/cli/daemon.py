@@ -90,14 +90,15 @@ def config_show(app, as_json: bool) -> None:
         )
         return
     # plain aligned lines, never wrapped: paths and URLs are long and this output gets grepped
-    click.echo(f"# config file: {s.config_file or 'none'}")
+    click.echo(f"# config file: {clean(s.config_file or 'none')}")  # (a path is anyone's: escaped)
     shown = {k: clean(_show(v, BY_NAME[k].unit)) for k, v in values.items()}  # (a config file's text: escaped)
+    sources = {k: clean(s.sources[k]) for k in shown}  # (one may name the file: its path escaped too)
     # values padded to a column that fits 80 with the sources: a longer one (a path) goes past it
     # on its own line only, not every line with it
-    room = max(24, 80 - 16 - 2 - max(len(s.sources[k]) for k in shown))
+    room = max(24, 80 - 16 - 2 - max(len(x) for x in sources.values()))
     width = max((len(v) for v in shown.values() if len(v) <= room), default=0)
     for k, v in shown.items():
-        click.echo(f"{k:<15} {v:<{width}}  {s.sources[k]}")
+        click.echo(f"{k:<15} {v:<{width}}  {sources[k]}")
 
 
 def _show(v: Any, unit: str | None) -> str:  # any option's value

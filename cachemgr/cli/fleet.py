@@ -12,6 +12,7 @@ from cachemgr.cli.common import (
     SIZE,
     Col,
     age,
+    cells,
     emit_json,
     fit,
     human_size,
@@ -149,9 +150,10 @@ def report(app, min_hosts: int, limit: int, window: float, as_json: bool) -> Non
     "--redis",
     "redis_url",
     metavar="URL",
-    help="Redis of the remote cache. Default: redis_url in the config, $CACHEMGR_REDIS_URL, "
-    "$TORCHINDUCTOR_REDIS_URL, else $TORCHINDUCTOR_REDIS_HOST/_PORT as Inductor reads them; "
-    "none of these is a usage error (exit 2).",
+    help="Redis of the remote cache. Default, first found: $CACHEMGR_REDIS_URL, redis_url in the "
+    "config, $TORCHINDUCTOR_REDIS_URL, $TORCHINDUCTOR_REDIS_HOST/_PORT as Inductor reads them "
+    "(a config's redis_url wins over the Redis Inductor is told of); none of these is a usage "
+    "error (exit 2).",
 )
 @click.pass_context
 def remote(ctx: click.Context, redis_url: str | None) -> None:
@@ -172,15 +174,18 @@ def remote(ctx: click.Context, redis_url: str | None) -> None:
 def _remote(app):
     from cachemgr.fleet.remote import Remote, configured_url
 
-    url = click.get_current_context().meta.get("redis_url") or app.settings.redis_url
+    settings = app.settings  # (read whatever --redis says: a config file that is wrong is exit 2 here too)
+    url = click.get_current_context().meta.get("redis_url") or settings.redis_url
     return Remote(configured_url(url, what="remote", flag="--redis URL"))
 
 
 def _say_skipped(skipped) -> None:
     """What was under a torch key but could not be used, and why: one line each (stderr)."""
     width = terminal_width()
-    for x in skipped[:50]:  # (a key of 1,024 characters: cut, where a terminal is)
-        say(f"cachemgr: remote: skipped {fit(x.key, width and max(20, width // 2))}: {x.reason}", err=True)
+    for x in skipped[:50]:  # (a key of 1,024 characters, a reason quoting Redis: cut, where a terminal is)
+        key = fit(x.key, width and max(20, width // 2))
+        reason = fit(x.reason, width and max(20, width - cells(key) - len("cachemgr: remote: skipped : ")))
+        say(f"cachemgr: remote: skipped {key}: {reason}", err=True)
     if len(skipped) > 50:
         say(f"cachemgr: remote: skipped {len(skipped) - 50} more keys", err=True)
 

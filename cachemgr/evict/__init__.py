@@ -36,7 +36,7 @@ from cachemgr.evict.policy import (
     select,
     table_of,
 )
-from cachemgr.index.store import MAX_BYTES, MAX_HITS, MAX_SECONDS, bounded, moment, whole
+from cachemgr.index.store import MAX_BYTES, MAX_FILES, MAX_HITS, MAX_SECONDS, bounded, moment, whole
 from cachemgr.vocab import PARSED as PARSE_DONE
 from cachemgr.vocab import Kind
 
@@ -140,7 +140,7 @@ def _table(batches: Iterable[list[tuple]], pins: dict, full: bool) -> Table:
         t.graph_key.extend(graph_keys)
         t.corrupt.extend(corrupt)
         _numbers(t.bytes, nbytes, top=MAX_BYTES)
-        _numbers(t.files, files, top=MAX_BYTES)
+        _numbers(t.files, files, top=MAX_FILES)
         _numbers(t.mtime, mtimes, math.inf)  # an unknown time: as if just used, the last to go
         _numbers(t.last_access, accessed, math.inf)
         _numbers(t.compile_seconds, [UNKNOWN if cs is None else cs for cs in seconds], UNKNOWN, MAX_SECONDS)

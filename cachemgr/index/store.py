@@ -251,6 +251,7 @@ def moment(v: Any, missing: float = 0.0) -> float:
 # 1e9 s or more, a hit count past PostgreSQL's INTEGER. (SQLite's integer SUM fails past int64;
 # PostgreSQL's NaN sorts above every number; text in a hand-edited SQLite index sorts above them.)
 MAX_BYTES = 1 << 40
+MAX_FILES = 1 << 24  # in one entry (a kernel folder holds a few): more is a hand edit's
 MAX_TIME = 1e12
 MAX_SECONDS = 1e9
 MAX_HITS = 1 << 31
@@ -418,7 +419,7 @@ def _entry(row: Sequence[Any], pins: Mapping[str, str | None] | None = None) -> 
     e = replace(
         e,
         bytes=bounded(whole(e.bytes), MAX_BYTES),
-        files=bounded(whole(e.files), MAX_BYTES),
+        files=bounded(whole(e.files), MAX_FILES),
         mtime=moment(e.mtime),
         first_seen=moment(e.first_seen),
         last_access=moment(e.last_access),
@@ -661,7 +662,8 @@ class Store:
         # (each query reads one index, not the rows: ix_entries_usage covers the first)
         mtime = _known("mtime", MAX_TIME)
         for kind, n, files, size, lo, hi in self._rows(
-            f"SELECT kind, COUNT(*), SUM(files), {_sum(_known('bytes', MAX_BYTES))}, MIN({mtime}), MAX({mtime}) "
+            f"SELECT kind, COUNT(*), {_sum(_known('files', MAX_FILES))}, {_sum(_known('bytes', MAX_BYTES))}, "
+            f"MIN({mtime}), MAX({mtime}) "
             "FROM entries WHERE cache_id = :cache GROUP BY kind"
         ):
             by_kind[kind] = Usage(whole(n), whole(files), whole(size))
@@ -696,7 +698,8 @@ class Store:
         """Entries not accessed for `older_than` seconds."""
         cutoff = (time.time() if now is None else now) - older_than
         n, files, size = self._rows(
-            "SELECT COUNT(*), SUM(files), SUM(bytes) FROM entries WHERE cache_id = :cache AND last_access <= :cutoff",
+            f"SELECT COUNT(*), {_sum(_known('files', MAX_FILES))}, {_sum(_known('bytes', MAX_BYTES))} "
+            "FROM entries WHERE cache_id = :cache AND last_access <= :cutoff",
             cutoff=cutoff,
         )[0]
         return Usage(int(n or 0), whole(files), whole(size))
