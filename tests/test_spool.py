@@ -147,6 +147,53 @@ def test_locked_files_cost_one_short_wait_in_all_and_are_named(db, spool_dir, mo
     assert {d["signature"]: d["count"] for d in list_shapes(db, "lin")} == {"(f32[2,4])": 6, "(f32[3,4])": 1}
 
 
+def test_a_hard_link_in_the_spool_is_never_read_and_a_locked_leftover_is_named(db, spool_dir, tmp_path):
+    """Anyone who can write the spool can link a file of someone else's into it (the daemon reads
+    as root): it was read as spool lines, and only the link removed. It is set aside, unread, as
+    the recorder refuses such a file. A file a dead ingest left taken, locked by another process,
+    was skipped without a word by every later ingest, for as long as the lock was held."""
+    outside = tmp_path / "secret.jsonl"
+    outside.write_bytes(line("lin", (5, 5)))
+    os.link(outside, spool_dir / "linked.jsonl")
+    r = ingest(db, str(spool_dir))
+    assert (r.files, r.lines) == (0, 0) and list_shapes(db, "lin") == []
+    assert any("hard link" in b and "linked.jsonl" in b for b in r.bad_lines), r.bad_lines
+    assert outside.read_bytes() == line("lin", (5, 5))
+    left = spool_dir / f"b.jsonl{TAKEN}"
+    left.write_bytes(line("lin", (2, 4)))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(left)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+        r = ingest(db, str(spool_dir))
+    finally:
+        holder.communicate("", timeout=60)
+    assert r.bad_lines == [f"b.jsonl{TAKEN}: locked by another process; left for a later ingest"], r.bad_lines
+    r = ingest(db, str(spool_dir))
+    assert (r.files, r.lines, r.bad_lines) == (1, 1, [])
+
+
+def test_strides_no_tensor_has_are_refused_at_ingest(db, spool_dir):
+    """A stride per dimension, none negative, or prewarm cannot make the tensor (`stride [1] does
+    not match shape [2, 2]`, `Storage size calculation overflowed`): such lines were stored,
+    listed by `shapes` beside the real one under the same signature text, and failed prewarm."""
+    good = json.loads(line("lin", (2, 2)))
+    lines = [json.dumps(good)]
+    for stride in ([1], [2, 1, 1], [-2, 1], [2, True]):
+        doc = json.loads(json.dumps(good))
+        doc["spec"]["args"][0]["stride"] = stride
+        doc["signature_hash"] = signature_hash(doc["spec"], {})
+        lines.append(json.dumps(doc))
+    (spool_dir / "a.jsonl").write_text("\n".join(lines) + "\n")
+    r = ingest(db, str(spool_dir))
+    assert (r.lines, r.new_shapes) == (1, 1), r
+    assert [b.split(": ", 1)[1] for b in r.bad_lines] == [
+        "spec: a tensor whose strides are not one whole number from 0 up per dimension"
+    ] * 4, r.bad_lines
+    assert [d["signature"] for d in list_shapes(db, "lin")] == ["(f32[2,2])"]
+
+
 LONG = "a" * 249 + ".jsonl"  # 255 bytes: taken, it is shortened to fit
 
 

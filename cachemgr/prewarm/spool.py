@@ -214,11 +214,14 @@ def _ingest_file(db: Database, path: str, recovering: bool, wait: float, bad: li
         if not stat.S_ISREG(st.st_mode):
             _set_aside(path, "not a regular file", bad)
             return None
-        # A left-over file may be another ingester's live one: skip it if locked. A file we just
-        # took may still have a recorder finishing its line: wait for it, what is left of the budget.
+        if st.st_nlink > 1:  # (a recorder's file has one name; another may be anyone's file, outside)
+            _set_aside(path, "another name of a file (a hard link): never read", bad)
+            return None
+        # A left-over file may be another ingest's live one: skip it if locked (and say so: a lock
+        # anyone may hold). A file we just took may still have a recorder finishing its line: wait
+        # for it, what is left of the budget.
         if not _lock(fd, wait):
-            if not recovering:
-                bad.append(f"{shown(name)}: locked by another process; left for a later ingest")
+            bad.append(f"{shown(name)}: locked by another process; left for a later ingest")
             return None
         # its size once locked: no recorder writes to it any more, and what a writer that ignores
         # the lock adds while it is read is not read (a file that keeps growing would never end)
@@ -503,10 +506,14 @@ def _arg_problem(a: object) -> str | None:
             and isinstance(a.get("dtype"), str)
             and bool(_DTYPE.match(a["dtype"]))
             and (a.get("device") is None or isinstance(a["device"], str))
-            and (a.get("stride") is None or _ints(a["stride"], -MAX_DIM))
             and isinstance(a.get("requires_grad", False), bool)
         )
-        return None if ok else "a tensor without an integer shape, a dtype and a device"
+        if not ok:
+            return "a tensor without an integer shape, a dtype and a device"
+        stride = a.get("stride")  # (torch has no negative strides; one per dimension, or replay fails)
+        if stride is not None and not (_ints(stride, 0) and len(stride) == len(a["shape"])):
+            return "a tensor whose strides are not one whole number from 0 up per dimension"
+        return None
     if t in _SCALARS:
         v = a.get("v")
         if t == "float" and v in _NONFINITE:
