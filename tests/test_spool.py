@@ -194,6 +194,23 @@ def test_strides_no_tensor_has_are_refused_at_ingest(db, spool_dir):
     assert [d["signature"] for d in list_shapes(db, "lin")] == ["(f32[2,2])"]
 
 
+@pytest.mark.parametrize("junk", [b"{}\n", b"\n"])
+def test_a_file_of_lines_no_recorder_writes_is_set_aside_past_a_bound(db, spool_dir, junk):
+    """16 MiB of `{}` lines took 29 s of `shapes` (256 MiB of blank lines 75 s), each line read,
+    checked and counted: any workload can write such files. Past MAX_JUNK such lines the rest of
+    the file is set aside unread, what came before it ingested."""
+    body = line("lin", (2, 4)) + junk * (spooling.MAX_JUNK + 500) + line("lin", (3, 4))
+    (spool_dir / "a.jsonl").write_bytes(body)
+    r = ingest(db, str(spool_dir))
+    assert [d["signature"] for d in list_shapes(db, "lin")] == ["(f32[2,4])"]
+    assert any(f"over {spooling.MAX_JUNK} lines no recorder writes" in b for b in r.bad_lines), r.bad_lines
+    (aside,) = os.listdir(spool_dir)
+    assert ".bad-" in aside and (spool_dir / aside).read_bytes() == body
+    (spool_dir / "b.jsonl").write_bytes(junk * spooling.MAX_JUNK + line("lin", (3, 4)))  # up to the bound: read
+    r = ingest(db, str(spool_dir))
+    assert sorted(d["signature"] for d in list_shapes(db, "lin")) == ["(f32[2,4])", "(f32[3,4])"]
+
+
 LONG = "a" * 249 + ".jsonl"  # 255 bytes: taken, it is shortened to fit
 
 

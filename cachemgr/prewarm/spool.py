@@ -21,8 +21,9 @@ JSON values, or whose fields are not what the recorder writes (wrong types, a ti
 text with NUL, control characters or lone surrogates, which neither a terminal nor PostgreSQL
 takes, a spec prewarm could not replay), or whose row `list_shapes` would not read back (one check,
 `_decoded`, on both sides), is skipped and reported with its reason, never fatal. Only regular
-files are opened (no symlink is followed, a FIFO never blocks); a file that cannot be read, or is
-over MAX_FILE, is set aside as `.bad-*` with its reason. Files are read line by line, and a batch
+files are opened (no symlink is followed, a FIFO never blocks, no hard link is read); a file that
+cannot be read, is over MAX_FILE, or holds over MAX_JUNK lines the recorder never writes (read up
+to there) is set aside as `.bad-*` with its reason. Files are read line by line, and a batch
 holds only the texts it stores (at most BATCH lines and BATCH_BYTES), never the parsed lines, so
 memory stays bounded whatever their size. A taken file always ends unlinked or set aside: nothing
 stays `.ingesting` for ever. Only the database failing as a whole (DatabaseError) stops an ingest,
@@ -57,6 +58,9 @@ MAX_DEPTH = 32  # JSON nesting of one line; a recorded spec is a few levels deep
 MAX_VALUES = 16384  # JSON values (containers, items, keys' values) in one line: a real one has ~1 per 8 bytes
 MAX_FILE = 256 * 1024 * 1024  # a bigger spool file is set aside unread
 MAX_REPORTED = 20  # bad lines named per file; the rest are counted in one more line
+# Lines the recorder never writes (bad or blank) in one file past which it is no recorder's: the
+# rest is set aside unread (16 MiB of `{}` lines took 29 s to read and report, line by line)
+MAX_JUNK = 1000
 BATCH = 1000  # lines per transaction
 BATCH_BYTES = 4 * 1024 * 1024  # and at most this much text to store per transaction
 MAX_NAME = 255  # model and host: String(255) in the index
@@ -230,10 +234,13 @@ def _ingest_file(db: Database, path: str, recovering: bool, wait: float, bad: li
             _set_aside(path, f"{size} bytes, over the {MAX_FILE >> 20} MiB a spool file may hold", bad)
             return None
         try:
-            counts = _ingest_lines(db, fd, name, recovering, size, bad)
+            lines, new, updated, junk_at = _ingest_lines(db, fd, name, recovering, size, bad)
         except OSError as e:
             _set_aside(path, f"cannot read it ({e.strerror})", bad)
             return None
+        if junk_at:
+            _set_aside(path, f"over {MAX_JUNK} lines no recorder writes (by line {junk_at}): the rest not read", bad)
+            return lines, new, updated
         grown = os.fstat(fd).st_size - size
         if grown > 0:
             bad.append(
@@ -245,17 +252,18 @@ def _ingest_file(db: Database, path: str, recovering: bool, wait: float, bad: li
             pass
         except OSError as e:
             _set_aside(path, f"ingested, but cannot remove it ({e.strerror})", bad)
-        return counts
+        return lines, new, updated
     finally:
         os.close(fd)
 
 
 def _ingest_lines(
     db: Database, fd: int, name: str, recovering: bool, limit: int, bad: list[str]
-) -> tuple[int, int, int]:
-    """The lines in the first `limit` bytes of the file."""
+) -> tuple[int, int, int, int]:
+    """The lines in the first `limit` bytes of the file: (lines, new rows, updated rows, and the
+    line at which it held over MAX_JUNK lines no recorder writes and was left unread, or 0)."""
     name = shown(name)
-    lines = new = updated = skipped = size = 0
+    lines = new = updated = skipped = size = blank = 0
     batch: list[tuple[int, _Row]] = []
 
     def report(lineno: int, reason: str) -> None:
@@ -275,8 +283,11 @@ def _ingest_lines(
             size = 0
 
     with os.fdopen(os.dup(fd), "rb") as f:
-        lineno = 0
+        lineno = junk_at = 0
         while True:
+            if skipped + blank > MAX_JUNK:
+                junk_at = lineno
+                break
             raw = f.readline(min(MAX_LINE + 1, limit))
             limit -= len(raw)
             if not raw:
@@ -289,6 +300,7 @@ def _ingest_lines(
                 report(lineno, f"longer than {MAX_LINE // 1024} KiB")
                 continue
             if not raw.strip():
+                blank += 1
                 continue
             try:
                 row = read_line(raw)
@@ -305,7 +317,7 @@ def _ingest_lines(
     flush()
     if skipped > MAX_REPORTED:
         bad.append(f"{name}: {skipped - MAX_REPORTED} more bad lines not listed")
-    return lines, new, updated
+    return lines, new, updated, junk_at
 
 
 # -- one line -------------------------------------------------------------------------------------
