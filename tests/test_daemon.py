@@ -1053,3 +1053,29 @@ def test_a_batch_the_index_could_not_take_is_rescanned_until_it_goes_in(fixture_
         assert failures == {"batch": 0, "rescan": 0}
     finally:
         w.stop()
+
+
+def test_a_job_still_running_at_stop_is_named():
+    """A stop that could not wait for its jobs said "eviction still running" whatever ran (a
+    spool's ingest, a full scan): the jobs still running are named, each once."""
+    import threading
+
+    from cachemgr.daemon.service import Jobs
+
+    jobs, started, release = Jobs(), threading.Event(), threading.Event()
+
+    def ingest() -> None:
+        started.set()
+        release.wait(60)
+
+    job = threading.Thread(target=jobs.wrap(ingest, "the spool's ingest"))
+    job.start()
+    try:
+        assert started.wait(60)
+        assert jobs.close(0.0) == ["the spool's ingest"]
+        jobs.wrap(ingest, "eviction")()  # closed: no job starts
+        assert jobs.running == ["the spool's ingest"]
+    finally:
+        release.set()
+        job.join(60)
+    assert jobs.close(0.0) == [] and jobs.running == []

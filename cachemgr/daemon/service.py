@@ -295,30 +295,31 @@ class Jobs:
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.running = 0
+        self.running: list[str] = []  # what each running job does, as a log line names it
         self.closed = False
 
-    def wrap(self, fn: Callable[[], None]) -> Callable[[], None]:
+    def wrap(self, fn: Callable[[], None], what: str) -> Callable[[], None]:
         @functools.wraps(fn)
         def job() -> None:
             with self.cond:
                 if self.closed:
                     return
-                self.running += 1
+                self.running.append(what)
             try:
                 fn()
             finally:
                 with self.cond:
-                    self.running -= 1
+                    self.running.remove(what)
                     self.cond.notify_all()
 
         return job
 
-    def close(self, deadline: float) -> bool:
-        """No job starts from now on; wait until none runs or the deadline. True if one still does."""
+    def close(self, deadline: float) -> list[str]:
+        """No job starts from now on; wait until none runs or the deadline. What still runs then."""
         with self.cond:
             self.closed = True
-            return not self.cond.wait_for(lambda: self.running == 0, max(0.0, deadline - time.monotonic()))
+            self.cond.wait_for(lambda: not self.running, max(0.0, deadline - time.monotonic()))
+            return list(self.running)
 
 
 class Waker:
@@ -451,9 +452,10 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.close()
         if busy:
-            # An eviction cannot be interrupted; it is crash-safe (trash rename, index in the same
-            # step) and the next start's full scan repairs the index. Do not hold up systemd.
-            _exit_now("eviction still running at stop")
+            # An eviction (a scan, an ingest) cannot be interrupted; each is crash-safe (trash
+            # rename, index in the same step; a taken spool file is ingested again, never counted
+            # twice) and the next start's full scan repairs the index. Do not hold up systemd.
+            _exit_now(f"{' and '.join(busy)} still running at stop")
         self.db.close()
         self.locks.release()
         log.info("stopped")
@@ -568,9 +570,9 @@ class Daemon:
             executors={"default": ThreadPoolExecutor(2)},
             job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": 60},
         )
-        sched.add_job(jobs.wrap(self._evict_job), "interval", seconds=s.evict_interval, id="evict")
-        sched.add_job(jobs.wrap(self._scan_job), "interval", seconds=s.scan_interval, id="scan")
-        sched.add_job(jobs.wrap(self._spool_job), "interval", seconds=SPOOL_INTERVAL, id="spool")
+        sched.add_job(jobs.wrap(self._evict_job, "eviction"), "interval", seconds=s.evict_interval, id="evict")
+        sched.add_job(jobs.wrap(self._scan_job, "the full scan"), "interval", seconds=s.scan_interval, id="scan")
+        sched.add_job(jobs.wrap(self._spool_job, "the spool's ingest"), "interval", seconds=SPOOL_INTERVAL, id="spool")
         started = threading.Event()
         sched.add_listener(lambda _event: started.set(), EVENT_SCHEDULER_STARTED)
         thread = threading.Thread(target=sched.start, name="cachemgr-scheduler", daemon=True)
@@ -580,10 +582,10 @@ class Daemon:
                 raise CachemgrError("the job scheduler did not start (see the error above)")
         self.scheduler, self.scheduler_thread = sched, thread
 
-    def _stop_scheduler(self, deadline: float) -> bool:
-        """Shut the scheduler down; True when a job is still running at the deadline."""
+    def _stop_scheduler(self, deadline: float) -> list[str]:
+        """Shut the scheduler down; what jobs still run at the deadline."""
         if self.scheduler is None:
-            return False
+            return []
         sched, self.scheduler = self.scheduler, None
         sched.shutdown(wait=False)  # no new runs; its own wait has no deadline
         busy = self.jobs.close(deadline)
