@@ -69,8 +69,7 @@ class LazyGroup(click.Group):
     "config_file",
     metavar="FILE",
     type=click.Path(dir_okay=False),
-    help="TOML config file. Default: $CACHEMGR_CONFIG, else /etc/cachemgr/config.toml if present; "
-    "/dev/null for none.",
+    help="TOML config file. Default: $CACHEMGR_CONFIG, else /etc/cachemgr/config.toml if present; /dev/null for none.",
 )
 @click.version_option(__version__, "-V", "--version")
 @click.pass_context
