@@ -183,9 +183,8 @@ def _say_skipped(skipped) -> None:
     """What was under a torch key but could not be used, and why: one line each (stderr)."""
     width = terminal_width()
     for x in skipped[:50]:  # (a key of 1,024 characters, a reason quoting Redis: cut, where a terminal is)
-        key = fit(x.key, width and max(20, width // 2))
-        reason = fit(x.reason, width and max(20, width - cells(key) - len("cachemgr: remote: skipped : ")))
-        say(f"cachemgr: remote: skipped {key}: {reason}", err=True)
+        line = f"cachemgr: remote: skipped {fit(x.key, width and max(20, width // 2))}: "
+        say(line + fit(x.reason, width and max(20, width - cells(line))), err=True)
     if len(skipped) > 50:
         say(f"cachemgr: remote: skipped {len(skipped) - 50} more keys", err=True)
 
